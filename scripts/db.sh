@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# A project-local PostgreSQL cluster for `make run`, `make test` and `make bench`.
+#
+#   scripts/db.sh up      start it (initdb on first use), create the databases, print nothing else
+#   scripts/db.sh down    stop it
+#   scripts/db.sh url DB  print the URL of database DB on it
+#
+# It listens on 127.0.0.1:$ONCEPAY_PG_PORT only (default 55130) with its socket in the data folder.
+# PostgreSQL refuses to run as root, so as root the server runs as the `postgres` user and the
+# data folder lives under /var/tmp (CI clones may sit under /root, which that user cannot reach).
+set -euo pipefail
+
+port="${ONCEPAY_PG_PORT:-55130}"
+top="$(cd "$(dirname "$0")/.." && pwd)"
+if [ "$(id -u)" = 0 ]; then
+  data="${ONCEPAY_PGDATA:-/var/tmp/oncepay-pg-$(printf '%s' "$top" | sha256sum | cut -c1-12)}"
+else
+  data="${ONCEPAY_PGDATA:-$top/.pgdata}"
+fi
+
+pg_bindir() {
+  local d
+  if command -v pg_config >/dev/null 2>&1; then
+    d="$(pg_config --bindir)"
+    [ -x "$d/postgres" ] && { echo "$d"; return; }
+  fi
+  d="$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1)"
+  [ -n "$d" ] && [ -x "$d/postgres" ] && { echo "$d"; return; }
+  return 1
+}
+
+as_pg() {
+  if [ "$(id -u)" = 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi
+}
+
+install_postgres() {
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "db.sh: PostgreSQL not found; installing it with apt-get" >&2
+    apt-get update -qq >&2
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql postgresql-contrib >&2
+  else
+    echo "db.sh: PostgreSQL is not installed. Install it, e.g.: sudo apt-get install -y postgresql postgresql-contrib" >&2
+    exit 1
+  fi
+}
+
+psql_local() {
+  "$bin/psql" -X -q -v ON_ERROR_STOP=1 -h 127.0.0.1 -p "$port" -U oncepay "$@"
+}
+
+create_db() {
+  local db="$1"
+  if ! psql_local -d postgres -tAc "SELECT 1 FROM pg_database WHERE datname = '$db'" | grep -q 1; then
+    psql_local -d postgres -c "CREATE DATABASE \"$db\"" >/dev/null
+  fi
+}
+
+up() {
+  bin="$(pg_bindir)" || { install_postgres; bin="$(pg_bindir)"; }
+  if [ ! -s "$data/PG_VERSION" ]; then
+    mkdir -p "$data"
+    [ "$(id -u)" = 0 ] && chown postgres:postgres "$data"
+    chmod 700 "$data"
+    as_pg "$bin/initdb" -D "$data" -U oncepay --auth=trust --encoding=UTF8 --no-instructions >"$data.initdb.log" 2>&1 \
+      || { cat "$data.initdb.log" >&2; exit 1; }
+    cat >>"$data/postgresql.conf" <<CONF
+# oncepay local cluster
+listen_addresses = '127.0.0.1'
+port = $port
+unix_socket_directories = '$data'
+max_connections = 300
+shared_buffers = 512MB
+wal_buffers = 16MB
+max_wal_size = 4GB
+checkpoint_timeout = 15min
+log_min_messages = warning
+CONF
+  fi
+  if ! as_pg "$bin/pg_ctl" -D "$data" status >/dev/null 2>&1; then
+    as_pg "$bin/pg_ctl" -D "$data" -l "$data/server.log" -w -t 60 start >/dev/null \
+      || { tail -n 20 "$data/server.log" >&2; exit 1; }
+  fi
+  local db
+  for db in oncepay oncepay_test; do create_db "$db"; done
+}
+
+down() {
+  bin="$(pg_bindir)" || exit 0
+  if [ -s "$data/PG_VERSION" ] && as_pg "$bin/pg_ctl" -D "$data" status >/dev/null 2>&1; then
+    as_pg "$bin/pg_ctl" -D "$data" -m fast -w stop >/dev/null
+    echo "db.sh: stopped the local cluster in $data" >&2
+  fi
+}
+
+case "${1:-}" in
+  up) up ;;
+  down) down ;;
+  url) echo "postgres://oncepay@127.0.0.1:$port/${2:-oncepay}" ;;
+  bindir) pg_bindir ;;
+  datadir) echo "$data" ;;
+  *) echo "usage: $0 up|down|url [DB]|bindir|datadir" >&2; exit 2 ;;
+esac

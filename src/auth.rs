@@ -1,0 +1,84 @@
+//! Bearer authentication: tenants by API key, operators by the admin token.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix_web::http::header;
+use actix_web::{HttpMessage, HttpRequest};
+use sha2::{Digest, Sha256};
+use subtle::ConstantTimeEq;
+
+use crate::error::ApiError;
+use crate::tenants::{self, ApiKeyHash, Tenant};
+
+/// How long a replica trusts what it read about an API key. A policy change through
+/// `PATCH /admin/tenants/{id}` must hold on every replica within one second (contract
+/// section 5, rule 10), so this stays well under that.
+pub const TENANT_CACHE_TTL: Duration = Duration::from_millis(500);
+
+/// API key hash -> tenant (or `None`: no such key), shared by the workers of one process.
+#[derive(Clone)]
+pub struct TenantCache(moka::future::Cache<ApiKeyHash, Option<Tenant>>);
+
+impl TenantCache {
+    pub fn new() -> Self {
+        Self(
+            moka::future::Cache::builder()
+                .max_capacity(100_000)
+                .time_to_live(TENANT_CACHE_TTL)
+                .build(),
+        )
+    }
+}
+
+impl Default for TenantCache {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+fn bearer(req: &HttpRequest) -> Option<&str> {
+    let value = req.headers().get(header::AUTHORIZATION)?.to_str().ok()?;
+    let (scheme, token) = value.split_once(' ')?;
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then(|| token.trim())
+        .filter(|t| !t.is_empty())
+}
+
+/// The request's tenant (401 `unauthorized` without a known API key). Concurrent requests
+/// with the same key share one database lookup.
+pub async fn tenant(req: &HttpRequest, pool: &sqlx::PgPool, cache: &TenantCache) -> Result<Tenant, ApiError> {
+    let token = bearer(req).ok_or(ApiError::Unauthorized)?;
+    let hash = tenants::hash_api_key(token);
+    let found = cache
+        .0
+        .try_get_with(hash, async {
+            let mut conn = crate::db::acquire(pool).await?;
+            let found = tenants::find_by_key_hash(&mut conn, &hash).await;
+            Ok::<_, ApiError>(conn.discard_if_broken(found)?)
+        })
+        .await
+        .map_err(|err: Arc<ApiError>| match &*err {
+            ApiError::Overloaded => ApiError::Overloaded,
+            ApiError::InProgress | ApiError::Unavailable => ApiError::Unavailable,
+            other => ApiError::Internal(anyhow::anyhow!("tenant lookup failed: {other}")),
+        })?;
+    let tenant = found.ok_or(ApiError::Unauthorized)?;
+    req.extensions_mut().insert(tenant);
+    Ok(tenant)
+}
+
+/// Checks the admin bearer token in constant time: 403 when the admin API is disabled,
+/// 401 when the token is missing or wrong.
+pub fn admin(req: &HttpRequest, admin_token: Option<&str>) -> Result<(), ApiError> {
+    let expected = admin_token.ok_or(ApiError::AdminDisabled)?;
+    let given = bearer(req).ok_or(ApiError::Unauthorized)?;
+    // Comparing digests keeps the comparison constant-time in the token's length too.
+    let equal = Sha256::digest(given.as_bytes()).ct_eq(&Sha256::digest(expected.as_bytes()));
+    if bool::from(equal) {
+        Ok(())
+    } else {
+        Err(ApiError::Unauthorized)
+    }
+}

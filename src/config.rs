@@ -1,0 +1,100 @@
+//! Settings from the environment, validated once at startup (contract section 2).
+
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+
+/// Everything `oncepay serve` (and the other commands) read from the environment.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    pub database_url: String,
+    pub bind: String,
+    /// Bearer token for `/admin/*`; `None` disables the admin API (403).
+    pub admin_token: Option<String>,
+    pub replay_window: Duration,
+    pub retention: Duration,
+    pub inflight_wait: Duration,
+    pub fingerprint_window: Duration,
+    pub max_body_bytes: usize,
+    pub db_pool_size: u32,
+    /// How long a request waits for a free pooled connection before 429 / 503.
+    pub db_acquire_timeout: Duration,
+    /// Upper bound on any one statement; also bounds waits on a hot account row.
+    pub statement_timeout: Duration,
+    /// Opt-in in-process purge schedule (`ONCEPAY_PURGE_INTERVAL_SECS`); `None` = off.
+    pub purge_interval: Option<Duration>,
+    pub purge_batch_size: i64,
+    /// HTTP worker threads; defaults to the number of cores.
+    pub workers: usize,
+    pub log_json: bool,
+}
+
+impl Settings {
+    /// Reads the settings; `DATABASE_URL` is the one required variable.
+    pub fn from_env() -> anyhow::Result<Self> {
+        let database_url = std::env::var("DATABASE_URL")
+            .context("DATABASE_URL is not set (make targets set it to the local cluster)")?;
+        Self::from_env_with_database(database_url)
+    }
+
+    /// Like [`Settings::from_env`] with the database given; tests use it.
+    pub fn from_env_with_database(database_url: String) -> anyhow::Result<Self> {
+        let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+        let settings = Self {
+            database_url,
+            bind: var("ONCEPAY_BIND").unwrap_or_else(|| "127.0.0.1:8130".to_owned()),
+            admin_token: var("ONCEPAY_ADMIN_TOKEN").filter(|t| !t.is_empty()),
+            replay_window: Duration::from_secs(number("ONCEPAY_REPLAY_WINDOW_SECS", 86_400)?),
+            retention: Duration::from_secs(number("ONCEPAY_RETENTION_SECS", 604_800)?),
+            inflight_wait: Duration::from_millis(number("ONCEPAY_INFLIGHT_WAIT_MS", 5_000)?),
+            fingerprint_window: Duration::from_secs(number("ONCEPAY_FINGERPRINT_WINDOW_SECS", 60)?),
+            max_body_bytes: number("ONCEPAY_MAX_BODY_BYTES", 65_536)?,
+            // Group commit needs several connections in flight per core; measured in docs/bench.
+            db_pool_size: number("ONCEPAY_DB_POOL_SIZE", (cores as u32 * 8).clamp(4, 64))?,
+            db_acquire_timeout: Duration::from_millis(number("ONCEPAY_DB_ACQUIRE_TIMEOUT_MS", 2_000)?),
+            statement_timeout: Duration::from_millis(number("ONCEPAY_STATEMENT_TIMEOUT_MS", 15_000)?),
+            purge_interval: match number::<u64>("ONCEPAY_PURGE_INTERVAL_SECS", 0)? {
+                0 => None,
+                secs => Some(Duration::from_secs(secs)),
+            },
+            purge_batch_size: number("ONCEPAY_PURGE_BATCH_SIZE", 5_000)?,
+            workers: number("ONCEPAY_WORKERS", cores)?,
+            log_json: var("ONCEPAY_LOG_FORMAT").is_some_and(|f| f.eq_ignore_ascii_case("json")),
+        };
+        settings.validate()?;
+        Ok(settings)
+    }
+
+    fn validate(&self) -> anyhow::Result<()> {
+        if self.replay_window.is_zero() || self.fingerprint_window.is_zero() {
+            bail!("ONCEPAY_REPLAY_WINDOW_SECS and ONCEPAY_FINGERPRINT_WINDOW_SECS must be positive");
+        }
+        if self.retention < self.replay_window {
+            bail!("ONCEPAY_RETENTION_SECS must be at least ONCEPAY_REPLAY_WINDOW_SECS: a key purged while it still replays would be processed twice");
+        }
+        if self.replay_window.as_secs() > i32::MAX as u64 || self.fingerprint_window.as_secs() > i32::MAX as u64 {
+            bail!("replay windows above {} seconds are not supported", i32::MAX);
+        }
+        if self.inflight_wait.is_zero() || self.statement_timeout <= self.inflight_wait {
+            bail!("ONCEPAY_STATEMENT_TIMEOUT_MS must exceed ONCEPAY_INFLIGHT_WAIT_MS, which must be positive");
+        }
+        if self.db_pool_size == 0 || self.workers == 0 || self.max_body_bytes == 0 || self.purge_batch_size <= 0 {
+            bail!("pool size, workers, body limit and purge batch size must be positive");
+        }
+        Ok(())
+    }
+}
+
+fn var(name: &str) -> Option<String> {
+    std::env::var(name).ok()
+}
+
+fn number<T: std::str::FromStr>(name: &str, default: T) -> anyhow::Result<T> {
+    match var(name) {
+        None => Ok(default),
+        Some(raw) => raw
+            .trim()
+            .parse()
+            .map_err(|_| anyhow::anyhow!("{name}={raw:?} is not a valid non-negative number")),
+    }
+}

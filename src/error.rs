@@ -1,0 +1,191 @@
+//! The one error type of the HTTP API, rendered as `application/problem+json` (RFC 9457)
+//! with a machine-readable `code` (contract section 6).
+
+use actix_web::http::{header, StatusCode};
+use actix_web::{HttpResponse, ResponseError};
+use serde::Serialize;
+
+use crate::ledger::Decline;
+
+/// Seconds a client is told to wait (`Retry-After`) on 409 in progress, 429 and 503.
+pub const RETRY_AFTER_SECS: u64 = 1;
+
+/// Header marking a replayed answer.
+pub const REPLAYED_HEADER: &str = "Idempotency-Replayed";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    #[error("a valid API key is required: send `Authorization: Bearer <api_key>`")]
+    Unauthorized,
+    #[error("the admin API is disabled: set ONCEPAY_ADMIN_TOKEN to enable it")]
+    AdminDisabled,
+    #[error("the body exceeds the limit of {limit} bytes")]
+    BodyTooLarge { limit: usize },
+    #[error("the body must be JSON, sent with `Content-Type: application/json`")]
+    UnsupportedMediaType,
+    #[error("this tenant requires an `Idempotency-Key` header on every POST")]
+    MissingIdempotencyKey,
+    #[error("invalid Idempotency-Key: {0}")]
+    InvalidIdempotencyKey(&'static str),
+    #[error("the body is not valid JSON: {0}")]
+    InvalidJson(String),
+    #[error("{0}")]
+    InvalidRequest(String),
+    #[error("no such resource")]
+    NotFound,
+    /// A deterministic failure of the operation: stored with the key and replayed.
+    #[error("{}", .decline.detail())]
+    Declined { decline: Decline, replayed: bool },
+    #[error("this Idempotency-Key was already used with a different request (another body, path or method); use a new key for a new operation")]
+    KeyReused,
+    #[error("this Idempotency-Key has passed its replay window; if you mean a new operation, send the request again with a new key")]
+    KeyExpired,
+    #[error("a request with this Idempotency-Key is still being processed; retry after the Retry-After delay")]
+    InProgress,
+    #[error("the service is at capacity; retry after the Retry-After delay")]
+    Overloaded,
+    #[error("a temporary failure prevented processing; nothing was committed, retry with the same Idempotency-Key")]
+    Unavailable,
+    #[error("internal error")]
+    Internal(#[source] anyhow::Error),
+}
+
+impl ApiError {
+    pub fn code(&self) -> &'static str {
+        match self {
+            Self::Unauthorized => "unauthorized",
+            Self::AdminDisabled => "admin_disabled",
+            Self::BodyTooLarge { .. } => "body_too_large",
+            Self::UnsupportedMediaType => "unsupported_media_type",
+            Self::MissingIdempotencyKey => "missing_idempotency_key",
+            Self::InvalidIdempotencyKey(_) => "invalid_idempotency_key",
+            Self::InvalidJson(_) => "invalid_json",
+            Self::InvalidRequest(_) => "invalid_request",
+            Self::NotFound => "not_found",
+            Self::Declined { decline, .. } => decline.code(),
+            Self::KeyReused => "idempotency_key_reused",
+            Self::KeyExpired => "idempotency_key_expired",
+            Self::InProgress => "request_in_progress",
+            Self::Overloaded => "overloaded",
+            Self::Unavailable => "temporarily_unavailable",
+            Self::Internal(_) => "internal_error",
+        }
+    }
+
+    fn title(&self) -> &'static str {
+        match self {
+            Self::Unauthorized => "Unauthorized",
+            Self::AdminDisabled => "Admin API disabled",
+            Self::BodyTooLarge { .. } => "Body too large",
+            Self::UnsupportedMediaType => "Unsupported media type",
+            Self::MissingIdempotencyKey => "Missing idempotency key",
+            Self::InvalidIdempotencyKey(_) => "Invalid idempotency key",
+            Self::InvalidJson(_) => "Invalid JSON",
+            Self::InvalidRequest(_) => "Invalid request",
+            Self::NotFound => "Not found",
+            Self::Declined { decline, .. } => decline.title(),
+            Self::KeyReused => "Idempotency key reused",
+            Self::KeyExpired => "Idempotency key expired",
+            Self::InProgress => "Request in progress",
+            Self::Overloaded => "Overloaded",
+            Self::Unavailable => "Temporarily unavailable",
+            Self::Internal(_) => "Internal error",
+        }
+    }
+
+    /// The outcome label of this error in logs and metrics (contract section 6b).
+    pub fn outcome(&self) -> &'static str {
+        match self {
+            Self::Unauthorized | Self::AdminDisabled => "unauthorized",
+            Self::MissingIdempotencyKey => "missing_key",
+            Self::Declined { replayed: true, .. } => "replayed",
+            Self::Declined { replayed: false, .. } => "declined",
+            Self::KeyReused => "key_reused",
+            Self::KeyExpired => "expired",
+            Self::InProgress => "in_progress",
+            Self::Overloaded | Self::Unavailable => "transient_error",
+            Self::NotFound => "not_found",
+            Self::Internal(_) => "internal_error",
+            Self::BodyTooLarge { .. }
+            | Self::UnsupportedMediaType
+            | Self::InvalidIdempotencyKey(_)
+            | Self::InvalidJson(_)
+            | Self::InvalidRequest(_) => "invalid",
+        }
+    }
+
+    fn retry_after(&self) -> bool {
+        matches!(self, Self::InProgress | Self::Overloaded | Self::Unavailable)
+    }
+}
+
+#[derive(Serialize)]
+struct Problem<'a> {
+    #[serde(rename = "type")]
+    kind: String,
+    title: &'a str,
+    status: u16,
+    detail: String,
+    code: &'a str,
+}
+
+impl ResponseError for ApiError {
+    fn status_code(&self) -> StatusCode {
+        match self {
+            Self::Unauthorized => StatusCode::UNAUTHORIZED,
+            Self::AdminDisabled => StatusCode::FORBIDDEN,
+            Self::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            Self::MissingIdempotencyKey
+            | Self::InvalidIdempotencyKey(_)
+            | Self::InvalidJson(_)
+            | Self::InvalidRequest(_) => StatusCode::BAD_REQUEST,
+            Self::NotFound => StatusCode::NOT_FOUND,
+            Self::Declined { decline, .. } => {
+                StatusCode::from_u16(decline.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
+            }
+            Self::KeyReused | Self::KeyExpired => StatusCode::UNPROCESSABLE_ENTITY,
+            Self::InProgress => StatusCode::CONFLICT,
+            Self::Overloaded => StatusCode::TOO_MANY_REQUESTS,
+            Self::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+            Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    fn error_response(&self) -> HttpResponse {
+        if let Self::Internal(cause) = self {
+            // Logged once here with its cause chain; the client gets an opaque answer.
+            tracing::error!(error = format!("{cause:#}"), "internal error");
+        }
+        let status = self.status_code();
+        let code = self.code();
+        let mut response = HttpResponse::build(status);
+        response.insert_header((header::CONTENT_TYPE, "application/problem+json"));
+        if self.retry_after() {
+            response.insert_header((header::RETRY_AFTER, RETRY_AFTER_SECS.to_string()));
+        }
+        if let Self::Declined { replayed: true, .. } = self {
+            response.insert_header((REPLAYED_HEADER, "true"));
+        }
+        response.json(Problem {
+            kind: format!("https://oncepay.dev/problems/{code}"),
+            title: self.title(),
+            status: status.as_u16(),
+            detail: self.to_string(),
+            code,
+        })
+    }
+}
+
+impl From<sqlx::Error> for ApiError {
+    fn from(err: sqlx::Error) -> Self {
+        if crate::db::is_in_progress(&err) {
+            Self::InProgress
+        } else if crate::db::is_transient(&err) {
+            tracing::warn!(error = %err, "transient database failure, nothing committed");
+            Self::Unavailable
+        } else {
+            Self::Internal(err.into())
+        }
+    }
+}

@@ -1,0 +1,19 @@
+//! oncepay: a payment API whose retried requests never charge twice.
+//!
+//! Layers, from the edge in: `routes` (HTTP) -> `idempotency` (the protocol) and `ledger`
+//! (money movements) -> PostgreSQL (`db`, `migrations/`). Only `routes`, `auth`, `error`
+//! and `telemetry` know HTTP.
+
+pub mod auth;
+pub mod config;
+pub mod db;
+pub mod domain;
+pub mod error;
+pub mod idempotency;
+pub mod ledger;
+pub mod metrics;
+pub mod purge;
+pub mod routes;
+pub mod startup;
+pub mod telemetry;
+pub mod tenants;

@@ -1,0 +1,104 @@
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+
+use oncepay::config::Settings;
+use oncepay::domain::{MissingKeyPolicy, OpeningBalance};
+use oncepay::startup::Application;
+use oncepay::{db, purge, telemetry, tenants};
+
+/// oncepay: a payment API whose retried requests never charge twice.
+#[derive(Parser)]
+#[command(version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the HTTP API (refuses to start on a schema that is behind).
+    Serve,
+    /// Apply the embedded migrations to DATABASE_URL (safe to run twice or concurrently).
+    Migrate,
+    /// Delete idempotency-key rows older than ONCEPAY_RETENTION_SECS; prints `deleted=N`.
+    Purge,
+    /// Manage tenants.
+    #[command(subcommand)]
+    Tenant(TenantCommand),
+}
+
+#[derive(Subcommand)]
+enum TenantCommand {
+    /// Create a tenant with its `main` account; prints its API key (shown only once).
+    Create {
+        #[arg(long)]
+        name: String,
+        #[arg(long, value_enum, default_value = "reject")]
+        missing_key_policy: PolicyArg,
+        #[arg(long, default_value_t = 0)]
+        main_balance: i64,
+    },
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum PolicyArg {
+    Reject,
+    Allow,
+    Fingerprint,
+}
+
+impl From<PolicyArg> for MissingKeyPolicy {
+    fn from(p: PolicyArg) -> Self {
+        match p {
+            PolicyArg::Reject => Self::Reject,
+            PolicyArg::Allow => Self::Allow,
+            PolicyArg::Fingerprint => Self::Fingerprint,
+        }
+    }
+}
+
+#[tokio::main]
+async fn main() {
+    let cli = Cli::parse();
+    if let Err(err) = run(cli).await {
+        eprintln!("oncepay: {err:#}");
+        std::process::exit(1);
+    }
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
+    let settings = Settings::from_env()?;
+    telemetry::init(settings.log_json);
+    match cli.command {
+        Command::Serve => {
+            let app = Application::build(settings.clone()).await?;
+            tracing::info!(bind = %settings.bind, port = app.port(), "oncepay serving");
+            app.run_until_stopped().await?;
+        }
+        Command::Migrate => {
+            let applied = db::migrate(&settings.database_url).await?;
+            tracing::info!(applied, "migrations applied");
+        }
+        Command::Purge => {
+            let pool = db::pool(&settings)?;
+            db::check_schema(&pool).await?;
+            let deleted = purge::purge(&pool, settings.retention, settings.purge_batch_size).await?;
+            println!("deleted={deleted}");
+        }
+        Command::Tenant(TenantCommand::Create {
+            name,
+            missing_key_policy,
+            main_balance,
+        }) => {
+            let main_balance = OpeningBalance::parse("main_balance", &main_balance.into())
+                .map_err(|e| anyhow::anyhow!("--main-balance: {e}"))?;
+            let pool = db::pool(&settings)?;
+            db::check_schema(&pool).await?;
+            let created = tenants::create(&pool, &name, missing_key_policy.into(), main_balance)
+                .await
+                .context("cannot create the tenant")?;
+            println!("{}", serde_json::to_string(&created)?);
+        }
+    }
+    Ok(())
+}

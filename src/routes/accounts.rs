@@ -1,0 +1,118 @@
+//! `POST /accounts`, `GET /accounts/{id}`, `POST /accounts/{id}/deposits`.
+
+use actix_web::http::StatusCode;
+use actix_web::{web, HttpRequest, HttpResponse};
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use uuid::Uuid;
+
+use super::intake::{intake, EmptyBody};
+use super::respond;
+use crate::domain::{object_fields, required, AccountId, Amount, OpeningBalance};
+use crate::error::ApiError;
+use crate::ledger;
+use crate::startup::AppState;
+
+pub fn configure(cfg: &mut web::ServiceConfig) {
+    cfg.route("/accounts", web::post().to(create))
+        .route("/accounts/{id}", web::get().to(show))
+        .route("/accounts/{id}/deposits", web::post().to(deposit));
+}
+
+#[derive(Serialize)]
+struct AccountCreatedOut {
+    id: String,
+    balance: i64,
+    created_at: DateTime<Utc>,
+}
+
+#[derive(Serialize)]
+struct AccountOut {
+    id: String,
+    balance: i64,
+}
+
+#[derive(Serialize)]
+struct DepositOut {
+    id: Uuid,
+    account: String,
+    amount: i64,
+    balance: i64,
+}
+
+fn path_account(req: &HttpRequest) -> Result<AccountId, ApiError> {
+    AccountId::parse(req.match_info().get("id").unwrap_or_default()).map_err(ApiError::InvalidRequest)
+}
+
+async fn create(req: HttpRequest, payload: web::Payload, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+    let intake = intake(&req, payload, &state, "/accounts", EmptyBody::Refused).await?;
+    let fields = object_fields(&intake.body, &["id", "balance"]).map_err(ApiError::InvalidRequest)?;
+    let id = match required(fields, "id").map_err(ApiError::InvalidRequest)? {
+        serde_json::Value::String(id) => AccountId::parse(id).map_err(ApiError::InvalidRequest)?,
+        _ => return Err(ApiError::InvalidRequest("`id` must be a string".to_owned())),
+    };
+    let balance = fields
+        .get("balance")
+        .map(|b| OpeningBalance::parse("balance", b))
+        .transpose()
+        .map_err(ApiError::InvalidRequest)?
+        .unwrap_or_default();
+
+    let mut conn = state.conn().await?;
+    let result = ledger::open_account(&mut conn, intake.tenant.id, intake.claim.as_ref(), &id, balance).await;
+    let outcome = conn.discard_if_broken(result)?;
+    respond(outcome, intake.claim.is_some(), StatusCode::CREATED, |a, _| {
+        AccountCreatedOut {
+            id: a.id,
+            balance: a.opening_balance,
+            created_at: a.created_at,
+        }
+    })
+}
+
+async fn show(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+    let tenant = crate::auth::tenant(&req, &state.pool, &state.tenants).await?;
+    let id = path_account(&req)?;
+    let mut conn = state.conn().await?;
+    let result = ledger::balance(&mut conn, tenant.id, &id).await;
+    let balance = conn.discard_if_broken(result)?.ok_or(ApiError::Declined {
+        decline: ledger::Decline::AccountNotFound,
+        replayed: false,
+    })?;
+    Ok(HttpResponse::Ok().json(AccountOut {
+        id: id.as_str().to_owned(),
+        balance,
+    }))
+}
+
+async fn deposit(
+    req: HttpRequest,
+    payload: web::Payload,
+    state: web::Data<AppState>,
+) -> Result<HttpResponse, ApiError> {
+    let intake = intake(&req, payload, &state, req.path(), EmptyBody::Refused).await?;
+    let fields = object_fields(&intake.body, &["amount"]).map_err(ApiError::InvalidRequest)?;
+    let amount = Amount::parse("amount", required(fields, "amount").map_err(ApiError::InvalidRequest)?)
+        .map_err(ApiError::InvalidRequest)?;
+    let account = path_account(&req)?;
+
+    let mut conn = state.conn().await?;
+    let result = ledger::deposit(
+        &mut conn,
+        intake.tenant.id,
+        intake.claim.as_ref(),
+        req.path(),
+        &account,
+        amount,
+    )
+    .await;
+    let outcome = conn.discard_if_broken(result)?;
+    respond(outcome, intake.claim.is_some(), StatusCode::CREATED, |d, _| {
+        DepositOut {
+            id: d.id,
+            account: d.account,
+            amount: d.amount,
+            balance: d.balance_after,
+        }
+    })
+}

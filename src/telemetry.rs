@@ -1,0 +1,87 @@
+//! Logs: one structured line per request; JSON with `ONCEPAY_LOG_FORMAT=json`. API keys and
+//! bodies are never logged.
+
+use std::time::Instant;
+
+use actix_web::body::MessageBody;
+use actix_web::dev::{ServiceRequest, ServiceResponse};
+use actix_web::http::header::{HeaderName, HeaderValue};
+use actix_web::middleware::Next;
+use actix_web::{web, HttpMessage};
+use tracing_subscriber::EnvFilter;
+
+use crate::error::ApiError;
+use crate::startup::AppState;
+use crate::tenants::Tenant;
+
+/// The outcome of a successful request (errors carry theirs), for logs and metrics.
+#[derive(Clone, Copy, Debug)]
+pub struct RequestOutcome(pub &'static str);
+
+pub const REQUEST_ID_HEADER: &str = "x-request-id";
+
+/// Installs the global subscriber. `RUST_LOG` filters (default `info`); logs go to stderr.
+pub fn init(json: bool) {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    let _ = if json {
+        builder.json().flatten_event(true).try_init()
+    } else {
+        builder.try_init()
+    };
+}
+
+/// Middleware: request id, one log line and the metrics of every request.
+pub async fn request_log(
+    req: ServiceRequest,
+    next: Next<impl MessageBody>,
+) -> Result<ServiceResponse<impl MessageBody>, actix_web::Error> {
+    let started = Instant::now();
+    let request_id = req
+        .headers()
+        .get(REQUEST_ID_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| !v.is_empty() && v.len() <= 128 && v.bytes().all(|b| b.is_ascii_graphic()))
+        .map_or_else(|| uuid::Uuid::new_v4().simple().to_string(), str::to_owned);
+    let state = req.app_data::<web::Data<AppState>>().cloned();
+    let method = req.method().clone();
+    let mut res = next.call(req).await?;
+
+    let elapsed = started.elapsed();
+    let route = res.request().match_pattern().unwrap_or_else(|| "unmatched".to_owned());
+    let status = res.status().as_u16();
+    let outcome = res
+        .response()
+        .error()
+        .and_then(|e| e.as_error::<ApiError>())
+        .map(ApiError::outcome)
+        .or_else(|| res.response().extensions().get::<RequestOutcome>().map(|o| o.0))
+        .unwrap_or(if status < 400 { "ok" } else { "error" });
+    let tenant = res.request().extensions().get::<Tenant>().map(|t| t.id.to_string());
+    if let Some(state) = state {
+        state.metrics.requests.with_label_values(&[&route, outcome]).inc();
+        state
+            .metrics
+            .duration
+            .with_label_values(&[&route])
+            .observe(elapsed.as_secs_f64());
+    }
+    tracing::info!(
+        request_id = %request_id,
+        tenant = tenant.as_deref().unwrap_or("-"),
+        method = %method,
+        route = %route,
+        status,
+        outcome,
+        replayed = outcome == "replayed",
+        latency_ms = elapsed.as_secs_f64() * 1000.0,
+        "request"
+    );
+    if let Ok(value) = HeaderValue::from_str(&request_id) {
+        res.headers_mut()
+            .insert(HeaderName::from_static(REQUEST_ID_HEADER), value);
+    }
+    Ok(res)
+}

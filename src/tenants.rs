@@ -1,0 +1,116 @@
+//! Tenants and their API keys. Keys are random (256 bits) and stored only as SHA-256
+//! hashes: a fast hash is enough for a secret that cannot be guessed, and it lets a request
+//! find its tenant with one index lookup.
+
+use rand::RngCore;
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+use sqlx::{PgConnection, PgPool};
+use uuid::Uuid;
+
+use crate::domain::{AccountId, MissingKeyPolicy, OpeningBalance};
+
+pub const API_KEY_PREFIX: &str = "opk_";
+
+pub type ApiKeyHash = [u8; 32];
+
+pub fn hash_api_key(api_key: &str) -> ApiKeyHash {
+    Sha256::digest(api_key.as_bytes()).into()
+}
+
+/// What an authenticated request knows about its tenant.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tenant {
+    pub id: Uuid,
+    pub policy: MissingKeyPolicy,
+}
+
+/// The answer to a tenant's creation: the only time its API key is shown.
+#[derive(Clone, Debug, Serialize)]
+pub struct CreatedTenant {
+    pub tenant_id: Uuid,
+    pub name: String,
+    pub api_key: String,
+    pub missing_key_policy: MissingKeyPolicy,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct TenantView {
+    pub tenant_id: Uuid,
+    pub name: String,
+    pub missing_key_policy: MissingKeyPolicy,
+}
+
+/// Creates a tenant with its `main` account, in one transaction.
+pub async fn create(
+    pool: &PgPool,
+    name: &str,
+    policy: MissingKeyPolicy,
+    main_balance: OpeningBalance,
+) -> Result<CreatedTenant, sqlx::Error> {
+    let mut secret = [0u8; 32];
+    rand::rngs::OsRng.fill_bytes(&mut secret);
+    let api_key = format!("{API_KEY_PREFIX}{}", hex::encode(secret));
+    let tenant_id = Uuid::new_v4();
+    let mut tx = pool.begin().await?;
+    sqlx::query!(
+        "INSERT INTO tenants (tenant_id, name, api_key_hash, missing_key_policy) VALUES ($1, $2, $3, $4)",
+        tenant_id,
+        name,
+        &hash_api_key(&api_key)[..],
+        policy.as_str(),
+    )
+    .execute(&mut *tx)
+    .await?;
+    sqlx::query!(
+        "INSERT INTO accounts (tenant_id, account_id, balance, opening_balance) VALUES ($1, $2, $3, $3)",
+        tenant_id,
+        AccountId::MAIN,
+        main_balance.get(),
+    )
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    Ok(CreatedTenant {
+        tenant_id,
+        name: name.to_owned(),
+        api_key,
+        missing_key_policy: policy,
+    })
+}
+
+pub async fn set_policy(
+    pool: &PgPool,
+    tenant_id: Uuid,
+    policy: MissingKeyPolicy,
+) -> Result<Option<TenantView>, sqlx::Error> {
+    let row = sqlx::query!(
+        "UPDATE tenants SET missing_key_policy = $2 WHERE tenant_id = $1 RETURNING name",
+        tenant_id,
+        policy.as_str(),
+    )
+    .fetch_optional(pool)
+    .await?;
+    Ok(row.map(|r| TenantView {
+        tenant_id,
+        name: r.name,
+        missing_key_policy: policy,
+    }))
+}
+
+pub async fn find_by_key_hash(conn: &mut PgConnection, hash: &ApiKeyHash) -> Result<Option<Tenant>, sqlx::Error> {
+    let row = sqlx::query!(
+        "SELECT tenant_id, missing_key_policy FROM tenants WHERE api_key_hash = $1",
+        &hash[..],
+    )
+    .fetch_optional(conn)
+    .await?;
+    row.map(|r| {
+        let policy = MissingKeyPolicy::parse(&r.missing_key_policy).map_err(|e| sqlx::Error::Decode(e.into()))?;
+        Ok(Tenant {
+            id: r.tenant_id,
+            policy,
+        })
+    })
+    .transpose()
+}

@@ -1,0 +1,244 @@
+//! Rule 7 and the atomic claim: real concurrent requests, several servers on one database,
+//! and transactions broken mid-flight.
+
+use std::time::Duration;
+
+use futures_util::future::join_all;
+use sqlx::Connection;
+
+use crate::helpers::{database_url, new_key, spawn_app, spawn_app_with, spawn_instances, TestApp, MAIN_BALANCE};
+
+#[tokio::test]
+async fn fifty_concurrent_requests_with_one_key_over_three_instances_charge_once() {
+    let apps = spawn_instances(3).await;
+    let key = new_key();
+
+    let answers = join_all((0..50).map(|i| apps[i % 3].pay(Some(&key), 100))).await;
+
+    let created: Vec<_> = answers.iter().filter(|a| a.status == 201).collect();
+    assert!(!created.is_empty());
+    for answer in &answers {
+        match answer.status {
+            201 => assert_eq!(answer.body, created[0].body, "every 201 has an equal body"),
+            409 => answer.assert_problem(409, "request_in_progress"),
+            other => panic!("unexpected {other}: {}", answer.body),
+        }
+    }
+    assert_eq!(answers.iter().filter(|a| a.status == 201 && !a.replayed()).count(), 1);
+    assert_eq!(apps[0].balance("main").await, MAIN_BALANCE - 100, "exactly one debit");
+    assert_eq!(apps[0].payment_count().await, 1, "exactly one payment row");
+}
+
+#[tokio::test]
+async fn two_hundred_concurrent_distinct_keys_on_one_account_debit_two_hundred_times() {
+    let apps = spawn_instances(2).await;
+
+    let keys: Vec<String> = (0..200).map(|_| new_key()).collect();
+
+    let answers = join_all(keys.iter().enumerate().map(|(i, key)| apps[i % 2].pay(Some(key), 10))).await;
+
+    for answer in &answers {
+        assert_eq!(answer.status, 201, "{}", answer.body);
+    }
+    assert_eq!(apps[0].balance("main").await, MAIN_BALANCE - 2_000);
+    assert_eq!(apps[0].payment_count().await, 200);
+    let mut balances: Vec<i64> = answers.iter().map(|a| a.body["balance"].as_i64().unwrap()).collect();
+    balances.sort_unstable();
+    balances.dedup();
+    assert_eq!(balances.len(), 200, "each payment saw its own balance");
+}
+
+/// Holds the row lock of the tenant's `main` account in an open transaction, so that a
+/// payment claims its key and then waits: a request "in flight" for as long as we like.
+async fn lock_main_account(app: &TestApp) -> sqlx::PgConnection {
+    let mut conn = sqlx::PgConnection::connect(&database_url()).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut conn).await.unwrap();
+    sqlx::query("SELECT 1 FROM accounts WHERE tenant_id = $1 AND account_id = 'main' FOR UPDATE")
+        .bind(app.tenant_id)
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    conn
+}
+
+/// Waits (bounded) until a payment's backend is blocked by our lock; returns its pid. Only
+/// backends that our own lock blocks count: other tests run at the same time.
+async fn blocked_payment_backend(app: &TestApp, lock: &mut sqlx::PgConnection) -> i32 {
+    let holder: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *lock)
+        .await
+        .unwrap();
+    for _ in 0..200 {
+        let pid: Option<i32> = sqlx::query_scalar(
+            "SELECT pid FROM pg_stat_activity WHERE application_name = 'oncepay' AND $1 = ANY(pg_blocking_pids(pid)) AND query LIKE '%oncepay_pay%' LIMIT 1",
+        )
+        .bind(holder)
+        .fetch_optional(&app.pool)
+        .await
+        .unwrap();
+        if let Some(pid) = pid {
+            return pid;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("no payment blocked on the account lock within 5 s");
+}
+
+#[tokio::test]
+async fn a_duplicate_of_an_in_flight_request_waits_then_answers_409_with_retry_after() {
+    let app = spawn_app_with(|s| s.inflight_wait = Duration::from_millis(300)).await;
+    let key = new_key();
+    let mut lock = lock_main_account(&app).await;
+    let original = tokio::spawn({
+        let (client, url, api_key, key) = (
+            app.client.clone(),
+            app.url("/payments"),
+            app.api_key.clone(),
+            key.clone(),
+        );
+        async move {
+            client
+                .post(url)
+                .bearer_auth(api_key)
+                .header("Idempotency-Key", key)
+                .json(&serde_json::json!({ "amount": 100 }))
+                .send()
+                .await
+                .unwrap()
+        }
+    });
+    blocked_payment_backend(&app, &mut lock).await;
+
+    let duplicate = app.pay(Some(&key), 100).await;
+
+    duplicate.assert_problem(409, "request_in_progress");
+    assert_eq!(duplicate.header("retry-after"), Some("1"));
+    sqlx::query("ROLLBACK").execute(&mut lock).await.unwrap();
+    let original = crate::helpers::Answer::from(original.await.unwrap()).await;
+    assert_eq!(original.status, 201, "{}", original.body);
+    let retry = app.pay(Some(&key), 100).await;
+    assert!(retry.replayed());
+    assert_eq!(retry.body, original.body);
+    assert_eq!(app.balance("main").await, MAIN_BALANCE - 100);
+}
+
+#[tokio::test]
+async fn a_duplicate_that_outwaits_the_original_gets_its_result_not_a_second_charge() {
+    let app = spawn_app().await;
+    let key = new_key();
+    let mut lock = lock_main_account(&app).await;
+    let original = tokio::spawn({
+        let (client, url, api_key, key) = (
+            app.client.clone(),
+            app.url("/payments"),
+            app.api_key.clone(),
+            key.clone(),
+        );
+        async move {
+            client
+                .post(url)
+                .bearer_auth(api_key)
+                .header("Idempotency-Key", key)
+                .json(&serde_json::json!({ "amount": 100 }))
+                .send()
+                .await
+                .unwrap()
+        }
+    });
+    blocked_payment_backend(&app, &mut lock).await;
+    let duplicate = tokio::spawn({
+        let app_url = app.url("/payments");
+        let (client, api_key, key) = (app.client.clone(), app.api_key.clone(), key.clone());
+        async move {
+            client
+                .post(app_url)
+                .bearer_auth(api_key)
+                .header("Idempotency-Key", key)
+                .json(&serde_json::json!({ "amount": 100 }))
+                .send()
+                .await
+                .unwrap()
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    sqlx::query("ROLLBACK").execute(&mut lock).await.unwrap();
+
+    let original = crate::helpers::Answer::from(original.await.unwrap()).await;
+    let duplicate = crate::helpers::Answer::from(duplicate.await.unwrap()).await;
+    assert_eq!(original.status, 201);
+    assert_eq!(duplicate.status, 201, "the duplicate waited on the index and replayed");
+    assert!(duplicate.replayed());
+    assert_eq!(duplicate.body, original.body);
+    assert_eq!(app.balance("main").await, MAIN_BALANCE - 100);
+}
+
+#[tokio::test]
+async fn a_transaction_broken_mid_flight_answers_503_commits_nothing_and_the_retry_charges_once() {
+    let app = spawn_app().await;
+    let key = new_key();
+    let mut lock = lock_main_account(&app).await;
+    let victim = tokio::spawn({
+        let (client, url, api_key, key) = (
+            app.client.clone(),
+            app.url("/payments"),
+            app.api_key.clone(),
+            key.clone(),
+        );
+        async move {
+            client
+                .post(url)
+                .bearer_auth(api_key)
+                .header("Idempotency-Key", key)
+                .json(&serde_json::json!({ "amount": 100 }))
+                .send()
+                .await
+                .unwrap()
+        }
+    });
+    let pid = blocked_payment_backend(&app, &mut lock).await;
+
+    let terminated: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+        .bind(pid)
+        .fetch_one(&mut lock)
+        .await
+        .unwrap();
+    assert!(terminated);
+    let broken = crate::helpers::Answer::from(victim.await.unwrap()).await;
+    sqlx::query("ROLLBACK").execute(&mut lock).await.unwrap();
+
+    broken.assert_problem(503, "temporarily_unavailable");
+    assert_eq!(broken.header("retry-after"), Some("1"));
+    assert_eq!(app.key_count().await, 0, "the key is free again");
+    assert_eq!(app.balance("main").await, MAIN_BALANCE, "nothing committed");
+    let retry = app.pay(Some(&key), 100).await;
+    assert_eq!(retry.status, 201, "{}", retry.body);
+    assert!(!retry.replayed(), "the retry really ran");
+    let again = app.pay(Some(&key), 100).await;
+    assert!(again.replayed());
+    assert_eq!(app.balance("main").await, MAIN_BALANCE - 100, "charged exactly once");
+    assert_eq!(app.payment_count().await, 1);
+}
+
+#[tokio::test]
+async fn a_restarted_server_forgets_no_key() {
+    let first = spawn_app().await;
+    let key = new_key();
+    let original = first.pay(Some(&key), 100).await;
+    first.state.pool.close().await;
+
+    let (address, state) = crate::helpers::start_server(crate::helpers::test_settings()).await;
+    let second = TestApp {
+        address,
+        client: crate::helpers::client(),
+        pool: state.pool.clone(),
+        state,
+        tenant_id: first.tenant_id,
+        api_key: first.api_key.clone(),
+    };
+    let replay = second.pay(Some(&key), 100).await;
+
+    assert!(replay.replayed());
+    assert_eq!(replay.body, original.body);
+    assert_eq!(second.balance("main").await, MAIN_BALANCE - 100);
+}

@@ -1,0 +1,351 @@
+//! Contract section 6: every bad input answers its problem+json code and changes nothing,
+//! and the checks run in the contract's order.
+
+use reqwest::Method;
+use serde_json::{json, Value};
+
+use crate::helpers::{new_key, spawn_app, spawn_app_with, Answer, TestApp, MAIN_BALANCE};
+
+async fn raw(app: &TestApp, key: Option<&str>, content_type: Option<&str>, body: Vec<u8>) -> Answer {
+    let mut request = app
+        .client
+        .post(app.url("/payments"))
+        .bearer_auth(&app.api_key)
+        .body(body);
+    if let Some(key) = key {
+        request = request.header("Idempotency-Key", key);
+    }
+    if let Some(content_type) = content_type {
+        request = request.header("Content-Type", content_type);
+    }
+    Answer::from(request.send().await.unwrap()).await
+}
+
+async fn assert_nothing_changed(app: &TestApp) {
+    assert_eq!(app.balance("main").await, MAIN_BALANCE, "balance changed");
+    assert_eq!(app.payment_count().await, 0, "a payment was written");
+    assert_eq!(app.key_count().await, 0, "a key was stored");
+}
+
+#[tokio::test]
+async fn requests_without_a_valid_api_key_are_401() {
+    let app = spawn_app().await;
+    let no_auth = Answer::from(
+        app.client
+            .post(app.url("/payments"))
+            .json(&json!({"amount": 1}))
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    let wrong = app
+        .post_as("opk_wrong", "/payments", Some(&new_key()), &json!({"amount": 1}))
+        .await;
+    let basic = Answer::from(
+        app.client
+            .get(app.url("/accounts/main"))
+            .basic_auth("x", Some("y"))
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+
+    no_auth.assert_problem(401, "unauthorized");
+    wrong.assert_problem(401, "unauthorized");
+    basic.assert_problem(401, "unauthorized");
+    app.get_as("opk_wrong", "/accounts/main")
+        .await
+        .assert_problem(401, "unauthorized");
+    assert_nothing_changed(&app).await;
+}
+
+#[tokio::test]
+async fn admin_calls_are_403_without_a_configured_token_and_401_with_a_wrong_one() {
+    let disabled = spawn_app_with(|s| s.admin_token = None).await;
+    let enabled = spawn_app().await;
+    let body = json!({ "name": "x" });
+
+    let forbidden = disabled.admin(Method::POST, "/admin/tenants", Some(&body)).await;
+    let forbidden_purge = disabled.admin(Method::POST, "/admin/purge", None).await;
+    let wrong = Answer::from(
+        enabled
+            .client
+            .post(enabled.url("/admin/tenants"))
+            .bearer_auth("nope")
+            .json(&body)
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    let missing = Answer::from(enabled.client.post(enabled.url("/admin/purge")).send().await.unwrap()).await;
+    let tenant_key_is_not_admin = Answer::from(
+        enabled
+            .client
+            .post(enabled.url("/admin/purge"))
+            .bearer_auth(&enabled.api_key)
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+
+    forbidden.assert_problem(403, "admin_disabled");
+    forbidden_purge.assert_problem(403, "admin_disabled");
+    wrong.assert_problem(401, "unauthorized");
+    missing.assert_problem(401, "unauthorized");
+    tenant_key_is_not_admin.assert_problem(401, "unauthorized");
+}
+
+#[tokio::test]
+async fn a_body_over_the_limit_is_413_and_one_of_exactly_the_limit_is_accepted() {
+    let app = spawn_app_with(|s| s.max_body_bytes = 1_000).await;
+    let prefix = br#"{"amount": 1, "account": "main"}"#;
+    let mut exact = prefix.to_vec();
+    exact.resize(1_000, b' ');
+    let mut over = exact.clone();
+    over.push(b' ');
+
+    let too_large = raw(&app, Some(&new_key()), Some("application/json"), over).await;
+    too_large.assert_problem(413, "body_too_large");
+    assert_nothing_changed(&app).await;
+    let accepted = raw(&app, Some(&new_key()), Some("application/json"), exact).await;
+    assert_eq!(accepted.status, 201, "{}", accepted.body);
+}
+
+#[tokio::test]
+async fn a_body_that_is_not_json_is_415() {
+    let app = spawn_app().await;
+    let text = raw(&app, Some(&new_key()), Some("text/plain"), br#"{"amount": 1}"#.to_vec()).await;
+    let form = raw(
+        &app,
+        Some(&new_key()),
+        Some("application/x-www-form-urlencoded"),
+        b"amount=1".to_vec(),
+    )
+    .await;
+    let none = raw(&app, Some(&new_key()), None, br#"{"amount": 1}"#.to_vec()).await;
+
+    text.assert_problem(415, "unsupported_media_type");
+    form.assert_problem(415, "unsupported_media_type");
+    none.assert_problem(415, "unsupported_media_type");
+    let charset = raw(
+        &app,
+        Some(&new_key()),
+        Some("application/json; charset=utf-8"),
+        br#"{"amount": 1}"#.to_vec(),
+    )
+    .await;
+    assert_eq!(charset.status, 201, "a charset parameter is fine");
+}
+
+#[tokio::test]
+async fn a_missing_key_is_400_under_the_default_policy() {
+    let app = spawn_app().await;
+    app.pay(None, 100).await.assert_problem(400, "missing_idempotency_key");
+    assert_nothing_changed(&app).await;
+}
+
+#[tokio::test]
+async fn malformed_keys_are_400() {
+    let app = spawn_app().await;
+    let long = "k".repeat(256);
+    for bad in ["", "a b", "\"a b\"", "\"\"", "\"a\"b\"", long.as_str(), "tab\there"] {
+        let answer = app.pay(Some(bad), 100).await;
+        answer.assert_problem(400, "invalid_idempotency_key");
+    }
+    let non_ascii = Answer::from(
+        app.client
+            .post(app.url("/payments"))
+            .bearer_auth(&app.api_key)
+            .header(
+                "Idempotency-Key",
+                reqwest::header::HeaderValue::from_bytes(b"caf\xc3\xa9").unwrap(),
+            )
+            .json(&json!({"amount": 100}))
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    non_ascii.assert_problem(400, "invalid_idempotency_key");
+    let twice = Answer::from(
+        app.client
+            .post(app.url("/payments"))
+            .bearer_auth(&app.api_key)
+            .header("Idempotency-Key", "one")
+            .header("Idempotency-Key", "two")
+            .json(&json!({"amount": 100}))
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    twice.assert_problem(400, "invalid_idempotency_key");
+    assert_nothing_changed(&app).await;
+
+    let quoted = app.pay(Some("\"quoted-key\""), 100).await;
+    let plain = app.pay(Some("quoted-key"), 100).await;
+    assert_eq!(quoted.status, 201);
+    assert!(plain.replayed(), "the quoted form is the same key");
+    let longest = app.pay(Some(&"k".repeat(255)), 1).await;
+    assert_eq!(longest.status, 201);
+}
+
+#[tokio::test]
+async fn malformed_json_is_400_invalid_json() {
+    let app = spawn_app().await;
+    for body in [&b"{"[..], b"not json", b"", b"{\"amount\": 1,}"] {
+        let answer = raw(&app, Some(&new_key()), Some("application/json"), body.to_vec()).await;
+        answer.assert_problem(400, "invalid_json");
+    }
+    assert_nothing_changed(&app).await;
+}
+
+#[tokio::test]
+async fn invalid_fields_are_400_invalid_request() {
+    let app = spawn_app().await;
+    let bad_bodies: Vec<Value> = vec![
+        json!([1, 2]),
+        json!({}),
+        json!({ "amount": "100" }),
+        json!({ "amount": 0 }),
+        json!({ "amount": -1 }),
+        json!({ "amount": 1_000_000_000_001i64 }),
+        json!({ "amount": 1.5 }),
+        json!({ "amount": 100, "currency": "EUR" }),
+        json!({ "amount": 100, "account": 7 }),
+        json!({ "amount": 100, "account": "" }),
+        json!({ "amount": 100, "account": "a/b" }),
+        json!({ "amount": 100, "account": "x".repeat(65) }),
+    ];
+    for body in &bad_bodies {
+        let answer = app.post("/payments", Some(&new_key()), body).await;
+        answer.assert_problem(400, "invalid_request");
+    }
+    for spelled in [&b"{\"amount\": 100.0}"[..], b"{\"amount\": 1e2}"] {
+        let answer = raw(&app, Some(&new_key()), Some("application/json"), spelled.to_vec()).await;
+        answer.assert_problem(400, "invalid_request");
+    }
+    app.post("/accounts", Some(&new_key()), &json!({ "id": "ok", "balance": -1 }))
+        .await
+        .assert_problem(400, "invalid_request");
+    app.post("/accounts", Some(&new_key()), &json!({ "balance": 1 }))
+        .await
+        .assert_problem(400, "invalid_request");
+    app.post("/accounts/bad%20id/deposits", Some(&new_key()), &json!({ "amount": 1 }))
+        .await
+        .assert_problem(400, "invalid_request");
+    app.get("/accounts/bad%20id")
+        .await
+        .assert_problem(400, "invalid_request");
+    let max = app
+        .post(
+            "/payments",
+            Some(&new_key()),
+            &json!({ "amount": 1_000_000_000_000i64 }),
+        )
+        .await;
+    max.assert_problem(402, "insufficient_funds");
+    assert_eq!(app.balance("main").await, MAIN_BALANCE);
+    assert_eq!(app.payment_count().await, 0);
+}
+
+#[tokio::test]
+async fn unknown_routes_and_ids_are_404_problems() {
+    let app = spawn_app().await;
+    app.get("/nowhere").await.assert_problem(404, "not_found");
+    app.get("/payments/not-a-uuid").await.assert_problem(404, "not_found");
+    app.get(&format!("/payments/{}", uuid::Uuid::new_v4()))
+        .await
+        .assert_problem(404, "not_found");
+    let refund_missing = app
+        .post(
+            &format!("/payments/{}/refund", uuid::Uuid::new_v4()),
+            Some(&new_key()),
+            &json!({}),
+        )
+        .await;
+    refund_missing.assert_problem(404, "not_found");
+    let wrong_method = Answer::from(
+        app.client
+            .delete(app.url("/payments"))
+            .bearer_auth(&app.api_key)
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    wrong_method.assert_problem(404, "not_found");
+}
+
+#[tokio::test]
+async fn checks_run_in_the_contract_order() {
+    let app = spawn_app_with(|s| s.max_body_bytes = 100).await;
+    let big = vec![b'x'; 200];
+    // Authentication first, even before a body that is too large or of the wrong type.
+    let unauthenticated = Answer::from(
+        app.client
+            .post(app.url("/payments"))
+            .header("Content-Type", "text/plain")
+            .body(big.clone())
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    unauthenticated.assert_problem(401, "unauthorized");
+    // Size and type before the key.
+    raw(&app, Some(""), Some("application/json"), big)
+        .await
+        .assert_problem(413, "body_too_large");
+    raw(&app, Some(""), Some("text/plain"), b"{}".to_vec())
+        .await
+        .assert_problem(415, "unsupported_media_type");
+    // The key before the body.
+    raw(&app, Some(""), Some("application/json"), b"nope".to_vec())
+        .await
+        .assert_problem(400, "invalid_idempotency_key");
+    raw(&app, None, Some("application/json"), b"nope".to_vec())
+        .await
+        .assert_problem(400, "missing_idempotency_key");
+    // The body before the idempotency rules: a malformed retry of a used key stores nothing.
+    let key = new_key();
+    app.pay(Some(&key), 10).await;
+    raw(&app, Some(&key), Some("application/json"), b"nope".to_vec())
+        .await
+        .assert_problem(400, "invalid_json");
+    app.post("/payments", Some(&key), &json!({ "amount": 0 }))
+        .await
+        .assert_problem(400, "invalid_request");
+}
+
+#[tokio::test]
+async fn errors_never_leak_sql_or_internals() {
+    let app = spawn_app().await;
+    let answers = vec![
+        app.post(
+            "/payments",
+            Some(&new_key()),
+            &json!({ "amount": "1; DROP TABLE payments" }),
+        )
+        .await,
+        app.post(
+            "/payments",
+            Some("'; SELECT 1; --"),
+            &json!({ "amount": 1, "account": "x'--" }),
+        )
+        .await,
+        app.get("/payments/'%20OR%201=1").await,
+    ];
+    for answer in answers {
+        let text = answer.body.to_string().to_lowercase();
+        for leak in [
+            "select ", "sqlx", "postgres", "panicked", "stack", "sqlstate", "relation",
+        ] {
+            assert!(!text.contains(leak), "{leak} leaked in {text}");
+        }
+    }
+}

@@ -1,0 +1,271 @@
+//! `TestApp`: a real oncepay server on a free port, against the real PostgreSQL named by
+//! `DATABASE_URL` (the Makefile points it at a fresh test database), with a fresh tenant
+//! per test. Logs are shown with `TEST_LOG=1`.
+
+use std::sync::{Arc, Once};
+use std::time::Duration;
+
+use oncepay::config::Settings;
+use oncepay::domain::{MissingKeyPolicy, OpeningBalance};
+use oncepay::startup::{AppState, Application};
+use reqwest::{Method, Response};
+use serde_json::Value;
+use sqlx::PgPool;
+use uuid::Uuid;
+
+pub const ADMIN_TOKEN: &str = "test-admin-token";
+pub const MAIN_BALANCE: i64 = 10_000;
+
+static TRACING: Once = Once::new();
+
+pub fn database_url() -> String {
+    std::env::var("DATABASE_URL").expect("DATABASE_URL must name the test database (make test sets it)")
+}
+
+/// Settings for a test instance: a free port, a small pool, the admin API on.
+pub fn test_settings() -> Settings {
+    let mut settings = Settings::from_env_with_database(database_url()).expect("valid settings");
+    settings.bind = "127.0.0.1:0".to_owned();
+    settings.admin_token = Some(ADMIN_TOKEN.to_owned());
+    settings.db_pool_size = 10;
+    settings.workers = 2;
+    settings
+}
+
+pub struct TestApp {
+    pub address: String,
+    pub client: reqwest::Client,
+    pub pool: PgPool,
+    pub state: Arc<AppState>,
+    pub tenant_id: Uuid,
+    pub api_key: String,
+}
+
+async fn migrate_once() {
+    static MIGRATED: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
+    MIGRATED
+        .get_or_init(|| async {
+            oncepay::db::migrate(&database_url()).await.expect("migrations apply");
+        })
+        .await;
+}
+
+/// Starts a server with the given settings, sharing no state but the database.
+pub async fn start_server(settings: Settings) -> (String, Arc<AppState>) {
+    TRACING.call_once(|| {
+        if std::env::var("TEST_LOG").is_ok() {
+            oncepay::telemetry::init(false);
+        }
+    });
+    migrate_once().await;
+    let app = Application::build(settings).await.expect("the app starts");
+    let address = format!("http://127.0.0.1:{}", app.port());
+    let state = app.state();
+    tokio::spawn(app.run_until_stopped());
+    (address, state)
+}
+
+pub async fn spawn_app() -> TestApp {
+    spawn_app_with(|_| {}).await
+}
+
+/// A server with adjusted settings and a fresh tenant (policy `reject`, main balance 10000).
+pub async fn spawn_app_with(adjust: impl FnOnce(&mut Settings)) -> TestApp {
+    let mut settings = test_settings();
+    adjust(&mut settings);
+    let (address, state) = start_server(settings).await;
+    let pool = state.pool.clone();
+    let tenant = new_tenant(&pool, MissingKeyPolicy::Reject).await;
+    TestApp {
+        address,
+        client: client(),
+        pool,
+        state,
+        tenant_id: tenant.0,
+        api_key: tenant.1,
+    }
+}
+
+/// `n` servers (each its own pool and workers) on one database, all for one tenant.
+pub async fn spawn_instances(n: usize) -> Vec<TestApp> {
+    let first = spawn_app().await;
+    let mut apps = Vec::with_capacity(n);
+    for _ in 1..n {
+        let (address, state) = start_server(test_settings()).await;
+        apps.push(TestApp {
+            address,
+            client: client(),
+            pool: state.pool.clone(),
+            state,
+            tenant_id: first.tenant_id,
+            api_key: first.api_key.clone(),
+        });
+    }
+    apps.insert(0, first);
+    apps
+}
+
+pub fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(30))
+        .pool_max_idle_per_host(64)
+        .build()
+        .expect("client builds")
+}
+
+pub async fn new_tenant(pool: &PgPool, policy: MissingKeyPolicy) -> (Uuid, String) {
+    let balance = OpeningBalance::parse("b", &MAIN_BALANCE.into()).unwrap();
+    let created = oncepay::tenants::create(pool, "test", policy, balance)
+        .await
+        .expect("tenant created");
+    (created.tenant_id, created.api_key)
+}
+
+/// A JSON answer: status, headers and parsed body.
+#[derive(Debug)]
+pub struct Answer {
+    pub status: u16,
+    pub headers: reqwest::header::HeaderMap,
+    pub body: Value,
+}
+
+impl Answer {
+    pub async fn from(response: Response) -> Self {
+        let status = response.status().as_u16();
+        let headers = response.headers().clone();
+        let bytes = response.bytes().await.expect("body read");
+        let body = if bytes.is_empty() {
+            Value::Null
+        } else {
+            serde_json::from_slice(&bytes)
+                .unwrap_or_else(|_| panic!("body is not JSON: {}", String::from_utf8_lossy(&bytes)))
+        };
+        Self { status, headers, body }
+    }
+
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+
+    pub fn replayed(&self) -> bool {
+        self.header("idempotency-replayed") == Some("true")
+    }
+
+    pub fn code(&self) -> &str {
+        self.body["code"].as_str().unwrap_or("")
+    }
+
+    /// Asserts a problem+json error with this status and code.
+    #[track_caller]
+    pub fn assert_problem(&self, status: u16, code: &str) {
+        assert_eq!(self.status, status, "unexpected status, body: {}", self.body);
+        assert_eq!(self.code(), code, "unexpected code, body: {}", self.body);
+        assert_eq!(
+            self.header("content-type"),
+            Some("application/problem+json"),
+            "errors are problem+json"
+        );
+        for field in ["type", "title", "status", "detail"] {
+            assert!(!self.body[field].is_null(), "problem without `{field}`: {}", self.body);
+        }
+    }
+}
+
+impl TestApp {
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{}", self.address, path)
+    }
+
+    /// A tenant POST with an optional key and a JSON body.
+    pub async fn post(&self, path: &str, key: Option<&str>, body: &Value) -> Answer {
+        self.post_as(&self.api_key, path, key, body).await
+    }
+
+    pub async fn post_as(&self, api_key: &str, path: &str, key: Option<&str>, body: &Value) -> Answer {
+        let mut request = self.client.post(self.url(path)).bearer_auth(api_key).json(body);
+        if let Some(key) = key {
+            request = request.header("Idempotency-Key", key);
+        }
+        Answer::from(request.send().await.expect("request sent")).await
+    }
+
+    pub async fn pay(&self, key: Option<&str>, amount: i64) -> Answer {
+        self.post("/payments", key, &serde_json::json!({ "amount": amount }))
+            .await
+    }
+
+    pub async fn get(&self, path: &str) -> Answer {
+        self.get_as(&self.api_key, path).await
+    }
+
+    pub async fn get_as(&self, api_key: &str, path: &str) -> Answer {
+        let response = self
+            .client
+            .get(self.url(path))
+            .bearer_auth(api_key)
+            .send()
+            .await
+            .expect("request sent");
+        Answer::from(response).await
+    }
+
+    pub async fn admin(&self, method: Method, path: &str, body: Option<&Value>) -> Answer {
+        let mut request = self.client.request(method, self.url(path)).bearer_auth(ADMIN_TOKEN);
+        if let Some(body) = body {
+            request = request.json(body);
+        }
+        Answer::from(request.send().await.expect("request sent")).await
+    }
+
+    pub async fn set_policy(&self, policy: &str) {
+        let answer = self
+            .admin(
+                Method::PATCH,
+                &format!("/admin/tenants/{}", self.tenant_id),
+                Some(&serde_json::json!({ "missing_key_policy": policy })),
+            )
+            .await;
+        assert_eq!(answer.status, 200, "{}", answer.body);
+    }
+
+    /// The balance, read from the database (not through the API under test).
+    pub async fn balance(&self, account: &str) -> i64 {
+        sqlx::query_scalar("SELECT balance FROM accounts WHERE tenant_id = $1 AND account_id = $2")
+            .bind(self.tenant_id)
+            .bind(account)
+            .fetch_one(&self.pool)
+            .await
+            .expect("account exists")
+    }
+
+    pub async fn payment_count(&self) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM payments WHERE tenant_id = $1")
+            .bind(self.tenant_id)
+            .fetch_one(&self.pool)
+            .await
+            .unwrap()
+    }
+
+    pub async fn key_count(&self) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM idempotency_keys WHERE tenant_id = $1")
+            .bind(self.tenant_id)
+            .fetch_one(&self.pool)
+            .await
+            .unwrap()
+    }
+
+    pub async fn open_account(&self, id: &str, balance: i64) {
+        let answer = self
+            .post(
+                "/accounts",
+                Some(&Uuid::new_v4().to_string()),
+                &serde_json::json!({ "id": id, "balance": balance }),
+            )
+            .await;
+        assert_eq!(answer.status, 201, "{}", answer.body);
+    }
+}
+
+pub fn new_key() -> String {
+    Uuid::new_v4().to_string()
+}

@@ -1,0 +1,9 @@
+//! The API tests: a real server, a real PostgreSQL, real HTTP.
+
+mod concurrency;
+mod errors;
+mod helpers;
+mod operations;
+mod payments;
+mod policy;
+mod tenancy;

@@ -1,0 +1,243 @@
+//! Commands and operator endpoints: migrations, the schema check, tenants, health, metrics
+//! and the purge.
+
+use std::time::Duration;
+
+use reqwest::Method;
+use serde_json::json;
+use sqlx::{Connection, Executor};
+
+use crate::helpers::{database_url, new_key, spawn_app, Answer, MAIN_BALANCE};
+
+/// A new, empty database on the test cluster; returns its URL.
+async fn empty_database(name_hint: &str) -> String {
+    let name = format!("oncepay_{name_hint}_{}", uuid::Uuid::new_v4().simple());
+    let mut conn = sqlx::PgConnection::connect(&database_url()).await.unwrap();
+    conn.execute(format!("CREATE DATABASE {name}").as_str()).await.unwrap();
+    let (base, _) = database_url()
+        .rsplit_once('/')
+        .map(|(b, d)| (b.to_owned(), d.to_owned()))
+        .unwrap();
+    format!("{base}/{name}")
+}
+
+async fn drop_database(url: &str) {
+    let name = url.rsplit('/').next().unwrap().to_owned();
+    let mut conn = sqlx::PgConnection::connect(&database_url()).await.unwrap();
+    conn.execute(format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)").as_str())
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn migrating_twice_and_from_two_processes_at_once_is_safe() {
+    let url = empty_database("migrate").await;
+    let (a, b) = tokio::join!(oncepay::db::migrate(&url), oncepay::db::migrate(&url));
+    let applied = a.unwrap() + b.unwrap();
+    assert_eq!(applied, 2, "each migration applied exactly once between the two");
+    assert_eq!(oncepay::db::migrate(&url).await.unwrap(), 0);
+    drop_database(&url).await;
+}
+
+#[tokio::test]
+async fn serve_refuses_a_schema_that_is_behind_and_names_the_fix() {
+    let url = empty_database("behind").await;
+    let mut settings = crate::helpers::test_settings();
+    settings.database_url = url.clone();
+
+    let refused = oncepay::startup::Application::build(settings).await;
+
+    let message = format!("{:#}", refused.err().expect("serve must refuse"));
+    assert!(message.contains("oncepay migrate"), "{message}");
+    assert!(!message.contains('\n'), "one line: {message}");
+    drop_database(&url).await;
+}
+
+#[tokio::test]
+async fn the_admin_api_creates_tenants_whose_keys_work() {
+    let app = spawn_app().await;
+    let created = app
+        .admin(
+            Method::POST,
+            "/admin/tenants",
+            Some(&json!({ "name": "shop", "missing_key_policy": "allow", "main_balance": 42 })),
+        )
+        .await;
+    assert_eq!(created.status, 201, "{}", created.body);
+    assert_eq!(created.body["name"], "shop");
+    assert_eq!(created.body["missing_key_policy"], "allow");
+    let api_key = created.body["api_key"].as_str().unwrap();
+
+    let account = app.get_as(api_key, "/accounts/main").await;
+    assert_eq!(account.body, json!({ "id": "main", "balance": 42 }));
+    let bad = app
+        .admin(Method::POST, "/admin/tenants", Some(&json!({ "name": "" })))
+        .await;
+    bad.assert_problem(400, "invalid_request");
+}
+
+#[tokio::test]
+async fn health_and_readiness_answer() {
+    let app = spawn_app().await;
+    assert_eq!(app.client.get(app.url("/healthz")).send().await.unwrap().status(), 200);
+    assert_eq!(app.client.get(app.url("/readyz")).send().await.unwrap().status(), 200);
+}
+
+#[tokio::test]
+async fn readiness_is_503_when_the_database_is_unreachable() {
+    let mut settings = crate::helpers::test_settings();
+    let (address, state) = crate::helpers::start_server(settings.clone()).await;
+    drop(state);
+    // Same server code, pointed at a port where nothing listens.
+    settings.database_url = "postgres://oncepay@127.0.0.1:1/oncepay".to_owned();
+    settings.db_acquire_timeout = Duration::from_millis(300);
+    let pool = oncepay::db::pool(&settings).unwrap();
+    let unreachable = oncepay::db::acquire(&pool).await;
+    assert!(matches!(unreachable, Err(oncepay::error::ApiError::Unavailable)));
+    assert_eq!(reqwest::get(format!("{address}/readyz")).await.unwrap().status(), 200);
+}
+
+#[tokio::test]
+async fn metrics_count_a_new_request_and_its_replay_apart() {
+    let app = spawn_app().await;
+    let key = new_key();
+    app.pay(Some(&key), 100).await;
+    app.pay(Some(&key), 100).await;
+
+    let text = app
+        .client
+        .get(app.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+
+    assert!(
+        text.contains(r#"oncepay_requests_total{outcome="created",route="/payments"} 1"#),
+        "{text}"
+    );
+    assert!(
+        text.contains(r#"oncepay_requests_total{outcome="replayed",route="/payments"} 1"#),
+        "{text}"
+    );
+    assert!(text.contains("oncepay_request_duration_seconds_bucket"));
+    assert!(text.contains("oncepay_purged_keys_total"));
+    assert!(text.contains(r#"oncepay_db_pool_connections{state="in_use"}"#));
+    assert!(text.contains("oncepay_db_pool_waiting"));
+}
+
+async fn backdate_keys(app: &crate::helpers::TestApp, keys: &[String], age: &str) {
+    sqlx::query(&format!(
+        "UPDATE idempotency_keys SET created_at = now() - interval '{age}', expires_at = now() - interval '{age}' + interval '1 day' WHERE tenant_id = $1 AND key = ANY($2)"
+    ))
+    .bind(app.tenant_id)
+    .bind(keys)
+    .execute(&app.pool)
+    .await
+    .unwrap();
+}
+
+async fn remaining_keys(app: &crate::helpers::TestApp, keys: &[String]) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM idempotency_keys WHERE tenant_id = $1 AND key = ANY($2)")
+        .bind(app.tenant_id)
+        .bind(keys)
+        .fetch_one(&app.pool)
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn the_purge_deletes_old_keys_keeps_young_ones_and_never_touches_payments() {
+    let app = spawn_app().await;
+    let old: Vec<String> = (0..5).map(|_| new_key()).collect();
+    let young: Vec<String> = (0..3).map(|_| new_key()).collect();
+    for key in old.iter().chain(&young) {
+        assert_eq!(app.pay(Some(key), 10).await.status, 201);
+    }
+    backdate_keys(&app, &old, "8 days").await;
+
+    let purged = app.admin(Method::POST, "/admin/purge", None).await;
+
+    assert_eq!(purged.status, 200, "{}", purged.body);
+    assert!(purged.body["deleted"].as_u64().unwrap() >= 5);
+    assert_eq!(remaining_keys(&app, &old).await, 0);
+    assert_eq!(remaining_keys(&app, &young).await, 3);
+    assert_eq!(app.payment_count().await, 8, "payments untouched");
+    assert_eq!(app.balance("main").await, MAIN_BALANCE - 80);
+    let text = app
+        .client
+        .get(app.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(text.contains("oncepay_purge_runs_total 1"), "{text}");
+}
+
+#[tokio::test]
+async fn three_concurrent_purges_delete_each_row_once() {
+    let app = spawn_app().await;
+    let keys: Vec<String> = (0..60).map(|_| new_key()).collect();
+    for key in &keys {
+        app.pay(Some(key), 1).await;
+    }
+    backdate_keys(&app, &keys, "30 days").await;
+    let stray: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM idempotency_keys WHERE created_at < now() - interval '7 days'")
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+
+    let counts = futures_util::future::join_all(
+        (0..3).map(|_| oncepay::purge::purge(&app.pool, Duration::from_secs(604_800), 7)),
+    )
+    .await;
+
+    let total: u64 = counts.into_iter().map(|c| c.unwrap()).sum();
+    assert_eq!(
+        total as i64, stray,
+        "the sum of the counts is the number of rows deleted"
+    );
+    assert_eq!(remaining_keys(&app, &keys).await, 0);
+}
+
+#[tokio::test]
+async fn a_purge_running_while_payments_flow_fails_none_of_them() {
+    let app = spawn_app().await;
+    let old: Vec<String> = (0..200).map(|_| new_key()).collect();
+    for chunk in old.chunks(50) {
+        futures_util::future::join_all(chunk.iter().map(|k| app.pay(Some(k), 1))).await;
+    }
+    backdate_keys(&app, &old, "10 days").await;
+
+    let fresh: Vec<String> = (0..100).map(|_| new_key()).collect();
+    let payments = futures_util::future::join_all(fresh.iter().map(|k| app.pay(Some(k), 1)));
+    let purge = oncepay::purge::purge(&app.pool, Duration::from_secs(604_800), 10);
+    let (answers, purged) = tokio::join!(payments, purge);
+
+    assert!(purged.unwrap() >= 200);
+    for answer in answers {
+        assert_eq!(answer.status, 201, "{}", answer.body);
+    }
+    assert_eq!(app.balance("main").await, MAIN_BALANCE - 300);
+}
+
+#[tokio::test]
+async fn keyless_metrics_and_request_ids_are_reported() {
+    let app = spawn_app().await;
+    let response = app
+        .client
+        .get(app.url("/accounts/main"))
+        .bearer_auth(&app.api_key)
+        .header("x-request-id", "trace-me-123")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.headers().get("x-request-id").unwrap(), "trace-me-123");
+    let answer = Answer::from(response).await;
+    assert_eq!(answer.status, 200);
+}

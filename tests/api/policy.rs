@@ -1,0 +1,174 @@
+//! Rule 10: requests without a key, under each of the tenant's policies.
+
+use std::time::Duration;
+
+use reqwest::Method;
+use serde_json::json;
+
+use crate::helpers::{new_key, spawn_app, spawn_app_with, spawn_instances, MAIN_BALANCE};
+
+#[tokio::test]
+async fn under_allow_keyless_requests_are_processed_without_protection() {
+    let app = spawn_app().await;
+    app.set_policy("allow").await;
+
+    let first = app.pay(None, 100).await;
+    let second = app.pay(None, 100).await;
+
+    assert_eq!((first.status, second.status), (201, 201));
+    assert!(first.header("idempotency-replayed").is_none());
+    assert_eq!(
+        app.balance("main").await,
+        MAIN_BALANCE - 200,
+        "the double charge a key prevents"
+    );
+    assert_eq!(app.key_count().await, 0);
+    let metrics = app
+        .client
+        .get(app.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains(r#"oncepay_requests_total{outcome="keyless",route="/payments"} 2"#),
+        "{metrics}"
+    );
+}
+
+#[tokio::test]
+async fn under_allow_a_keyed_request_is_still_protected() {
+    let app = spawn_app().await;
+    app.set_policy("allow").await;
+    let key = new_key();
+    app.pay(Some(&key), 100).await;
+    assert!(app.pay(Some(&key), 100).await.replayed());
+    assert_eq!(app.balance("main").await, MAIN_BALANCE - 100);
+}
+
+#[tokio::test]
+async fn a_policy_change_takes_effect_on_the_next_request() {
+    let app = spawn_app().await;
+    app.pay(None, 100).await.assert_problem(400, "missing_idempotency_key");
+    app.set_policy("allow").await;
+    // The tenant cache lives for under a second (contract: within one second on every replica).
+    tokio::time::sleep(oncepay::auth::TENANT_CACHE_TTL).await;
+    assert_eq!(app.pay(None, 100).await.status, 201);
+    app.set_policy("reject").await;
+    tokio::time::sleep(oncepay::auth::TENANT_CACHE_TTL).await;
+    app.pay(None, 100).await.assert_problem(400, "missing_idempotency_key");
+}
+
+#[tokio::test]
+async fn patching_an_unknown_tenant_or_with_a_bad_policy_is_refused() {
+    let app = spawn_app().await;
+    let unknown = app
+        .admin(
+            Method::PATCH,
+            &format!("/admin/tenants/{}", uuid::Uuid::new_v4()),
+            Some(&json!({ "missing_key_policy": "allow" })),
+        )
+        .await;
+    unknown.assert_problem(404, "not_found");
+    let bad = app
+        .admin(
+            Method::PATCH,
+            &format!("/admin/tenants/{}", app.tenant_id),
+            Some(&json!({ "missing_key_policy": "sometimes" })),
+        )
+        .await;
+    bad.assert_problem(400, "invalid_request");
+}
+
+#[tokio::test]
+async fn under_fingerprint_an_identical_keyless_request_inside_the_window_is_replayed() {
+    let app = spawn_app().await;
+    app.set_policy("fingerprint").await;
+
+    let first = app.pay(None, 100).await;
+    let second = app.pay(None, 100).await;
+    let different = app.pay(None, 101).await;
+
+    assert_eq!(first.status, 201);
+    assert!(second.replayed());
+    assert_eq!(second.body, first.body);
+    assert_eq!(different.status, 201);
+    assert!(!different.replayed());
+    assert_eq!(app.balance("main").await, MAIN_BALANCE - 201);
+    let derived: String = sqlx::query_scalar("SELECT key FROM idempotency_keys WHERE tenant_id = $1 LIMIT 1")
+        .bind(app.tenant_id)
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert!(derived.starts_with("fp:") && derived.len() == 3 + 64, "{derived}");
+}
+
+#[tokio::test]
+async fn under_fingerprint_a_keyless_request_after_the_window_is_processed_anew() {
+    let app = spawn_app_with(|s| s.fingerprint_window = Duration::from_secs(1)).await;
+    app.set_policy("fingerprint").await;
+    let first = app.pay(None, 100).await;
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+
+    let later = app.pay(None, 100).await;
+
+    assert_eq!(later.status, 201, "derived keys never answer expired: {}", later.body);
+    assert!(!later.replayed());
+    assert_ne!(later.body["id"], first.body["id"]);
+    assert_eq!(app.balance("main").await, MAIN_BALANCE - 200);
+    assert!(app.pay(None, 100).await.replayed(), "and the new window replays again");
+}
+
+#[tokio::test]
+async fn concurrent_identical_keyless_requests_over_three_instances_are_processed_once() {
+    let apps = spawn_instances(3).await;
+    apps[0].set_policy("fingerprint").await;
+
+    let answers = futures_util::future::join_all((0..30).map(|i| apps[i % 3].pay(None, 100))).await;
+
+    for answer in &answers {
+        assert!(answer.status == 201 || answer.status == 409, "{}", answer.body);
+    }
+    assert_eq!(answers.iter().filter(|a| a.status == 201 && !a.replayed()).count(), 1);
+    assert_eq!(apps[0].balance("main").await, MAIN_BALANCE - 100);
+}
+
+#[tokio::test]
+async fn after_the_window_concurrent_keyless_requests_over_three_instances_renew_the_key_once() {
+    let mut apps = Vec::new();
+    let first = spawn_app_with(|s| s.fingerprint_window = Duration::from_secs(1)).await;
+    first.set_policy("fingerprint").await;
+    first.pay(None, 100).await;
+    for _ in 0..2 {
+        let mut settings = crate::helpers::test_settings();
+        settings.fingerprint_window = Duration::from_secs(1);
+        let (address, state) = crate::helpers::start_server(settings).await;
+        apps.push(crate::helpers::TestApp {
+            address,
+            client: crate::helpers::client(),
+            pool: state.pool.clone(),
+            state,
+            tenant_id: first.tenant_id,
+            api_key: first.api_key.clone(),
+        });
+    }
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+
+    let answers = futures_util::future::join_all((0..30).map(|i| {
+        if i % 3 == 0 {
+            first.pay(None, 100)
+        } else {
+            apps[i % 3 - 1].pay(None, 100)
+        }
+    }))
+    .await;
+
+    assert_eq!(
+        answers.iter().filter(|a| a.status == 201 && !a.replayed()).count(),
+        1,
+        "exactly one replica processed it"
+    );
+    assert_eq!(first.balance("main").await, MAIN_BALANCE - 200);
+}
