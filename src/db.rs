@@ -149,6 +149,11 @@ pub fn expected_schema_version() -> i32 {
         .unwrap_or(0)
 }
 
+/// How many migrations this binary embeds.
+pub fn embedded_migration_count() -> usize {
+    embedded::migrations::runner().get_migrations().len()
+}
+
 /// Fails with a one-line message naming `oncepay migrate` if the schema is behind.
 pub async fn check_schema(pool: &PgPool) -> anyhow::Result<()> {
     let applied: Option<i32> = sqlx::query_scalar("SELECT max(version) FROM refinery_schema_history")

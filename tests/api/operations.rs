@@ -34,7 +34,11 @@ async fn migrating_twice_and_from_two_processes_at_once_is_safe() {
     let url = empty_database("migrate").await;
     let (a, b) = tokio::join!(oncepay::db::migrate(&url), oncepay::db::migrate(&url));
     let applied = a.unwrap() + b.unwrap();
-    assert_eq!(applied, 2, "each migration applied exactly once between the two");
+    assert_eq!(
+        applied,
+        oncepay::db::embedded_migration_count(),
+        "each migration applied exactly once between the two"
+    );
     assert_eq!(oncepay::db::migrate(&url).await.unwrap(), 0);
     drop_database(&url).await;
 }
@@ -240,4 +244,37 @@ async fn keyless_metrics_and_request_ids_are_reported() {
     assert_eq!(response.headers().get("x-request-id").unwrap(), "trace-me-123");
     let answer = Answer::from(response).await;
     assert_eq!(answer.status, 200);
+}
+
+#[tokio::test]
+async fn the_overview_view_tells_live_expired_and_due_for_purge_keys_apart() {
+    let app = spawn_app().await;
+    let keys: Vec<String> = (0..3).map(|_| new_key()).collect();
+    for key in &keys {
+        app.pay(Some(key), 1).await;
+    }
+    sqlx::query("UPDATE idempotency_keys SET expires_at = now() - interval '1 hour' WHERE tenant_id = $1 AND key = $2")
+        .bind(app.tenant_id)
+        .bind(&keys[1])
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    backdate_keys(&app, &keys[2..], "8 days").await;
+
+    let rows: Vec<(String, String, Option<String>, f64)> = sqlx::query_as(
+        "SELECT key, state, resource_id, extract(epoch FROM replay_remaining)::float8
+           FROM idempotency_key_overview WHERE tenant_id = $1",
+    )
+    .bind(app.tenant_id)
+    .fetch_all(&app.pool)
+    .await
+    .unwrap();
+
+    let state_of = |key: &String| rows.iter().find(|r| &r.0 == key).unwrap();
+    assert_eq!(state_of(&keys[0]).1, "live");
+    assert!(state_of(&keys[0]).3 > 86_000.0);
+    assert!(state_of(&keys[0]).2.is_some());
+    assert_eq!(state_of(&keys[1]).1, "expired");
+    assert_eq!(state_of(&keys[1]).3, 0.0);
+    assert_eq!(state_of(&keys[2]).1, "due_for_purge");
 }
