@@ -3,8 +3,10 @@
 //! Layers, from the edge in: `routes` (HTTP) -> `idempotency` (the protocol) and `ledger`
 //! (money movements) -> PostgreSQL (`db`, `migrations/`). Only `routes`, `auth`, `error`
 //! and `telemetry` know HTTP.
+//! `client` is the other side: a Rust client (and the CLI's client commands) that retries safely.
 
 pub mod auth;
+pub mod client;
 pub mod config;
 pub mod db;
 pub mod domain;

@@ -1,6 +1,7 @@
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 
+use oncepay::client::cli::ClientCommand;
 use oncepay::config::Settings;
 use oncepay::domain::{MissingKeyPolicy, OpeningBalance};
 use oncepay::startup::Application;
@@ -16,6 +17,15 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    #[command(flatten)]
+    Server(ServerCommand),
+    #[command(flatten)]
+    Client(ClientCommand),
+}
+
+/// The commands that work on the database (they need DATABASE_URL).
+#[derive(Subcommand)]
+enum ServerCommand {
     /// Run the HTTP API (refuses to start on a schema that is behind).
     Serve,
     /// Apply the embedded migrations to DATABASE_URL (safe to run twice or concurrently).
@@ -59,33 +69,40 @@ impl From<PolicyArg> for MissingKeyPolicy {
 
 #[tokio::main]
 async fn main() {
-    let cli = Cli::parse();
-    if let Err(err) = run(cli).await {
-        eprintln!("oncepay: {err:#}");
-        std::process::exit(1);
-    }
+    let status = match Cli::parse().command {
+        // The client commands talk to a server over HTTP: no database, no server settings.
+        Command::Client(command) => oncepay::client::cli::run(command).await,
+        Command::Server(command) => match run(command).await {
+            Ok(()) => 0,
+            Err(err) => {
+                eprintln!("oncepay: {err:#}");
+                1
+            }
+        },
+    };
+    std::process::exit(status);
 }
 
-async fn run(cli: Cli) -> anyhow::Result<()> {
+async fn run(command: ServerCommand) -> anyhow::Result<()> {
     let settings = Settings::from_env()?;
     telemetry::init(settings.log_json);
-    match cli.command {
-        Command::Serve => {
+    match command {
+        ServerCommand::Serve => {
             let app = Application::build(settings.clone()).await?;
             tracing::info!(bind = %settings.bind, port = app.port(), "oncepay serving");
             app.run_until_stopped().await?;
         }
-        Command::Migrate => {
+        ServerCommand::Migrate => {
             let applied = db::migrate(&settings.database_url).await?;
             tracing::info!(applied, "migrations applied");
         }
-        Command::Purge => {
+        ServerCommand::Purge => {
             let pool = db::pool(&settings)?;
             db::check_schema(&pool).await?;
             let deleted = purge::purge(&pool, settings.retention, settings.purge_batch_size).await?;
             println!("deleted={deleted}");
         }
-        Command::Tenant(TenantCommand::Create {
+        ServerCommand::Tenant(TenantCommand::Create {
             name,
             missing_key_policy,
             main_balance,

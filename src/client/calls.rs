@@ -1,0 +1,165 @@
+//! One typed method per tenant endpoint of the contract (section 4).
+
+use chrono::{DateTime, Utc};
+use reqwest::{Method, Url};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use uuid::Uuid;
+
+use super::error::ClientError;
+use super::key::IdempotencyKey;
+use super::retry::Call;
+use super::{Client, Reply};
+
+/// `POST /payments`: 201.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Payment {
+    pub id: Uuid,
+    pub account: String,
+    pub charged: i64,
+    /// The account's balance right after this payment (as of the first answer on a replay).
+    pub balance: i64,
+    pub status: String,
+    pub created_at: DateTime<Utc>,
+}
+
+/// `GET /payments/{id}`: the payment's current state.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PaymentState {
+    pub id: Uuid,
+    pub account: String,
+    pub amount: i64,
+    /// `succeeded` or `refunded`.
+    pub status: String,
+    pub created_at: DateTime<Utc>,
+    pub refunded_at: Option<DateTime<Utc>>,
+}
+
+/// `POST /payments/{id}/refund`: 200.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Refund {
+    pub id: Uuid,
+    pub status: String,
+    pub refunded: i64,
+    pub balance: i64,
+}
+
+/// `POST /accounts`: 201.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AccountCreated {
+    pub id: String,
+    pub balance: i64,
+    pub created_at: DateTime<Utc>,
+}
+
+/// `GET /accounts/{id}`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Account {
+    pub id: String,
+    pub balance: i64,
+}
+
+/// `POST /accounts/{id}/deposits`: 201.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Deposit {
+    pub id: Uuid,
+    pub account: String,
+    pub amount: i64,
+    pub balance: i64,
+}
+
+impl Client {
+    /// Charges `amount` (minor units) to `account` (`main` when `None`).
+    pub async fn pay(
+        &self,
+        amount: i64,
+        account: Option<&str>,
+        key: &IdempotencyKey,
+    ) -> Result<Reply<Payment>, ClientError> {
+        let mut body = json!({ "amount": amount });
+        if let Some(account) = account {
+            body["account"] = json!(account);
+        }
+        self.post(&["payments"], &body, key).await
+    }
+
+    /// Refunds the whole payment.
+    pub async fn refund(&self, payment: Uuid, key: &IdempotencyKey) -> Result<Reply<Refund>, ClientError> {
+        let payment = payment.to_string();
+        self.post(&["payments", &payment, "refund"], &json!({}), key).await
+    }
+
+    /// Credits `amount` to `account`.
+    pub async fn deposit(
+        &self,
+        account: &str,
+        amount: i64,
+        key: &IdempotencyKey,
+    ) -> Result<Reply<Deposit>, ClientError> {
+        self.post(&["accounts", account, "deposits"], &json!({ "amount": amount }), key)
+            .await
+    }
+
+    /// Opens an account with an opening balance (0 when `None`).
+    pub async fn open_account(
+        &self,
+        id: &str,
+        balance: Option<i64>,
+        key: &IdempotencyKey,
+    ) -> Result<Reply<AccountCreated>, ClientError> {
+        let mut body = json!({ "id": id });
+        if let Some(balance) = balance {
+            body["balance"] = json!(balance);
+        }
+        self.post(&["accounts"], &body, key).await
+    }
+
+    /// The account's current balance.
+    pub async fn account(&self, id: &str) -> Result<Reply<Account>, ClientError> {
+        self.get(&["accounts", id]).await
+    }
+
+    /// The payment's current state.
+    pub async fn payment(&self, id: Uuid) -> Result<Reply<PaymentState>, ClientError> {
+        self.get(&["payments", &id.to_string()]).await
+    }
+
+    async fn post<T: DeserializeOwned>(
+        &self,
+        path: &[&str],
+        body: &Value,
+        key: &IdempotencyKey,
+    ) -> Result<Reply<T>, ClientError> {
+        let body = serde_json::to_vec(body).map_err(|e| ClientError::InvalidArgument(e.to_string()))?;
+        self.execute(Call {
+            method: Method::POST,
+            url: self.endpoint(path),
+            body: Some(body),
+            key: Some(key),
+        })
+        .await
+    }
+
+    /// GETs are idempotent by design: retried by the same table, with no key.
+    async fn get<T: DeserializeOwned>(&self, path: &[&str]) -> Result<Reply<T>, ClientError> {
+        self.execute(Call {
+            method: Method::GET,
+            url: self.endpoint(path),
+            body: None,
+            key: None,
+        })
+        .await
+    }
+
+    /// The base URL with `segments` appended, each percent-encoded: an account id with a
+    /// `/` stays one segment, and the server answers it 400 `invalid_request`.
+    fn endpoint(&self, segments: &[&str]) -> Url {
+        let mut url = self.inner.base.clone();
+        url.path_segments_mut()
+            .expect("the builder accepts only base URLs")
+            .pop_if_empty()
+            .extend(segments);
+        url
+    }
+}

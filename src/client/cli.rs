@@ -1,0 +1,244 @@
+//! The client commands of the `oncepay` binary: `pay`, `refund`, `deposit`, `balance`,
+//! `get-payment`. The answer's JSON goes to stdout; retries, replays and errors to stderr.
+//!
+//! Exit status: 0 success; 2 bad usage; 3 the server refused the request (a 4xx problem that
+//! a retry would not change); 4 the outcome is unknown (no final answer within the attempts,
+//! the deadline or the budget): run the command again with the same `--key`; 5 the server's
+//! answer could not be read.
+
+use std::time::Duration;
+
+use clap::{Args, Subcommand};
+use serde::Serialize;
+use uuid::Uuid;
+
+use super::{Client, ClientConfig, ClientError, IdempotencyKey, Reply, RetryNote};
+
+pub const EXIT_USAGE: i32 = 2;
+pub const EXIT_REFUSED: i32 = 3;
+pub const EXIT_OUTCOME_UNKNOWN: i32 = 4;
+pub const EXIT_INVALID_RESPONSE: i32 = 5;
+
+#[derive(Subcommand)]
+pub enum ClientCommand {
+    /// Pay: POST /payments with an Idempotency-Key, retried safely; prints the payment.
+    Pay {
+        #[command(flatten)]
+        server: ServerArgs,
+        /// Amount in minor units (1 ..= 10^12).
+        #[arg(long)]
+        amount: i64,
+        /// Account to charge (default: main).
+        #[arg(long)]
+        account: Option<String>,
+        #[command(flatten)]
+        key: KeyArg,
+    },
+    /// Refund a whole payment: POST /payments/{id}/refund.
+    Refund {
+        #[command(flatten)]
+        server: ServerArgs,
+        /// The payment's id.
+        #[arg(long)]
+        payment: Uuid,
+        #[command(flatten)]
+        key: KeyArg,
+    },
+    /// Deposit: POST /accounts/{id}/deposits.
+    Deposit {
+        #[command(flatten)]
+        server: ServerArgs,
+        #[arg(long)]
+        amount: i64,
+        #[arg(long, default_value = "main")]
+        account: String,
+        #[command(flatten)]
+        key: KeyArg,
+    },
+    /// An account's balance: GET /accounts/{id}.
+    Balance {
+        #[command(flatten)]
+        server: ServerArgs,
+        #[arg(long, default_value = "main")]
+        account: String,
+    },
+    /// A payment's current state: GET /payments/{id}.
+    GetPayment {
+        #[command(flatten)]
+        server: ServerArgs,
+        #[arg(long)]
+        id: Uuid,
+    },
+}
+
+#[derive(Args)]
+pub struct ServerArgs {
+    /// The server's base URL, e.g. http://127.0.0.1:8130.
+    #[arg(long, env = "ONCEPAY_URL")]
+    url: String,
+    /// The tenant's API key.
+    #[arg(long, env = "ONCEPAY_API_KEY", hide_env_values = true)]
+    api_key: String,
+    /// Timeout of each attempt, in milliseconds [default: 10000].
+    #[arg(long)]
+    timeout_ms: Option<u64>,
+    /// Attempts at most, the first included [default: 6].
+    #[arg(long)]
+    max_attempts: Option<u32>,
+    /// Deadline of the whole operation, all retries included, in milliseconds [default: 30000].
+    #[arg(long)]
+    deadline_ms: Option<u64>,
+}
+
+#[derive(Args)]
+pub struct KeyArg {
+    /// The operation's Idempotency-Key (default: a new UUID). Reuse it only to resume this
+    /// same operation.
+    #[arg(long)]
+    key: Option<String>,
+}
+
+/// Runs a client command; returns the process exit status.
+pub async fn run(command: ClientCommand) -> i32 {
+    match execute(command).await {
+        Ok(()) => 0,
+        Err(Failed { error, key }) => fail(&error, key.as_ref()),
+    }
+}
+
+/// A failure, with the key of the operation it left unfinished.
+struct Failed {
+    error: ClientError,
+    key: Option<IdempotencyKey>,
+}
+
+impl From<ClientError> for Failed {
+    fn from(error: ClientError) -> Self {
+        Self { error, key: None }
+    }
+}
+
+impl KeyArg {
+    fn resolve(&self) -> Result<IdempotencyKey, ClientError> {
+        self.key
+            .as_deref()
+            .map_or_else(|| Ok(IdempotencyKey::generate()), IdempotencyKey::parse)
+    }
+}
+
+fn keyed(key: &IdempotencyKey) -> impl Fn(ClientError) -> Failed + '_ {
+    move |error| Failed {
+        error,
+        key: Some(key.clone()),
+    }
+}
+
+async fn execute(command: ClientCommand) -> Result<(), Failed> {
+    match command {
+        ClientCommand::Pay {
+            server,
+            amount,
+            account,
+            key,
+        } => {
+            let key = key.resolve()?;
+            let reply = client(&server)?.pay(amount, account.as_deref(), &key).await;
+            print(reply.map_err(keyed(&key))?, Some(&key))
+        }
+        ClientCommand::Refund { server, payment, key } => {
+            let key = key.resolve()?;
+            let reply = client(&server)?.refund(payment, &key).await;
+            print(reply.map_err(keyed(&key))?, Some(&key))
+        }
+        ClientCommand::Deposit {
+            server,
+            amount,
+            account,
+            key,
+        } => {
+            let key = key.resolve()?;
+            let reply = client(&server)?.deposit(&account, amount, &key).await;
+            print(reply.map_err(keyed(&key))?, Some(&key))
+        }
+        ClientCommand::Balance { server, account } => print(client(&server)?.account(&account).await?, None),
+        ClientCommand::GetPayment { server, id } => print(client(&server)?.payment(id).await?, None),
+    }
+}
+
+fn client(server: &ServerArgs) -> Result<Client, ClientError> {
+    let defaults = ClientConfig::default();
+    let config = ClientConfig {
+        attempt_timeout: server
+            .timeout_ms
+            .map_or(defaults.attempt_timeout, Duration::from_millis),
+        max_attempts: server.max_attempts.unwrap_or(defaults.max_attempts),
+        deadline: server.deadline_ms.map_or(defaults.deadline, Duration::from_millis),
+        ..defaults
+    };
+    Client::builder(&server.url, &server.api_key)
+        .config(config)
+        .on_retry(note_retry)
+        .build()
+}
+
+fn note_retry(note: &RetryNote<'_>) {
+    eprintln!(
+        "oncepay: attempt {} failed ({}): {}; retrying in {} ms{}",
+        note.attempt,
+        note.error.code(),
+        note.error,
+        note.wait.as_millis(),
+        if note.key.is_some() { " with the same key" } else { "" }
+    );
+}
+
+fn print<T: Serialize>(reply: Reply<T>, key: Option<&IdempotencyKey>) -> Result<(), Failed> {
+    let json = serde_json::to_string(&reply.value).map_err(|source| ClientError::InvalidResponse {
+        status: reply.status,
+        source,
+    })?;
+    println!("{json}");
+    if reply.attempts > 1 {
+        eprintln!("oncepay: answered {} after {} attempts", reply.status, reply.attempts);
+    }
+    if let (true, Some(key)) = (reply.replayed, key) {
+        eprintln!("oncepay: replayed: the server had already processed key {key}; this is its stored answer, nothing was charged again");
+    }
+    Ok(())
+}
+
+fn fail(err: &ClientError, key: Option<&IdempotencyKey>) -> i32 {
+    let status = err.status().map(|s| format!(" status={s}")).unwrap_or_default();
+    eprintln!("oncepay: error code={}{status}: {}", err.code(), chain(err));
+    if let ClientError::Problem(problem) = err {
+        if problem.replayed {
+            eprintln!("oncepay: replayed: this failure was stored with the key on its first request");
+        }
+    }
+    if err.outcome_unknown() {
+        if let Some(key) = key {
+            eprintln!("oncepay: the outcome is unknown; to resume this operation safely, run the same command with --key {key}");
+        }
+        return EXIT_OUTCOME_UNKNOWN;
+    }
+    match err {
+        ClientError::InvalidArgument(_) => EXIT_USAGE,
+        ClientError::InvalidResponse { .. } => EXIT_INVALID_RESPONSE,
+        _ => EXIT_REFUSED,
+    }
+}
+
+/// The error and its causes, so that "connection refused" is not hidden behind reqwest's summary.
+fn chain(err: &ClientError) -> String {
+    let mut text = err.to_string();
+    let mut source = std::error::Error::source(err);
+    while let Some(cause) = source {
+        let cause_text = cause.to_string();
+        if !text.contains(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
+        source = cause.source();
+    }
+    text
+}

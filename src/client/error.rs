@@ -1,0 +1,110 @@
+//! What a failed operation tells its caller: a problem answered by the server (with its
+//! status and `code`), or why no answer came.
+
+use std::time::Duration;
+
+use serde::Deserialize;
+
+/// An RFC 9457 problem answered by the server (or a non-problem error answer, whose `code`
+/// is then `http_<status>`).
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+pub struct Problem {
+    #[serde(skip)]
+    pub status: u16,
+    pub code: String,
+    #[serde(default)]
+    pub title: String,
+    #[serde(default)]
+    pub detail: String,
+    /// A stored failure replayed for a retried key (`Idempotency-Replayed: true`).
+    #[serde(skip)]
+    pub replayed: bool,
+}
+
+impl Problem {
+    /// Reads an error answer; a body that is not a problem still yields a problem with the
+    /// status, so every failure has a `code`.
+    pub fn from_answer(status: u16, replayed: bool, body: &[u8]) -> Self {
+        let parsed = serde_json::from_slice::<Problem>(body).ok();
+        let mut problem = parsed.unwrap_or_else(|| Problem {
+            status,
+            code: format!("http_{status}"),
+            title: String::new(),
+            detail: String::from_utf8_lossy(&body[..body.len().min(200)]).into_owned(),
+            replayed,
+        });
+        problem.status = status;
+        problem.replayed = replayed;
+        problem
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// The server answered with an error that retrying cannot fix, or the last of the
+    /// attempts answered a retryable one.
+    #[error("{} {}: {}", .0.status, .0.code, .0.detail)]
+    Problem(Problem),
+    /// No answer: connection refused, reset or dropped, or an attempt timed out. The
+    /// operation may or may not have been processed; retrying with the same key is safe.
+    #[error("no answer from the server{}: {source}", if *.timed_out { " in time" } else { "" })]
+    Transport {
+        timed_out: bool,
+        #[source]
+        source: reqwest::Error,
+    },
+    /// The operation's deadline came before an answer; `last` is the last attempt's failure.
+    #[error("deadline of {deadline:?} exceeded after {attempts} attempt(s); last failure: {last}")]
+    DeadlineExceeded {
+        deadline: Duration,
+        attempts: u32,
+        last: Box<ClientError>,
+    },
+    /// The retry budget had no token for this retry before the deadline: the server is
+    /// failing many requests, and this client stops adding load.
+    #[error("retry budget exhausted after {attempts} attempt(s); last failure: {last}")]
+    BudgetExhausted { attempts: u32, last: Box<ClientError> },
+    /// A success answer whose body is not what the contract promises.
+    #[error("unexpected answer body (status {status}): {source}")]
+    InvalidResponse {
+        status: u16,
+        #[source]
+        source: serde_json::Error,
+    },
+    /// A caller's value the client refuses before sending anything.
+    #[error("{0}")]
+    InvalidArgument(String),
+}
+
+impl ClientError {
+    /// The machine-readable code: the problem's `code`, or one naming the local failure.
+    pub fn code(&self) -> &str {
+        match self {
+            Self::Problem(problem) => &problem.code,
+            Self::Transport { timed_out: true, .. } => "timeout",
+            Self::Transport { timed_out: false, .. } => "transport_error",
+            Self::DeadlineExceeded { .. } => "deadline_exceeded",
+            Self::BudgetExhausted { .. } => "retry_budget_exhausted",
+            Self::InvalidResponse { .. } => "invalid_response",
+            Self::InvalidArgument(_) => "invalid_argument",
+        }
+    }
+
+    /// The HTTP status of a problem answer.
+    pub fn status(&self) -> Option<u16> {
+        match self {
+            Self::Problem(problem) => Some(problem.status),
+            _ => None,
+        }
+    }
+
+    /// Whether the operation may have been processed although this error was returned: then
+    /// the caller should send it again later *with the same key*, never with a new one.
+    pub fn outcome_unknown(&self) -> bool {
+        match self {
+            Self::Problem(problem) => super::policy::retryable(problem.status, &problem.code),
+            Self::Transport { .. } | Self::DeadlineExceeded { .. } | Self::BudgetExhausted { .. } => true,
+            Self::InvalidResponse { .. } | Self::InvalidArgument(_) => false,
+        }
+    }
+}

@@ -1,0 +1,86 @@
+//! The client's side of `Idempotency-Key`: one key per logical operation.
+
+use std::fmt;
+
+use uuid::Uuid;
+
+use super::error::ClientError;
+use crate::idempotency::key::MAX_LEN;
+
+/// The key of one logical operation. Make one per operation ([`IdempotencyKey::generate`], a
+/// random UUID) or take the caller's own ([`IdempotencyKey::parse`]), and pass the same
+/// value again to resume an operation whose outcome is unknown; never reuse it for
+/// another operation (the server answers 422 `idempotency_key_reused`).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct IdempotencyKey(String);
+
+impl IdempotencyKey {
+    /// A fresh random key (UUID v4).
+    pub fn generate() -> Self {
+        Self(Uuid::new_v4().to_string())
+    }
+
+    /// The caller's key: 1..=255 visible ASCII characters (contract section 5, rule 1).
+    pub fn parse(raw: &str) -> Result<Self, ClientError> {
+        let visible = raw.bytes().all(|b| (0x21..=0x7e).contains(&b));
+        if raw.is_empty() || raw.len() > MAX_LEN || !visible {
+            return Err(ClientError::InvalidArgument(format!(
+                "an idempotency key is 1 to {MAX_LEN} visible ASCII characters (no spaces), got {raw:?}"
+            )));
+        }
+        Ok(Self(raw.to_owned()))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// The header value the server reads back as exactly this key. The server unquotes a
+    /// value that starts and ends with `"` (RFC 8941 string), so such a key is sent quoted.
+    pub fn header_value(&self) -> String {
+        let key = &self.0;
+        if key.len() >= 2 && key.starts_with('"') && key.ends_with('"') {
+            format!("\"{}\"", key.replace('\\', "\\\\").replace('"', "\\\""))
+        } else {
+            key.clone()
+        }
+    }
+}
+
+impl fmt::Display for IdempotencyKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::idempotency::IdempotencyKey as ServerKey;
+
+    #[test]
+    fn generated_keys_are_distinct_uuids() {
+        let (a, b) = (IdempotencyKey::generate(), IdempotencyKey::generate());
+        assert_ne!(a, b);
+        assert!(Uuid::parse_str(a.as_str()).is_ok());
+    }
+
+    #[test]
+    fn the_caller_key_follows_the_contract_rule() {
+        assert!(IdempotencyKey::parse("order-42").is_ok());
+        assert!(IdempotencyKey::parse(&"k".repeat(255)).is_ok());
+        for bad in ["", "with space", "tab\t", "é", &"k".repeat(256)] {
+            let err = IdempotencyKey::parse(bad).unwrap_err();
+            assert_eq!(err.code(), "invalid_argument", "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn the_server_reads_every_header_value_back_as_the_same_key() {
+        for raw in ["plain", "\"quoted\"", "\"a\\\"b\"", "a\"b", "\"", "\"\""] {
+            let key = IdempotencyKey::parse(raw).unwrap();
+            let read = ServerKey::parse(key.header_value().as_bytes()).unwrap();
+            assert_eq!(read.as_str(), raw, "sent as {}", key.header_value());
+        }
+    }
+}

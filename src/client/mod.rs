@@ -1,0 +1,146 @@
+//! `oncepay::client`: a client of the tenant API that retries safely.
+//!
+//! - **One key per logical operation.** Every POST takes an [`IdempotencyKey`]; each
+//!   retry of the call sends that same key, so the server processes the operation at most
+//!   once and answers the retry of a processed request with the stored answer
+//!   ([`Reply::replayed`]). A new operation takes a new key ([`IdempotencyKey::generate`]);
+//!   to resume an operation whose outcome is unknown ([`ClientError::outcome_unknown`]),
+//!   call again with the same key.
+//! - **The retry table** is in [`policy`]: transport failures, 500/502/503/504, 429 and 409
+//!   `request_in_progress` are retried; every other error is returned at once.
+//! - **Waits**: exponential backoff with full jitter, never shorter than the server's
+//!   `Retry-After`; at most `max_attempts` attempts within an overall `deadline`
+//!   ([`ClientConfig`]).
+//! - **The retry budget** ([`BudgetConfig`]): a token bucket shared by every operation of the
+//!   client (and of its clones) that caps the rate of retries, so a brownout of the server
+//!   does not turn into a retry storm.
+
+mod budget;
+mod calls;
+pub mod cli;
+mod config;
+mod error;
+mod key;
+pub mod policy;
+mod retry;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use reqwest::header::HeaderValue;
+use reqwest::Url;
+
+pub use calls::{Account, AccountCreated, Deposit, Payment, PaymentState, Refund};
+pub use config::{Backoff, BudgetConfig, ClientConfig};
+pub use error::{ClientError, Problem};
+pub use key::IdempotencyKey;
+
+use budget::RetryBudget;
+
+/// A successful answer.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Reply<T> {
+    pub value: T,
+    pub status: u16,
+    /// The server had already processed this key: this is the stored answer of the first
+    /// request (`Idempotency-Replayed: true`), not a second effect.
+    pub replayed: bool,
+    /// Attempts sent for this operation, this one included.
+    pub attempts: u32,
+}
+
+/// What an observer hears before each retry (the CLI prints it).
+#[derive(Debug)]
+pub struct RetryNote<'a> {
+    /// The attempt that failed (1-based).
+    pub attempt: u32,
+    pub error: &'a ClientError,
+    /// The backoff before the next attempt (a wait for a budget token may follow).
+    pub wait: Duration,
+    pub key: Option<&'a IdempotencyKey>,
+}
+
+type Observer = Box<dyn Fn(&RetryNote<'_>) + Send + Sync>;
+
+/// The client: cheap to clone; clones share connections and the retry budget.
+#[derive(Clone)]
+pub struct Client {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    http: reqwest::Client,
+    base: Url,
+    authorization: HeaderValue,
+    config: ClientConfig,
+    budget: RetryBudget,
+    observer: Option<Observer>,
+}
+
+impl Client {
+    /// A client of the server at `base_url` (for example `http://127.0.0.1:8130`).
+    pub fn builder(base_url: &str, api_key: &str) -> ClientBuilder {
+        ClientBuilder {
+            base_url: base_url.to_owned(),
+            api_key: api_key.to_owned(),
+            config: ClientConfig::default(),
+            observer: None,
+        }
+    }
+}
+
+pub struct ClientBuilder {
+    base_url: String,
+    api_key: String,
+    config: ClientConfig,
+    observer: Option<Observer>,
+}
+
+impl ClientBuilder {
+    pub fn config(mut self, config: ClientConfig) -> Self {
+        self.config = config;
+        self
+    }
+
+    /// Calls `observer` before every retry, for logs or metrics.
+    pub fn on_retry(mut self, observer: impl Fn(&RetryNote<'_>) + Send + Sync + 'static) -> Self {
+        self.observer = Some(Box::new(observer));
+        self
+    }
+
+    pub fn build(self) -> Result<Client, ClientError> {
+        let invalid = |what: String| ClientError::InvalidArgument(what);
+        let base = Url::parse(&self.base_url).map_err(|e| invalid(format!("invalid URL {:?}: {e}", self.base_url)))?;
+        // This build carries no TLS stack (reqwest without its TLS features).
+        if base.scheme() != "http" || base.cannot_be_a_base() {
+            return Err(invalid(format!(
+                "the URL must be http://host[:port][/prefix], got {:?}",
+                self.base_url
+            )));
+        }
+        let mut authorization = HeaderValue::from_str(&format!("Bearer {}", self.api_key))
+            .map_err(|_| invalid("the API key contains characters a header cannot carry".to_owned()))?;
+        authorization.set_sensitive(true);
+        if self.config.max_attempts == 0 || self.config.attempt_timeout.is_zero() || self.config.deadline.is_zero() {
+            return Err(invalid(
+                "max_attempts, the attempt timeout and the deadline must be positive".to_owned(),
+            ));
+        }
+        let http = reqwest::Client::builder()
+            .connect_timeout(self.config.connect_timeout)
+            // A redirected POST would become a GET: the contract has no redirects.
+            .redirect(reqwest::redirect::Policy::none())
+            .build()
+            .map_err(|e| invalid(format!("cannot build the HTTP client: {e}")))?;
+        Ok(Client {
+            inner: Arc::new(Inner {
+                http,
+                base,
+                authorization,
+                budget: RetryBudget::new(self.config.budget),
+                config: self.config,
+                observer: self.observer,
+            }),
+        })
+    }
+}

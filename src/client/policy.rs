@@ -1,0 +1,86 @@
+//! The retry table (seed document 000, contract section 6): which failures a retry can
+//! fix, and how long the server asks the client to wait.
+//!
+//! | answer | retried | why |
+//! | --- | --- | --- |
+//! | connect error, timeout, dropped connection | yes | the request may or may not have been processed: only the same key can tell |
+//! | 500, 502, 503, 504 | yes | a transient failure; the server commits nothing on a transient failure (contract 5.8) |
+//! | 429 `overloaded` | yes, after `Retry-After` | the server sheds load |
+//! | 409 `request_in_progress` | yes, after `Retry-After` | the first request with this key is still running |
+//! | 400, 401, 402, 403, 404, 413, 415, 422, other 409s, anything else | no | the same request gets the same answer: the caller must change something |
+
+use std::time::{Duration, SystemTime};
+
+use reqwest::header::{HeaderMap, RETRY_AFTER};
+
+/// Whether an error answer with this status and problem `code` is worth retrying.
+pub fn retryable(status: u16, code: &str) -> bool {
+    match status {
+        500 | 502 | 503 | 504 | 429 => true,
+        409 => code == "request_in_progress",
+        _ => false,
+    }
+}
+
+/// The wait a `Retry-After` header asks for: delay-seconds or an HTTP-date (RFC 9110
+/// 10.2.3), measured from `now`. An unreadable value is ignored (the backoff applies).
+pub fn retry_after(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
+    let value = headers.get(RETRY_AFTER)?.to_str().ok()?.trim();
+    if let Ok(secs) = value.parse::<u64>() {
+        return Some(Duration::from_secs(secs));
+    }
+    let at = chrono::DateTime::parse_from_rfc2822(value).ok()?;
+    Some(SystemTime::from(at).duration_since(now).unwrap_or(Duration::ZERO))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use reqwest::header::HeaderValue;
+
+    #[test]
+    fn the_table_retries_transient_statuses_and_in_progress_only() {
+        for status in [500, 502, 503, 504, 429] {
+            assert!(retryable(status, "whatever"), "{status}");
+        }
+        assert!(retryable(409, "request_in_progress"));
+        for (status, code) in [
+            (400, "invalid_request"),
+            (401, "unauthorized"),
+            (402, "insufficient_funds"),
+            (403, "admin_disabled"),
+            (404, "account_not_found"),
+            (409, "already_refunded"),
+            (409, "account_exists"),
+            (413, "body_too_large"),
+            (415, "unsupported_media_type"),
+            (422, "idempotency_key_reused"),
+            (501, "http_501"),
+        ] {
+            assert!(!retryable(status, code), "{status} {code}");
+        }
+    }
+
+    fn headers(value: &str) -> HeaderMap {
+        let mut headers = HeaderMap::new();
+        headers.insert(RETRY_AFTER, HeaderValue::from_str(value).unwrap());
+        headers
+    }
+
+    #[test]
+    fn retry_after_reads_seconds_and_http_dates() {
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(784_111_777); // Sun, 06 Nov 1994 08:49:37 GMT
+        assert_eq!(retry_after(&headers("1"), now), Some(Duration::from_secs(1)));
+        assert_eq!(
+            retry_after(&headers("Sun, 06 Nov 1994 08:49:40 GMT"), now),
+            Some(Duration::from_secs(3))
+        );
+        assert_eq!(
+            retry_after(&headers("Sun, 06 Nov 1994 08:49:00 GMT"), now),
+            Some(Duration::ZERO),
+            "a date in the past means now"
+        );
+        assert_eq!(retry_after(&headers("soon"), now), None);
+        assert_eq!(retry_after(&HeaderMap::new(), now), None);
+    }
+}

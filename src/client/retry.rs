@@ -1,0 +1,144 @@
+//! The retry loop: one logical operation, as many attempts as the policy, the deadline and
+//! the budget allow, every one with the same method, path, body and key.
+
+use std::time::{Instant, SystemTime};
+
+use reqwest::header::{AUTHORIZATION, CONTENT_TYPE};
+use reqwest::{Method, Url};
+use serde::de::DeserializeOwned;
+
+use super::error::{ClientError, Problem};
+use super::key::IdempotencyKey;
+use super::{policy, Client, Reply, RetryNote};
+use crate::error::REPLAYED_HEADER;
+use crate::idempotency::key::HEADER as KEY_HEADER;
+
+/// One logical operation: the body is serialised once, so every attempt sends equal bytes
+/// (and so the same fingerprint).
+pub(super) struct Call<'a> {
+    pub method: Method,
+    pub url: Url,
+    pub body: Option<Vec<u8>>,
+    pub key: Option<&'a IdempotencyKey>,
+}
+
+/// A failed attempt: the error, whether the table retries it, and the server's wait.
+struct Failed {
+    error: ClientError,
+    retryable: bool,
+    retry_after: Option<std::time::Duration>,
+}
+
+impl Client {
+    pub(super) async fn execute<T: DeserializeOwned>(&self, call: Call<'_>) -> Result<Reply<T>, ClientError> {
+        let config = &self.inner.config;
+        let deadline = Instant::now() + config.deadline;
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let timeout = config
+                .attempt_timeout
+                .min(deadline.saturating_duration_since(Instant::now()));
+            let failed = match self.attempt(&call, timeout).await {
+                Ok(reply) => {
+                    return Ok(Reply {
+                        attempts: attempt,
+                        ..reply
+                    })
+                }
+                Err(failed) => failed,
+            };
+            let last = failed.error;
+            if !failed.retryable || attempt >= config.max_attempts {
+                return Err(last);
+            }
+            // Never sooner than the server asked; the jitter spreads clients it asked alike.
+            let wait = config
+                .backoff
+                .delay(attempt)
+                .max(failed.retry_after.unwrap_or_default());
+            if Instant::now() + wait >= deadline {
+                return Err(ClientError::DeadlineExceeded {
+                    deadline: config.deadline,
+                    attempts: attempt,
+                    last: Box::new(last),
+                });
+            }
+            if let Some(observer) = &self.inner.observer {
+                observer(&RetryNote {
+                    attempt,
+                    error: &last,
+                    wait,
+                    key: call.key,
+                });
+            }
+            tokio::time::sleep(wait).await;
+            // The token is taken when the retry is about to be sent, not before the backoff:
+            // then sends, not reservations, are what the bucket spaces out.
+            let Some(token_wait) = self.inner.budget.reserve(deadline) else {
+                return Err(ClientError::BudgetExhausted {
+                    attempts: attempt,
+                    last: Box::new(last),
+                });
+            };
+            tokio::time::sleep(token_wait).await;
+        }
+    }
+
+    async fn attempt<T: DeserializeOwned>(
+        &self,
+        call: &Call<'_>,
+        timeout: std::time::Duration,
+    ) -> Result<Reply<T>, Failed> {
+        let mut request = self
+            .inner
+            .http
+            .request(call.method.clone(), call.url.clone())
+            .header(AUTHORIZATION, self.inner.authorization.clone())
+            .timeout(timeout);
+        if let Some(key) = call.key {
+            request = request.header(KEY_HEADER, key.header_value());
+        }
+        if let Some(body) = &call.body {
+            request = request.header(CONTENT_TYPE, "application/json").body(body.clone());
+        }
+        let response = request.send().await.map_err(transport)?;
+        let status = response.status().as_u16();
+        let replayed = response.headers().get(REPLAYED_HEADER).is_some_and(|v| v == "true");
+        let retry_after = policy::retry_after(response.headers(), SystemTime::now());
+        // A connection dropped in the middle of the body is a transport failure too.
+        let body = response.bytes().await.map_err(transport)?;
+        if (200..300).contains(&status) {
+            let value = serde_json::from_slice(&body).map_err(|source| Failed {
+                error: ClientError::InvalidResponse { status, source },
+                retryable: false,
+                retry_after: None,
+            })?;
+            return Ok(Reply {
+                value,
+                status,
+                replayed,
+                attempts: 0,
+            });
+        }
+        let problem = Problem::from_answer(status, replayed, &body);
+        Err(Failed {
+            retryable: policy::retryable(status, &problem.code),
+            error: ClientError::Problem(problem),
+            retry_after,
+        })
+    }
+}
+
+/// No answer (refused, reset, dropped, timed out): whether the server processed the request
+/// is unknown, which is exactly what the key is for.
+fn transport(source: reqwest::Error) -> Failed {
+    Failed {
+        error: ClientError::Transport {
+            timed_out: source.is_timeout(),
+            source,
+        },
+        retryable: true,
+        retry_after: None,
+    }
+}
