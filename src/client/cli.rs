@@ -186,7 +186,7 @@ fn note_retry(note: &RetryNote<'_>) {
         "oncepay: attempt {} failed ({}): {}; retrying in {} ms{}",
         note.attempt,
         note.error.code(),
-        note.error,
+        chain(note.error),
         note.wait.as_millis(),
         if note.key.is_some() { " with the same key" } else { "" }
     );

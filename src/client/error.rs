@@ -58,12 +58,17 @@ pub enum ClientError {
     DeadlineExceeded {
         deadline: Duration,
         attempts: u32,
+        #[source]
         last: Box<ClientError>,
     },
     /// The retry budget had no token for this retry before the deadline: the server is
     /// failing many requests, and this client stops adding load.
     #[error("retry budget exhausted after {attempts} attempt(s); last failure: {last}")]
-    BudgetExhausted { attempts: u32, last: Box<ClientError> },
+    BudgetExhausted {
+        attempts: u32,
+        #[source]
+        last: Box<ClientError>,
+    },
     /// A success answer whose body is not what the contract promises.
     #[error("unexpected answer body (status {status}): {source}")]
     InvalidResponse {

@@ -50,7 +50,7 @@ async fn two_hundred_concurrent_distinct_keys_on_one_account_debit_two_hundred_t
 
 /// Holds the row lock of the tenant's `main` account in an open transaction, so that a
 /// payment claims its key and then waits: a request "in flight" for as long as we like.
-async fn lock_main_account(app: &TestApp) -> sqlx::PgConnection {
+pub async fn lock_main_account(app: &TestApp) -> sqlx::PgConnection {
     let mut conn = sqlx::PgConnection::connect(&database_url()).await.unwrap();
     sqlx::query("BEGIN").execute(&mut conn).await.unwrap();
     sqlx::query("SELECT 1 FROM accounts WHERE tenant_id = $1 AND account_id = 'main' FOR UPDATE")
@@ -63,7 +63,7 @@ async fn lock_main_account(app: &TestApp) -> sqlx::PgConnection {
 
 /// Waits (bounded) until a payment's backend is blocked by our lock; returns its pid. Only
 /// backends that our own lock blocks count: other tests run at the same time.
-async fn blocked_payment_backend(app: &TestApp, lock: &mut sqlx::PgConnection) -> i32 {
+pub async fn blocked_payment_backend(app: &TestApp, lock: &mut sqlx::PgConnection) -> i32 {
     let holder: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
         .fetch_one(&mut *lock)
         .await

@@ -1,7 +1,12 @@
 //! The API tests: a real server, a real PostgreSQL, real HTTP.
 
+mod brownout;
+mod cli;
+mod client;
+mod client_limits;
 mod concurrency;
 mod errors;
+mod fault_proxy;
 mod helpers;
 mod operations;
 mod payments;

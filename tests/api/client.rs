@@ -1,0 +1,306 @@
+//! `oncepay::client` against a real server, through the fault-injecting proxy: answers
+//! lost after processing, `Retry-After` windows, refusals and requests in flight.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use futures_util::stream::{self, StreamExt};
+use oncepay::client::{Backoff, BudgetConfig, Client, ClientConfig, ClientError, IdempotencyKey};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use uuid::Uuid;
+
+use crate::concurrency::{blocked_payment_backend, lock_main_account};
+use crate::fault_proxy::{Action, FaultProxy};
+use crate::helpers::{spawn_app, spawn_app_with, TestApp, MAIN_BALANCE};
+
+/// Short waits so that the tests stay fast; the budget large enough not to bind here.
+pub fn fast_config() -> ClientConfig {
+    ClientConfig {
+        attempt_timeout: Duration::from_secs(5),
+        max_attempts: 10,
+        deadline: Duration::from_secs(30),
+        backoff: Backoff {
+            base: Duration::from_millis(10),
+            cap: Duration::from_millis(200),
+        },
+        budget: BudgetConfig {
+            capacity: 1_000.0,
+            refill_per_sec: 1_000.0,
+        },
+        ..ClientConfig::default()
+    }
+}
+
+pub fn client_for(url: &str, app: &TestApp, config: ClientConfig) -> Client {
+    Client::builder(url, &app.api_key)
+        .config(config)
+        .build()
+        .expect("client builds")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_hundred_payments_through_a_proxy_losing_30_percent_of_answers_debit_exactly_200_times() {
+    let app = spawn_app().await;
+    let rng = Mutex::new(StdRng::seed_from_u64(4));
+    // 20% of answers dropped after processing, 10% held past the client's 1 s timeout.
+    let proxy = FaultProxy::start(&app.address, move |_| match rng.lock().unwrap().gen_range(0..10) {
+        0 | 1 => Action::DropAnswer,
+        2 => Action::DelayAnswer(Duration::from_millis(1_500)),
+        _ => Action::Forward,
+    })
+    .await;
+    let client = client_for(
+        &proxy.url,
+        &app,
+        ClientConfig {
+            attempt_timeout: Duration::from_secs(1),
+            max_attempts: 20,
+            ..fast_config()
+        },
+    );
+    let keys: Vec<IdempotencyKey> = (0..200).map(|_| IdempotencyKey::generate()).collect();
+
+    let replies: Vec<_> = stream::iter(&keys)
+        .map(|key| {
+            let client = client.clone();
+            async move { (key.as_str().to_owned(), client.pay(10, None, key).await) }
+        })
+        .buffer_unordered(20)
+        .collect()
+        .await;
+
+    let replies: HashMap<String, _> = replies
+        .into_iter()
+        .map(|(key, reply)| (key, reply.expect("every operation is answered")))
+        .collect();
+    assert_eq!(replies.len(), 200, "one answer per operation");
+    assert_eq!(app.payment_count().await, 200, "exactly 200 debits");
+    assert_eq!(app.balance("main").await, MAIN_BALANCE - 2_000);
+    let answered: HashMap<String, Uuid> = replies.iter().map(|(k, r)| (k.clone(), r.value.id)).collect();
+    let stored: Vec<(String, Uuid)> =
+        sqlx::query_as("SELECT idempotency_key, payment_id FROM payments WHERE tenant_id = $1")
+            .bind(app.tenant_id)
+            .fetch_all(&app.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        answered,
+        stored.into_iter().collect(),
+        "each operation's answer names the one payment stored under its key"
+    );
+
+    let seen = proxy.seen();
+    let mut per_key: HashMap<String, Vec<&[u8]>> = HashMap::new();
+    for request in &seen {
+        assert_eq!(request.path, "/payments", "every attempt goes to the same path");
+        let key = request.key.clone().expect("every attempt carries the key");
+        per_key.entry(key).or_default().push(&request.body);
+    }
+    let lost: HashSet<&str> = seen
+        .iter()
+        .filter(|s| s.action != Action::Forward)
+        .filter_map(|s| s.key.as_deref())
+        .collect();
+    let faults = seen.iter().filter(|s| s.action != Action::Forward).count();
+    for (key, reply) in &replies {
+        let attempts = &per_key[key];
+        assert_eq!(
+            attempts.len() as u32,
+            reply.attempts,
+            "the proxy saw every attempt the client counted"
+        );
+        assert!(
+            attempts.windows(2).all(|w| w[0] == w[1]),
+            "every retry sends the same body"
+        );
+        if lost.contains(key.as_str()) {
+            assert!(
+                reply.replayed,
+                "an operation whose answer was lost is answered by a replay"
+            );
+        }
+        assert!(!reply.replayed || reply.attempts > 1, "a replay needs a retry");
+    }
+    let replays = replies.values().filter(|r| r.replayed).count();
+    let fraction = faults as f64 / seen.len() as f64;
+    eprintln!(
+        "lossy proxy: {} requests for 200 operations, {faults} answers lost ({:.0}%), {} operations hit, {replays} replays reported",
+        seen.len(),
+        fraction * 100.0,
+        lost.len()
+    );
+    assert!(
+        (0.2..0.4).contains(&fraction),
+        "the plan loses about 30% of answers: {fraction}"
+    );
+    assert!(
+        replays >= lost.len() && lost.len() >= 40,
+        "{replays} replays, {} hit",
+        lost.len()
+    );
+}
+
+#[tokio::test]
+async fn a_503_with_retry_after_is_waited_out_and_the_payment_then_succeeds_with_the_same_key() {
+    let app = spawn_app().await;
+    let proxy = FaultProxy::start(&app.address, |incoming| {
+        if incoming.elapsed < Duration::from_millis(1_500) {
+            Action::Problem {
+                status: 503,
+                code: "temporarily_unavailable",
+                retry_after_secs: Some(1),
+            }
+        } else {
+            Action::Forward
+        }
+    })
+    .await;
+    let client = client_for(&proxy.url, &app, fast_config());
+    let key = IdempotencyKey::generate();
+
+    let reply = client.pay(100, None, &key).await.expect("succeeds after the window");
+
+    let seen = proxy.seen();
+    assert!(seen.len() >= 2 && seen.len() as u32 == reply.attempts, "{seen:?}");
+    assert!(
+        seen.iter().all(|s| s.key.as_deref() == Some(key.as_str())),
+        "one key throughout"
+    );
+    for pair in seen.windows(2) {
+        let gap = pair[1].at - pair[0].at;
+        assert!(gap >= Duration::from_millis(990), "the client waited as told: {gap:?}");
+    }
+    assert_eq!(seen.last().unwrap().status, Some(201));
+    assert!(
+        !reply.replayed,
+        "the server saw the operation once, on the last attempt"
+    );
+    assert_eq!(app.payment_count().await, 1);
+}
+
+#[tokio::test]
+async fn refusals_are_returned_at_once_with_the_problem_code_and_never_retried() {
+    let app = spawn_app().await;
+    let proxy = FaultProxy::start(&app.address, |_| Action::Forward).await;
+    let client = client_for(&proxy.url, &app, fast_config());
+    let reused = IdempotencyKey::generate();
+    client.pay(100, None, &reused).await.expect("the first use of the key");
+    let stranger = Client::builder(&proxy.url, "not-a-key")
+        .config(fast_config())
+        .build()
+        .unwrap();
+
+    let refusals = [
+        (
+            client.pay(200, None, &reused).await.map(drop),
+            422,
+            "idempotency_key_reused",
+        ),
+        (
+            client
+                .pay(MAIN_BALANCE + 1, None, &IdempotencyKey::generate())
+                .await
+                .map(drop),
+            402,
+            "insufficient_funds",
+        ),
+        (
+            client.pay(0, None, &IdempotencyKey::generate()).await.map(drop),
+            400,
+            "invalid_request",
+        ),
+        (client.payment(Uuid::new_v4()).await.map(drop), 404, "not_found"),
+        (client.account("nobody").await.map(drop), 404, "account_not_found"),
+        (stranger.account("main").await.map(drop), 401, "unauthorized"),
+    ];
+
+    for (result, status, code) in refusals {
+        let err = result.expect_err(code);
+        assert_eq!((err.status(), err.code()), (Some(status), code), "{err}");
+        assert!(!err.outcome_unknown(), "a refusal is a final answer: {err}");
+    }
+    assert_eq!(
+        proxy.seen().len(),
+        7,
+        "one attempt per call, the first payment included"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_409_request_in_progress_is_retried_until_the_first_request_answers() {
+    let app = spawn_app_with(|s| s.inflight_wait = Duration::from_millis(300)).await;
+    let proxy = FaultProxy::start(&app.address, |_| Action::Forward).await;
+    let client = client_for(&proxy.url, &app, fast_config());
+    let key = IdempotencyKey::generate();
+    let mut lock = lock_main_account(&app).await;
+    let original = tokio::spawn({
+        let (proxy_client, key) = (client.clone(), key.clone());
+        async move { proxy_client.pay(100, None, &key).await }
+    });
+    blocked_payment_backend(&app, &mut lock).await;
+
+    let duplicate = tokio::spawn({
+        let (client, key) = (client.clone(), key.clone());
+        async move { client.pay(100, None, &key).await }
+    });
+    let mut saw_409 = false;
+    for _ in 0..100 {
+        saw_409 = proxy.seen().iter().any(|s| s.status == Some(409));
+        if saw_409 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(saw_409, "the duplicate was answered 409 while the original was held");
+    sqlx::query("ROLLBACK").execute(&mut lock).await.unwrap();
+
+    let original = original.await.unwrap().expect("the original completes");
+    let duplicate = duplicate.await.unwrap().expect("the duplicate's retry gets the result");
+    assert!(!original.replayed && duplicate.replayed);
+    assert!(duplicate.attempts >= 2, "{} attempts", duplicate.attempts);
+    assert_eq!(
+        duplicate.value, original.value,
+        "the stored answer, not a second payment"
+    );
+    assert_eq!(app.payment_count().await, 1);
+    assert_eq!(app.balance("main").await, MAIN_BALANCE - 100);
+}
+
+#[tokio::test]
+async fn every_tenant_endpoint_has_a_typed_call() {
+    let app = spawn_app().await;
+    let client = client_for(&app.address, &app, fast_config());
+
+    let opened = client
+        .open_account("u1", Some(500), &IdempotencyKey::generate())
+        .await
+        .unwrap();
+    let deposit = client.deposit("u1", 250, &IdempotencyKey::generate()).await.unwrap();
+    let payment = client.pay(300, Some("u1"), &IdempotencyKey::generate()).await.unwrap();
+    let refund = client
+        .refund(payment.value.id, &IdempotencyKey::generate())
+        .await
+        .unwrap();
+    let state = client.payment(payment.value.id).await.unwrap();
+    let account = client.account("u1").await.unwrap();
+
+    assert_eq!((opened.status, opened.value.balance), (201, 500));
+    assert_eq!((deposit.status, deposit.value.balance), (201, 750));
+    assert_eq!(
+        (payment.status, payment.value.charged, payment.value.balance),
+        (201, 300, 450)
+    );
+    assert_eq!(
+        (refund.status, refund.value.refunded, refund.value.balance),
+        (200, 300, 750)
+    );
+    assert_eq!((state.value.status.as_str(), state.value.amount), ("refunded", 300));
+    assert!(state.value.refunded_at.is_some());
+    assert_eq!(account.value.balance, 750);
+    assert_eq!(app.balance("u1").await, 750);
+    let err = client.deposit("a/b", 1, &IdempotencyKey::generate()).await.unwrap_err();
+    assert_eq!(err.code(), "invalid_request", "a path id is encoded, not split: {err}");
+    assert!(matches!(err, ClientError::Problem(_)));
+}

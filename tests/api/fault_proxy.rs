@@ -1,0 +1,279 @@
+//! A fault-injecting HTTP/1.1 proxy, real TCP on 127.0.0.1 between a client and a real
+//! server. For each request a plan decides: forward it, forward it and lose the answer
+//! (processed, answer never delivered), forward it and hold the answer past the client's
+//! timeout, or answer locally (a 503 window, a brownout). Every request is logged with its
+//! arrival time, key and body, so tests measure what the client really sent.
+//!
+//! One request per connection: the proxy asks the server for `Connection: close`, passes
+//! its answer on (which says so too) and closes, so no answer can leak to another request.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::{JoinHandle, JoinSet};
+
+const MAX_REQUEST_BYTES: usize = 1 << 20;
+const IO_TIMEOUT: Duration = Duration::from_secs(30);
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Action {
+    Forward,
+    /// Forward, read the server's whole answer, then close the client's connection without it.
+    DropAnswer,
+    /// Forward, then hold the server's answer this long before sending it.
+    DelayAnswer(Duration),
+    /// Answer without forwarding: a problem+json with this status and `code`, and
+    /// `Retry-After` when given.
+    Problem {
+        status: u16,
+        code: &'static str,
+        retry_after_secs: Option<u64>,
+    },
+    /// Answer without forwarding, as a load balancer with no healthy upstream does.
+    PlainError {
+        status: u16,
+    },
+}
+
+/// What the plan sees of a request.
+pub struct Incoming {
+    /// Arrival order, from 0.
+    pub index: usize,
+    /// Time since the proxy started.
+    pub elapsed: Duration,
+}
+
+/// One request as the proxy saw it.
+#[derive(Clone, Debug)]
+pub struct Seen {
+    /// When the whole request had arrived, since the proxy started.
+    pub at: Duration,
+    pub path: String,
+    pub key: Option<String>,
+    pub body: Vec<u8>,
+    pub action: Action,
+    /// The status the server (or the proxy) answered; `None` when the server gave none.
+    pub status: Option<u16>,
+}
+
+type Plan = dyn Fn(&Incoming) -> Action + Send + Sync;
+
+pub struct FaultProxy {
+    /// The base URL clients use instead of the server's.
+    pub url: String,
+    log: Arc<Mutex<Vec<Seen>>>,
+    accept: JoinHandle<()>,
+}
+
+impl FaultProxy {
+    /// Starts a proxy in front of `upstream` (`http://127.0.0.1:PORT`).
+    pub async fn start(upstream: &str, plan: impl Fn(&Incoming) -> Action + Send + Sync + 'static) -> Self {
+        let upstream = upstream
+            .strip_prefix("http://")
+            .expect("an http:// upstream")
+            .to_owned();
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("the proxy binds");
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let shared = Shared {
+            upstream,
+            plan: Box::new(plan),
+            log: log.clone(),
+            started: Instant::now(),
+            count: Mutex::new(0),
+        };
+        let accept = tokio::spawn(accept_loop(listener, Arc::new(shared)));
+        Self { url, log, accept }
+    }
+
+    /// Every request so far, in arrival order.
+    pub fn seen(&self) -> Vec<Seen> {
+        let mut seen = self.log.lock().unwrap().clone();
+        seen.sort_by_key(|s| s.at);
+        seen
+    }
+}
+
+impl Drop for FaultProxy {
+    /// Stops accepting; dropping the accept task's `JoinSet` aborts every open connection.
+    fn drop(&mut self) {
+        self.accept.abort();
+    }
+}
+
+struct Shared {
+    upstream: String,
+    plan: Box<Plan>,
+    log: Arc<Mutex<Vec<Seen>>>,
+    started: Instant,
+    count: Mutex<usize>,
+}
+
+async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
+    let mut connections = JoinSet::new();
+    loop {
+        let Ok((stream, _)) = listener.accept().await else {
+            return;
+        };
+        let shared = shared.clone();
+        connections.spawn(async move {
+            // A failed connection is the client's or the test's business, not the proxy's.
+            let _ = tokio::time::timeout(IO_TIMEOUT, serve(stream, &shared)).await;
+        });
+        // Reap finished connections so the set stays small over long runs.
+        while connections.try_join_next().is_some() {}
+    }
+}
+
+async fn serve(mut client: TcpStream, shared: &Shared) -> std::io::Result<()> {
+    let Some(request) = read_request(&mut client).await? else {
+        return Ok(());
+    };
+    let at = shared.started.elapsed();
+    let index = {
+        let mut count = shared.count.lock().unwrap();
+        *count += 1;
+        *count - 1
+    };
+    let action = (shared.plan)(&Incoming { index, elapsed: at });
+    let answer = match &action {
+        Action::Problem {
+            status,
+            code,
+            retry_after_secs,
+        } => Some(problem(*status, code, *retry_after_secs)),
+        Action::PlainError { status } => Some(plain_error(*status)),
+        Action::Forward | Action::DropAnswer | Action::DelayAnswer(_) => forward(&shared.upstream, &request).await.ok(),
+    };
+    shared.log.lock().unwrap().push(Seen {
+        at,
+        path: request.path.clone(),
+        key: request.key.clone(),
+        body: request.body.clone(),
+        action: action.clone(),
+        status: answer.as_deref().and_then(status_of),
+    });
+    let Some(answer) = answer else {
+        return Ok(());
+    };
+    match action {
+        Action::DropAnswer => Ok(()),
+        Action::DelayAnswer(delay) => {
+            tokio::time::sleep(delay).await;
+            client.write_all(&answer).await
+        }
+        _ => client.write_all(&answer).await,
+    }
+}
+
+struct Request {
+    method: String,
+    path: String,
+    key: Option<String>,
+    /// Header lines other than `Connection`, each with its CRLF.
+    headers: Vec<u8>,
+    body: Vec<u8>,
+}
+
+/// Reads one request (head and `Content-Length` body); `None` when the client closed first.
+async fn read_request(stream: &mut TcpStream) -> std::io::Result<Option<Request>> {
+    let mut buffer = Vec::with_capacity(4096);
+    let mut chunk = [0u8; 4096];
+    loop {
+        let read = stream.read(&mut chunk).await?;
+        if read == 0 {
+            return Ok(None);
+        }
+        buffer.extend_from_slice(&chunk[..read]);
+        if buffer.len() > MAX_REQUEST_BYTES {
+            return Err(std::io::Error::other("request too large for the test proxy"));
+        }
+        let mut headers = [httparse::EMPTY_HEADER; 64];
+        let mut parsed = httparse::Request::new(&mut headers);
+        let httparse::Status::Complete(head_len) = parsed.parse(&buffer).map_err(std::io::Error::other)? else {
+            continue;
+        };
+        let mut request = Request {
+            method: parsed.method.unwrap_or_default().to_owned(),
+            path: parsed.path.unwrap_or_default().to_owned(),
+            key: None,
+            headers: Vec::new(),
+            body: Vec::new(),
+        };
+        let mut body_len = 0;
+        for header in parsed.headers.iter() {
+            let value = String::from_utf8_lossy(header.value).into_owned();
+            if header.name.eq_ignore_ascii_case("content-length") {
+                body_len = value.trim().parse().map_err(std::io::Error::other)?;
+            } else if header.name.eq_ignore_ascii_case("idempotency-key") {
+                request.key = Some(value.clone());
+            } else if header.name.eq_ignore_ascii_case("transfer-encoding") {
+                return Err(std::io::Error::other("the test proxy reads Content-Length bodies only"));
+            }
+            if !header.name.eq_ignore_ascii_case("connection") {
+                request
+                    .headers
+                    .extend_from_slice(format!("{}: {value}\r\n", header.name).as_bytes());
+            }
+        }
+        while buffer.len() < head_len + body_len {
+            let read = stream.read(&mut chunk).await?;
+            if read == 0 {
+                return Ok(None);
+            }
+            buffer.extend_from_slice(&chunk[..read]);
+        }
+        request.body = buffer[head_len..head_len + body_len].to_vec();
+        return Ok(Some(request));
+    }
+}
+
+/// Sends the request to the server on a new connection and reads its whole answer.
+async fn forward(upstream: &str, request: &Request) -> std::io::Result<Vec<u8>> {
+    let mut server = TcpStream::connect(upstream).await?;
+    let mut bytes = format!("{} {} HTTP/1.1\r\n", request.method, request.path).into_bytes();
+    bytes.extend_from_slice(&request.headers);
+    bytes.extend_from_slice(b"Connection: close\r\n\r\n");
+    bytes.extend_from_slice(&request.body);
+    server.write_all(&bytes).await?;
+    let mut answer = Vec::new();
+    server.read_to_end(&mut answer).await?;
+    Ok(answer)
+}
+
+fn status_of(answer: &[u8]) -> Option<u16> {
+    let mut headers = [httparse::EMPTY_HEADER; 64];
+    let mut response = httparse::Response::new(&mut headers);
+    response.parse(answer).ok()?;
+    response.code
+}
+
+fn problem(status: u16, code: &str, retry_after_secs: Option<u64>) -> Vec<u8> {
+    let body = serde_json::json!({
+        "type": format!("https://oncepay.dev/problems/{code}"),
+        "title": code,
+        "status": status,
+        "detail": "injected by the test proxy",
+        "code": code,
+    })
+    .to_string();
+    let retry_after = retry_after_secs
+        .map(|s| format!("Retry-After: {s}\r\n"))
+        .unwrap_or_default();
+    format!(
+        "HTTP/1.1 {status} Injected\r\nContent-Type: application/problem+json\r\n{retry_after}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+}
+
+fn plain_error(status: u16) -> Vec<u8> {
+    let body = "no healthy upstream";
+    format!(
+        "HTTP/1.1 {status} Injected\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+}
