@@ -40,7 +40,7 @@ cat <<TXT
 
   Try it:
     curl -s -X POST http://$bind/pay -H "Authorization: Bearer $api_key" \\
-         -H 'Content-Type: application/json' -H "Idempotency-Key: \$(uuidgen || date +%s%N)" \\
+         -H 'Content-Type: application/json' -H "Idempotency-Key: \$(cat /proc/sys/kernel/random/uuid)" \\
          -d '{"amount":100}'
 
 TXT

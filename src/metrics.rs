@@ -11,6 +11,10 @@ pub struct Metrics {
     /// operator tells "retries doubled" from "requests doubled".
     pub requests: IntCounterVec,
     pub duration: HistogramVec,
+    /// Replays and keyless requests per tenant: whose retries grew, whose clients still
+    /// send no key (a tenant's migration to keys, watched).
+    pub replays_by_tenant: IntCounterVec,
+    pub keyless_by_tenant: IntCounterVec,
     pub purged_keys: IntCounter,
     pub purge_runs: IntCounter,
     pool_connections: IntGaugeVec,
@@ -33,6 +37,19 @@ impl Metrics {
             &["route"],
         )
         .expect("valid metric");
+        let replays_by_tenant = IntCounterVec::new(
+            Opts::new("oncepay_replays_total", "Replayed answers by tenant"),
+            &["tenant"],
+        )
+        .expect("valid metric");
+        let keyless_by_tenant = IntCounterVec::new(
+            Opts::new(
+                "oncepay_keyless_requests_total",
+                "Keyless requests processed unprotected (policy allow) by tenant",
+            ),
+            &["tenant"],
+        )
+        .expect("valid metric");
         let purged_keys = IntCounter::new("oncepay_purged_keys_total", "Idempotency-key rows deleted by purges")
             .expect("valid metric");
         let purge_runs =
@@ -47,6 +64,8 @@ impl Metrics {
         for collector in [
             Box::new(requests.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(duration.clone()),
+            Box::new(replays_by_tenant.clone()),
+            Box::new(keyless_by_tenant.clone()),
             Box::new(purged_keys.clone()),
             Box::new(purge_runs.clone()),
             Box::new(pool_connections.clone()),
@@ -58,6 +77,8 @@ impl Metrics {
             registry,
             requests,
             duration,
+            replays_by_tenant,
+            keyless_by_tenant,
             purged_keys,
             purge_runs,
             pool_connections,

@@ -67,6 +67,13 @@ pub async fn request_log(
             .duration
             .with_label_values(&[&route])
             .observe(elapsed.as_secs_f64());
+        if let Some(tenant) = &tenant {
+            match outcome {
+                "replayed" => state.metrics.replays_by_tenant.with_label_values(&[tenant]).inc(),
+                "keyless" => state.metrics.keyless_by_tenant.with_label_values(&[tenant]).inc(),
+                _ => {}
+            }
+        }
     }
     tracing::info!(
         request_id = %request_id,

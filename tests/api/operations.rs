@@ -127,6 +127,8 @@ async fn metrics_count_a_new_request_and_its_replay_apart() {
         "{text}"
     );
     assert!(text.contains("oncepay_request_duration_seconds_bucket"));
+    let replays_of_tenant = format!(r#"oncepay_replays_total{{tenant="{}"}} 1"#, app.tenant_id);
+    assert!(text.contains(&replays_of_tenant), "{text}");
     assert!(text.contains("oncepay_purged_keys_total"));
     assert!(text.contains(r#"oncepay_db_pool_connections{state="in_use"}"#));
     assert!(text.contains("oncepay_db_pool_waiting"));

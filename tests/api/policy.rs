@@ -36,6 +36,8 @@ async fn under_allow_keyless_requests_are_processed_without_protection() {
         metrics.contains(r#"oncepay_requests_total{outcome="keyless",route="/payments"} 2"#),
         "{metrics}"
     );
+    let by_tenant = format!(r#"oncepay_keyless_requests_total{{tenant="{}"}} 2"#, app.tenant_id);
+    assert!(metrics.contains(&by_tenant), "{metrics}");
 }
 
 #[tokio::test]
