@@ -10,7 +10,7 @@ use oncepay::domain::{MissingKeyPolicy, OpeningBalance};
 use oncepay::startup::{AppState, Application};
 use reqwest::{Method, Response};
 use serde_json::Value;
-use sqlx::PgPool;
+use sqlx::{Connection, Executor, PgPool};
 use uuid::Uuid;
 
 pub const ADMIN_TOKEN: &str = "test-admin-token";
@@ -268,4 +268,24 @@ impl TestApp {
 
 pub fn new_key() -> String {
     Uuid::new_v4().to_string()
+}
+
+/// A new, empty database on the test cluster; returns its URL.
+pub async fn empty_database(name_hint: &str) -> String {
+    let name = format!("oncepay_{name_hint}_{}", uuid::Uuid::new_v4().simple());
+    let mut conn = sqlx::PgConnection::connect(&database_url()).await.unwrap();
+    conn.execute(format!("CREATE DATABASE {name}").as_str()).await.unwrap();
+    let (base, _) = database_url()
+        .rsplit_once('/')
+        .map(|(b, d)| (b.to_owned(), d.to_owned()))
+        .unwrap();
+    format!("{base}/{name}")
+}
+
+pub async fn drop_database(url: &str) {
+    let name = url.rsplit('/').next().unwrap().to_owned();
+    let mut conn = sqlx::PgConnection::connect(&database_url()).await.unwrap();
+    conn.execute(format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)").as_str())
+        .await
+        .unwrap();
 }

@@ -11,4 +11,5 @@ mod helpers;
 mod operations;
 mod payments;
 mod policy;
+mod purge;
 mod tenancy;

@@ -1,0 +1,176 @@
+//! Rule 11: the purge, by endpoint, by function and on the in-process schedule. Tests that
+//! count deletions exactly run on a database of their own: every purge deletes old rows of
+//! every tenant, so parallel tests on the shared database would take each other's rows.
+
+use std::time::{Duration, Instant};
+
+use reqwest::Method;
+use sqlx::PgPool;
+
+use crate::helpers::{drop_database, empty_database, new_key, spawn_app, spawn_app_with, TestApp, MAIN_BALANCE};
+
+const RETENTION: Duration = Duration::from_secs(604_800);
+
+async fn backdate_keys(app: &TestApp, keys: &[String], age: &str) {
+    sqlx::query(&format!(
+        "UPDATE idempotency_keys SET created_at = now() - interval '{age}', expires_at = now() - interval '{age}' + interval '1 day' WHERE tenant_id = $1 AND key = ANY($2)"
+    ))
+    .bind(app.tenant_id)
+    .bind(keys)
+    .execute(&app.pool)
+    .await
+    .unwrap();
+}
+
+async fn remaining_keys(app: &TestApp, keys: &[String]) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM idempotency_keys WHERE tenant_id = $1 AND key = ANY($2)")
+        .bind(app.tenant_id)
+        .bind(keys)
+        .fetch_one(&app.pool)
+        .await
+        .unwrap()
+}
+
+/// A migrated database of the test's own.
+async fn own_database(hint: &str) -> (String, PgPool) {
+    let url = empty_database(hint).await;
+    oncepay::db::migrate(&url).await.unwrap();
+    let pool = PgPool::connect(&url).await.unwrap();
+    (url, pool)
+}
+
+/// `n` key rows created `age` ago (and `young` rows created now), written directly.
+async fn fill_keys(pool: &PgPool, n: i64, age: &str, young: i64) {
+    sqlx::query(&format!(
+        "INSERT INTO idempotency_keys (tenant_id, key, fingerprint, method, path, status, resource_id, created_at, expires_at)
+         SELECT gen_random_uuid(), 'k' || i, sha256(i::text::bytea), 'POST', '/payments', 201, gen_random_uuid()::text,
+                CASE WHEN i <= $1 THEN now() - interval '{age}' ELSE now() END,
+                CASE WHEN i <= $1 THEN now() - interval '{age}' ELSE now() END + interval '1 day'
+           FROM generate_series(1, $1 + $2) i"
+    ))
+    .bind(n)
+    .bind(young)
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+async fn count(pool: &PgPool, sql: &str) -> i64 {
+    sqlx::query_scalar(sql).fetch_one(pool).await.unwrap()
+}
+
+#[tokio::test]
+async fn the_purge_deletes_old_keys_keeps_young_ones_and_never_touches_payments() {
+    let app = spawn_app().await;
+    let old: Vec<String> = (0..5).map(|_| new_key()).collect();
+    let young: Vec<String> = (0..3).map(|_| new_key()).collect();
+    for key in old.iter().chain(&young) {
+        assert_eq!(app.pay(Some(key), 10).await.status, 201);
+    }
+    backdate_keys(&app, &old, "8 days").await;
+
+    let purged = app.admin(Method::POST, "/admin/purge", None).await;
+
+    assert_eq!(purged.status, 200, "{}", purged.body);
+    assert!(purged.body["deleted"].as_u64().is_some());
+    assert_eq!(remaining_keys(&app, &old).await, 0);
+    assert_eq!(remaining_keys(&app, &young).await, 3);
+    assert_eq!(app.payment_count().await, 8, "payments untouched");
+    assert_eq!(app.balance("main").await, MAIN_BALANCE - 80);
+    let text = app
+        .client
+        .get(app.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(text.contains("oncepay_purge_runs_total 1"), "{text}");
+}
+
+#[tokio::test]
+async fn three_concurrent_purges_delete_each_row_once() {
+    let (url, pool) = own_database("purge3").await;
+    fill_keys(&pool, 1_000, "30 days", 100).await;
+
+    let counts = futures_util::future::join_all((0..3).map(|_| oncepay::purge::purge(&pool, RETENTION, 7))).await;
+
+    let counts: Vec<u64> = counts.into_iter().map(|c| c.unwrap()).collect();
+    assert_eq!(
+        counts.iter().sum::<u64>(),
+        1_000,
+        "the sum of the counts is the rows deleted: {counts:?}"
+    );
+    assert_eq!(
+        count(&pool, "SELECT count(*) FROM idempotency_keys").await,
+        100,
+        "young rows kept"
+    );
+    pool.close().await;
+    drop_database(&url).await;
+}
+
+#[tokio::test]
+async fn a_purge_running_while_payments_flow_fails_none_of_them() {
+    let (url, pool) = own_database("purgeload").await;
+    fill_keys(&pool, 5_000, "10 days", 0).await;
+    let app = spawn_app_with(|s| s.database_url = url.clone()).await;
+    let keys: Vec<String> = (0..100).map(|_| new_key()).collect();
+
+    let payments = futures_util::future::join_all(keys.iter().map(|k| app.pay(Some(k), 1)));
+    let purge = oncepay::purge::purge(&pool, RETENTION, 50);
+    let (answers, purged) = tokio::join!(payments, purge);
+
+    assert_eq!(purged.unwrap(), 5_000);
+    for answer in answers {
+        assert_eq!(answer.status, 201, "{}", answer.body);
+    }
+    assert_eq!(app.balance("main").await, MAIN_BALANCE - 100);
+    assert_eq!(app.key_count().await, 100, "the payments' own keys are young and kept");
+    app.state.pool.close().await;
+    pool.close().await;
+    drop_database(&url).await;
+}
+
+#[tokio::test]
+async fn the_in_process_schedule_purges_everything_once_across_replicas() {
+    let (url, pool) = own_database("purgesched").await;
+    fill_keys(&pool, 2_000, "9 days", 10).await;
+
+    let replicas = [
+        spawn_app_with(|s| {
+            s.database_url = url.clone();
+            s.purge_interval = Some(Duration::from_millis(200));
+            s.purge_batch_size = 100;
+        })
+        .await,
+        spawn_app_with(|s| {
+            s.database_url = url.clone();
+            s.purge_interval = Some(Duration::from_millis(200));
+            s.purge_batch_size = 100;
+        })
+        .await,
+    ];
+    let started = Instant::now();
+    while count(&pool, "SELECT count(*) FROM idempotency_keys").await > 10 {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "the schedule did not purge within 20 s"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    let purged: u64 = replicas.iter().map(|r| r.state.metrics.purged_keys.get()).sum();
+    let runs: u64 = replicas.iter().map(|r| r.state.metrics.purge_runs.get()).sum();
+    assert_eq!(
+        purged, 2_000,
+        "each row deleted once, by whichever replica held the lock"
+    );
+    assert!(runs >= 1);
+    for replica in &replicas {
+        replica.state.pool.close().await;
+    }
+    pool.close().await;
+    drop_database(&url).await;
+}
