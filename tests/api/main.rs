@@ -4,6 +4,7 @@ mod brownout;
 mod cli;
 mod client;
 mod client_limits;
+mod commands;
 mod concurrency;
 mod errors;
 mod fault_proxy;
