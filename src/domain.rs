@@ -81,7 +81,7 @@ impl AccountId {
 }
 
 /// How a tenant's keyless POSTs are treated (contract section 5, rule 10).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum MissingKeyPolicy {
     Reject,

@@ -22,6 +22,8 @@ enum Command {
     Migrate,
     /// Delete idempotency-key rows older than ONCEPAY_RETENTION_SECS; prints `deleted=N`.
     Purge,
+    /// Print the OpenAPI document of the HTTP API (the one served at `/openapi.json`).
+    Openapi,
     /// Manage tenants.
     #[command(subcommand)]
     Tenant(TenantCommand),
@@ -67,6 +69,11 @@ async fn main() {
 }
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
+    if let Command::Openapi = cli.command {
+        // Needs no settings: the document is generated from the code alone.
+        print!("{}", oncepay::routes::openapi_document());
+        return Ok(());
+    }
     let settings = Settings::from_env()?;
     telemetry::init(settings.log_json);
     match cli.command {
@@ -85,6 +92,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             let deleted = purge::purge(&pool, settings.retention, settings.purge_batch_size).await?;
             println!("deleted={deleted}");
         }
+        Command::Openapi => unreachable!("handled before the settings are read"),
         Command::Tenant(TenantCommand::Create {
             name,
             missing_key_policy,

@@ -3,6 +3,7 @@
 mod concurrency;
 mod errors;
 mod helpers;
+mod openapi;
 mod operations;
 mod payments;
 mod policy;
