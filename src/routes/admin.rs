@@ -60,8 +60,13 @@ pub(super) async fn create_tenant(
     let name = required(fields, "name")
         .map_err(ApiError::InvalidRequest)?
         .as_str()
-        .filter(|n| !n.trim().is_empty() && n.len() <= 200)
-        .ok_or_else(|| ApiError::InvalidRequest("`name` must be a non-empty string of at most 200 bytes".to_owned()))?;
+        // PostgreSQL refuses NUL in text (a 500 if it got there): no control character passes.
+        .filter(|n| !n.trim().is_empty() && n.len() <= 200 && !n.chars().any(char::is_control))
+        .ok_or_else(|| {
+            ApiError::InvalidRequest(
+                "`name` must be a non-blank string of at most 200 bytes without control characters".to_owned(),
+            )
+        })?;
     let policy = fields
         .get("missing_key_policy")
         .map(policy_field)

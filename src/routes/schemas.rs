@@ -51,8 +51,12 @@ pub struct RefundIn {}
 #[derive(ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct TenantIn {
-    /// Not blank, at most 200 bytes of UTF-8.
-    #[schema(min_length = 1, max_length = 200, pattern = r"\S")]
+    /// Not blank, at most 200 bytes of UTF-8, no control characters.
+    #[schema(
+        min_length = 1,
+        max_length = 200,
+        pattern = r"^[^\x00-\x1f\x7f-\x9f]*[^\s\x00-\x1f\x7f-\x9f][^\x00-\x1f\x7f-\x9f]*$"
+    )]
     pub name: String,
     /// `reject` when absent.
     #[schema(nullable = false)]

@@ -7,4 +7,5 @@ mod openapi;
 mod operations;
 mod payments;
 mod policy;
+mod security;
 mod tenancy;
