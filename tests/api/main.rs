@@ -2,6 +2,7 @@
 
 mod concurrency;
 mod errors;
+mod hardening;
 mod helpers;
 mod openapi;
 mod operations;
