@@ -4,6 +4,7 @@ mod concurrency;
 mod errors;
 mod hardening;
 mod helpers;
+mod limits;
 mod openapi;
 mod operations;
 mod payments;
