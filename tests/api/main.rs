@@ -2,6 +2,7 @@
 
 mod concurrency;
 mod errors;
+mod fuzz;
 mod hardening;
 mod helpers;
 mod limits;
