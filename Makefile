@@ -8,8 +8,10 @@ ifeq ($(strip $(DATABASE_URL)),)
 LOCAL_DB := 1
 DATABASE_URL := $(shell scripts/db.sh url oncepay)
 TEST_DATABASE_URL ?= $(shell scripts/db.sh url oncepay_test)
+SCHEMATHESIS_DATABASE_URL ?= $(shell scripts/db.sh url oncepay_schemathesis)
 else
 TEST_DATABASE_URL ?= $(DATABASE_URL)
+SCHEMATHESIS_DATABASE_URL ?= $(DATABASE_URL)
 endif
 export DATABASE_URL
 # The crate builds from the committed query cache in .sqlx/, with or without a database.
@@ -18,12 +20,13 @@ export SQLX_OFFLINE ?= true
 BIN := target/release/oncepay
 CARGO_TEST := $(shell cargo nextest --version >/dev/null 2>&1 && echo "cargo nextest run --no-fail-fast" || echo "cargo test --no-fail-fast")
 
-.PHONY: help run serve build db-up db-down migrate psql purge test check sqlx-prepare bench bench-quick clean-db
+.PHONY: help run serve build db-up db-down migrate psql purge test check sqlx-prepare bench bench-quick clean-db openapi schemathesis
 
 help:
 	@echo "make run      local database if needed, migrate, demo tenant, serve on 127.0.0.1:8130"
 	@echo "make test     every test, against a real PostgreSQL (started if needed)"
-	@echo "make migrate | purge | psql | db-up | db-down | check | bench | sqlx-prepare"
+	@echo "make schemathesis   fuzz a live server from its OpenAPI document (docs/openapi.json)"
+	@echo "make migrate | purge | psql | db-up | db-down | check | bench | sqlx-prepare | openapi"
 
 db-up:
 ifdef LOCAL_DB
@@ -56,6 +59,17 @@ ifdef LOCAL_DB
 	@psql -X -q "$(shell scripts/db.sh url postgres)" -c 'DROP DATABASE IF EXISTS oncepay_test WITH (FORCE)' -c 'CREATE DATABASE oncepay_test'
 endif
 	DATABASE_URL="$(TEST_DATABASE_URL)" $(CARGO_TEST) --locked
+
+# A live server fuzzed from its own /openapi.json; a local database is recreated for every run.
+schemathesis: db-up
+ifdef LOCAL_DB
+	@psql -X -q "$(shell scripts/db.sh url postgres)" -c 'DROP DATABASE IF EXISTS oncepay_schemathesis WITH (FORCE)' -c 'CREATE DATABASE oncepay_schemathesis'
+endif
+	DATABASE_URL="$(SCHEMATHESIS_DATABASE_URL)" scripts/schemathesis.sh
+
+# Regenerates the committed OpenAPI document (a unit test fails while it is stale).
+openapi:
+	cargo run --quiet --locked -- openapi > docs/openapi.json
 
 check:
 	cargo fmt --check

@@ -81,7 +81,7 @@ impl AccountId {
 }
 
 /// How a tenant's keyless POSTs are treated (contract section 5, rule 10).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum MissingKeyPolicy {
     Reject,
@@ -172,6 +172,19 @@ mod tests {
         #[test]
         fn every_integer_in_range_is_an_amount(n in 1i64..=MAX_AMOUNT) {
             prop_assert_eq!(Amount::parse("amount", &json!(n)).unwrap().get(), n);
+        }
+
+        /// Only the plain integer spelling is an amount: the same number with a fraction, an
+        /// exponent or in quotes is refused, as the contract says.
+        #[test]
+        fn only_the_plain_spelling_of_an_amount_is_accepted(n in 1i64..=MAX_AMOUNT) {
+            let plain: Value = serde_json::from_str(&n.to_string()).unwrap();
+            prop_assert_eq!(Amount::parse("amount", &plain).unwrap().get(), n);
+            for spelling in [format!("{n}.0"), format!("{n}e0"), format!("{n}0e-1"), format!("{n}.000"), format!("\"{n}\"")] {
+                let value: Value = serde_json::from_str(&spelling).unwrap();
+                prop_assert!(Amount::parse("amount", &value).is_err(), "{} accepted", spelling);
+                prop_assert!(OpeningBalance::parse("balance", &value).is_err(), "{} accepted", spelling);
+            }
         }
 
         #[test]

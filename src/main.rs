@@ -21,6 +21,8 @@ enum Command {
     Server(ServerCommand),
     #[command(flatten)]
     Client(ClientCommand),
+    /// Print the OpenAPI document of the HTTP API (the one served at `/openapi.json`).
+    Openapi,
 }
 
 /// The commands that work on the database (they need DATABASE_URL).
@@ -72,6 +74,11 @@ async fn main() {
     let status = match Cli::parse().command {
         // The client commands talk to a server over HTTP: no database, no server settings.
         Command::Client(command) => oncepay::client::cli::run(command).await,
+        // Generated from the code alone: no settings, no database.
+        Command::Openapi => {
+            print!("{}", oncepay::routes::openapi_document());
+            0
+        }
         Command::Server(command) => match run(command).await {
             Ok(()) => 0,
             Err(err) => {

@@ -26,7 +26,7 @@ pub struct Tenant {
 }
 
 /// The answer to a tenant's creation: the only time its API key is shown.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, utoipa::ToSchema)]
 pub struct CreatedTenant {
     pub tenant_id: Uuid,
     pub name: String,
@@ -34,7 +34,7 @@ pub struct CreatedTenant {
     pub missing_key_policy: MissingKeyPolicy,
 }
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, utoipa::ToSchema)]
 pub struct TenantView {
     pub tenant_id: Uuid,
     pub name: String,

@@ -87,32 +87,49 @@ mod tests {
             Just(Value::Null),
             any::<bool>().prop_map(Value::Bool),
             any::<i64>().prop_map(|n| json!(n)),
-            "[a-zA-Z0-9 é\"\\\\]{0,8}".prop_map(Value::String),
+            any::<u64>().prop_map(|n| json!(n)),
+            any::<f64>()
+                .prop_filter("JSON numbers are finite", |f| f.is_finite())
+                .prop_map(|f| json!(f)),
+            "[a-zA-Z0-9 é\"\\\\\u{0}-\u{1f}\u{2028}😀]{0,8}".prop_map(Value::String),
         ];
-        leaf.prop_recursive(4, 32, 6, |inner| {
+        leaf.prop_recursive(6, 64, 6, |inner| {
             prop_oneof![
                 prop::collection::vec(inner.clone(), 0..5).prop_map(Value::Array),
-                prop::collection::btree_map("[a-d]{1,3}", inner, 0..5)
+                prop::collection::btree_map("[a-dé😀\"]{1,3}", inner, 0..5)
                     .prop_map(|m| Value::Object(m.into_iter().collect())),
             ]
         })
     }
 
-    /// Writes a value with object keys in reverse order and extra white space: the same JSON
-    /// value in another spelling.
+    /// A string with every character written as a `\uXXXX` escape (surrogate pairs beyond
+    /// the BMP).
+    fn escaped(text: &str) -> String {
+        let mut out = String::from("\"");
+        for unit in text.encode_utf16() {
+            out.push_str(&format!("\\u{unit:04X}"));
+        }
+        out.push('"');
+        out
+    }
+
+    /// Writes a value with object keys in reverse order, extra white space, strings and keys
+    /// fully escaped and floats in exponent form: the same JSON value in another spelling.
     fn respell(value: &Value) -> String {
         match value {
             Value::Object(map) => {
                 let parts: Vec<String> = map
                     .iter()
                     .rev()
-                    .map(|(k, v)| format!(" {} :\n {} ", Value::String(k.clone()), respell(v)))
+                    .map(|(k, v)| format!(" {} :\n {} ", escaped(k), respell(v)))
                     .collect();
                 format!("{{ {} }}", parts.join(" , "))
             }
             Value::Array(items) => {
                 format!("[ {} ]", items.iter().map(respell).collect::<Vec<_>>().join(" ,\t"))
             }
+            Value::String(text) => escaped(text),
+            Value::Number(n) if n.is_f64() => format!("{:e}", n.as_f64().unwrap()),
             scalar => scalar.to_string(),
         }
     }

@@ -129,5 +129,40 @@ mod tests {
         fn keys_longer_than_255_are_refused(key in "[a-z]{256,400}") {
             prop_assert!(IdempotencyKey::parse(key.as_bytes()).is_err());
         }
+
+        /// The length rule applies to the unquoted key: 255 escaped characters pass, 256 do not.
+        #[test]
+        fn quoted_keys_obey_the_length_limit_after_unquoting(key in "[\"\\\\a-z]{250,260}") {
+            let quoted = format!("\"{}\"", key.replace('\\', "\\\\").replace('"', "\\\""));
+            prop_assert_eq!(IdempotencyKey::parse(quoted.as_bytes()).is_ok(), key.len() <= MAX_LEN);
+        }
+
+        #[test]
+        fn quoted_keys_with_a_forbidden_byte_or_a_bad_escape_are_refused(
+            prefix in "[a-z]{0,20}",
+            bad in prop_oneof![
+                (0u8..=0x20).prop_map(|b| vec![b]),
+                (0x7fu8..=0xff).prop_map(|b| vec![b]),
+                Just(b"\"".to_vec()),
+                "[a-zA-Z0-9]".prop_map(|c| format!("\\{c}").into_bytes()),
+            ],
+            suffix in "[a-z]{0,20}",
+        ) {
+            let mut key = b"\"".to_vec();
+            key.extend(prefix.into_bytes());
+            key.extend(bad);
+            key.extend(suffix.into_bytes());
+            key.push(b'"');
+            prop_assert!(IdempotencyKey::parse(&key).is_err(), "{:?}", String::from_utf8_lossy(&key));
+        }
+
+        /// Whatever the bytes, parsing never panics, and what it accepts keeps the invariant.
+        #[test]
+        fn any_bytes_parse_to_a_valid_key_or_an_error(raw in prop::collection::vec(any::<u8>(), 0..300)) {
+            if let Ok(key) = IdempotencyKey::parse(&raw) {
+                prop_assert!((1..=MAX_LEN).contains(&key.as_str().len()));
+                prop_assert!(key.as_str().bytes().all(|b| (0x21..=0x7e).contains(&b)));
+            }
+        }
     }
 }

@@ -2,9 +2,14 @@
 
 use actix_web::{web, HttpRequest, HttpResponse};
 use serde_json::Value;
+use utoipa::ToSchema;
 use uuid::Uuid;
 
 use super::intake::read_body;
+use super::schemas::{
+    AdminDisabled, BadRequest, BodyTooLarge, NotFound, Overloaded, TenantIn, TenantPatchIn, Unauthorized, Unavailable,
+    UnsupportedMediaType,
+};
 use crate::domain::{object_fields, required, MissingKeyPolicy, OpeningBalance};
 use crate::error::ApiError;
 use crate::startup::AppState;
@@ -32,7 +37,19 @@ fn policy_field(value: &Value) -> Result<MissingKeyPolicy, ApiError> {
         .map_err(ApiError::InvalidRequest)
 }
 
-async fn create_tenant(
+/// Creates a tenant with its `main` account; the answer is the only time its API key is shown.
+#[utoipa::path(
+    post, path = "/admin/tenants", tag = "admin", operation_id = "create_tenant",
+    request_body = TenantIn, security(("admin_token" = [])),
+    responses(
+        (status = 201, description = "Created.", body = tenants::CreatedTenant),
+        (status = 400, response = BadRequest), (status = 401, response = Unauthorized),
+        (status = 403, response = AdminDisabled), (status = 413, response = BodyTooLarge),
+        (status = 415, response = UnsupportedMediaType), (status = 429, response = Overloaded),
+        (status = 503, response = Unavailable),
+    )
+)]
+pub(super) async fn create_tenant(
     req: HttpRequest,
     payload: web::Payload,
     state: web::Data<AppState>,
@@ -43,8 +60,13 @@ async fn create_tenant(
     let name = required(fields, "name")
         .map_err(ApiError::InvalidRequest)?
         .as_str()
-        .filter(|n| !n.trim().is_empty() && n.len() <= 200)
-        .ok_or_else(|| ApiError::InvalidRequest("`name` must be a non-empty string of at most 200 bytes".to_owned()))?;
+        // PostgreSQL refuses NUL in text (a 500 if it got there): no control character passes.
+        .filter(|n| !n.trim().is_empty() && n.len() <= 200 && !n.chars().any(char::is_control))
+        .ok_or_else(|| {
+            ApiError::InvalidRequest(
+                "`name` must be a non-blank string of at most 200 bytes without control characters".to_owned(),
+            )
+        })?;
     let policy = fields
         .get("missing_key_policy")
         .map(policy_field)
@@ -60,7 +82,20 @@ async fn create_tenant(
     Ok(HttpResponse::Created().json(created))
 }
 
-async fn update_tenant(
+/// Changes a tenant's `missing_key_policy`; every replica applies it within one second.
+#[utoipa::path(
+    patch, path = "/admin/tenants/{tenant_id}", tag = "admin", operation_id = "update_tenant",
+    request_body = TenantPatchIn, security(("admin_token" = [])),
+    params(("tenant_id" = Uuid, Path, description = "The tenant's id.")),
+    responses(
+        (status = 200, description = "The tenant.", body = tenants::TenantView),
+        (status = 400, response = BadRequest), (status = 401, response = Unauthorized),
+        (status = 403, response = AdminDisabled), (status = 404, response = NotFound),
+        (status = 413, response = BodyTooLarge), (status = 415, response = UnsupportedMediaType),
+        (status = 429, response = Overloaded), (status = 503, response = Unavailable),
+    )
+)]
+pub(super) async fn update_tenant(
     req: HttpRequest,
     payload: web::Payload,
     state: web::Data<AppState>,
@@ -79,10 +114,26 @@ async fn update_tenant(
     Ok(HttpResponse::Ok().json(tenant))
 }
 
-async fn run_purge(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+/// The answer of a purge run.
+#[derive(serde::Serialize, ToSchema)]
+struct PurgedOut {
+    /// How many expired key rows were deleted.
+    deleted: u64,
+}
+
+/// Deletes key rows older than the retention (the cron endpoint); takes no body.
+#[utoipa::path(
+    post, path = "/admin/purge", tag = "admin", operation_id = "purge", security(("admin_token" = [])),
+    responses(
+        (status = 200, description = "Purged.", body = PurgedOut),
+        (status = 401, response = Unauthorized), (status = 403, response = AdminDisabled),
+        (status = 429, response = Overloaded), (status = 503, response = Unavailable),
+    )
+)]
+pub(super) async fn run_purge(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     auth::admin(&req, state.settings.admin_token.as_deref())?;
     let deleted = purge::purge(&state.pool, state.settings.retention, state.settings.purge_batch_size).await?;
     state.metrics.purged_keys.inc_by(deleted);
     state.metrics.purge_runs.inc();
-    Ok(HttpResponse::Ok().json(serde_json::json!({ "deleted": deleted })))
+    Ok(HttpResponse::Ok().json(PurgedOut { deleted }))
 }

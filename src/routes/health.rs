@@ -1,7 +1,9 @@
 //! `GET /healthz`, `GET /readyz`, `GET /metrics`.
 
 use actix_web::{web, HttpResponse};
+use utoipa::ToSchema;
 
+use super::schemas::Unavailable;
 use crate::error::ApiError;
 use crate::startup::AppState;
 
@@ -11,19 +13,35 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
         .route("/metrics", web::get().to(metrics));
 }
 
-async fn healthz() -> HttpResponse {
-    HttpResponse::Ok().json(serde_json::json!({ "status": "ok" }))
+#[derive(serde::Serialize, ToSchema)]
+struct StatusOut {
+    status: &'static str,
 }
 
-/// Ready when the database answers a query.
-async fn readyz(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+/// Liveness: 200 while the process runs.
+#[utoipa::path(get, path = "/healthz", tag = "operations", operation_id = "healthz",
+    responses((status = 200, description = "Alive.", body = StatusOut)))]
+pub(super) async fn healthz() -> HttpResponse {
+    HttpResponse::Ok().json(StatusOut { status: "ok" })
+}
+
+/// Readiness: 200 when the database answers a query, else 503.
+#[utoipa::path(get, path = "/readyz", tag = "operations", operation_id = "readyz",
+    responses(
+        (status = 200, description = "Ready.", body = StatusOut),
+        (status = 503, response = Unavailable),
+    ))]
+pub(super) async fn readyz(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     let mut conn = state.conn().await.map_err(|_| ApiError::Unavailable)?;
     let result = sqlx::query("SELECT 1").execute(&mut *conn).await;
     conn.discard_if_broken(result).map_err(|_| ApiError::Unavailable)?;
-    Ok(HttpResponse::Ok().json(serde_json::json!({ "status": "ready" })))
+    Ok(HttpResponse::Ok().json(StatusOut { status: "ready" }))
 }
 
-async fn metrics(state: web::Data<AppState>) -> HttpResponse {
+/// Prometheus metrics (text exposition format).
+#[utoipa::path(get, path = "/metrics", tag = "operations", operation_id = "metrics",
+    responses((status = 200, description = "The metrics.", content_type = "text/plain; version=0.0.4; charset=utf-8", body = String)))]
+pub(super) async fn metrics(state: web::Data<AppState>) -> HttpResponse {
     HttpResponse::Ok()
         .content_type("text/plain; version=0.0.4; charset=utf-8")
         .body(state.metrics.render(&state.pool))

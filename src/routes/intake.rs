@@ -1,6 +1,7 @@
 //! Steps 1 to 3 of every tenant POST (see `crate::idempotency`): authentication, body size
 //! and type, the key, the JSON body and its fingerprint, in the contract's order.
 
+use actix_web::http::header;
 use actix_web::{web, HttpMessage, HttpRequest};
 use serde_json::Value;
 
@@ -54,6 +55,15 @@ pub async fn intake(
 /// Reads at most `limit` bytes (413 beyond) and requires a JSON media type for a non-empty
 /// body (415).
 pub async fn read_body(req: &HttpRequest, payload: web::Payload, limit: usize) -> Result<web::Bytes, ApiError> {
+    // A declared length over the limit is refused before any of the body is awaited: a
+    // client announcing a huge body must not hold a worker waiting for bytes it never sends.
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if declared.is_some_and(|length| length > limit as u64) {
+        return Err(ApiError::BodyTooLarge { limit });
+    }
     let bytes = match payload.to_bytes_limited(limit).await {
         Err(_) => return Err(ApiError::BodyTooLarge { limit }),
         Ok(Err(err)) => return Err(ApiError::InvalidJson(format!("the body could not be read: {err}"))),

@@ -4,7 +4,9 @@ mod accounts;
 mod admin;
 mod health;
 mod intake;
+mod openapi;
 mod payments;
+pub mod schemas;
 
 use actix_web::http::StatusCode;
 use actix_web::{web, HttpResponse, HttpResponseBuilder};
@@ -19,9 +21,12 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
     accounts::configure(cfg);
     admin::configure(cfg);
     health::configure(cfg);
+    openapi::configure(cfg);
     // Unknown routes and methods answer problem+json, not actix's empty 404/405.
     cfg.default_service(web::to(|| async { Err::<HttpResponse, _>(ApiError::NotFound) }));
 }
+
+pub use openapi::document as openapi_document;
 
 impl From<Refusal> for ApiError {
     fn from(refusal: Refusal) -> Self {

@@ -4,10 +4,15 @@ use actix_web::http::{header, StatusCode};
 use actix_web::{web, HttpRequest, HttpResponse};
 use chrono::{DateTime, Utc};
 use serde::Serialize;
+use utoipa::ToSchema;
 use uuid::Uuid;
 
 use super::intake::{intake, EmptyBody};
 use super::respond;
+use super::schemas::{
+    BadRequest, BodyTooLarge, Conflict, IdempotencyKeyHeader, InsufficientFunds, KeyRefused, NotFound, Overloaded,
+    PaymentIn, RefundIn, Unauthorized, Unavailable, UnsupportedMediaType,
+};
 use crate::domain::{object_fields, required, AccountId, Amount};
 use crate::error::ApiError;
 use crate::ledger;
@@ -20,35 +25,69 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
         .route("/payments/{id}/refund", web::post().to(refund));
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+enum PaymentStatus {
+    Succeeded,
+    Refunded,
+}
+
+/// A new payment, as of its creation (a replay answers the same values).
+#[derive(Serialize, ToSchema)]
 struct PaymentOut {
     id: Uuid,
     account: String,
     charged: i64,
+    /// The account's balance right after this payment.
     balance: i64,
-    status: &'static str,
+    status: PaymentStatus,
     created_at: DateTime<Utc>,
 }
 
-#[derive(Serialize)]
+/// A payment's current state.
+#[derive(Serialize, ToSchema)]
 struct PaymentStateOut {
     id: Uuid,
     account: String,
     amount: i64,
-    status: &'static str,
+    status: PaymentStatus,
     created_at: DateTime<Utc>,
+    /// Null until the payment is refunded.
+    #[schema(required = true)]
     refunded_at: Option<DateTime<Utc>>,
 }
 
-#[derive(Serialize)]
+/// A refund: always of the whole payment.
+#[derive(Serialize, ToSchema)]
 struct RefundOut {
     id: Uuid,
-    status: &'static str,
+    status: PaymentStatus,
     refunded: i64,
+    /// The account's balance right after the refund.
     balance: i64,
 }
 
-async fn create(req: HttpRequest, payload: web::Payload, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+/// Charges an account, at most once per `Idempotency-Key` (`POST /pay` is an alias).
+#[utoipa::path(
+    post, path = "/payments", tag = "payments", operation_id = "create_payment",
+    request_body = PaymentIn, params(IdempotencyKeyHeader), security(("api_key" = [])),
+    responses(
+        (status = 201, description = "Charged (or the replay of the first answer).", body = PaymentOut, headers(
+            ("Location" = String, description = "`/payments/{id}`"),
+            ("Idempotency-Replayed" = String, description = "`true` on a replay, `false` on a first answer; absent without a key"),
+        )),
+        (status = 400, response = BadRequest), (status = 401, response = Unauthorized),
+        (status = 402, response = InsufficientFunds), (status = 404, response = NotFound),
+        (status = 409, response = Conflict), (status = 413, response = BodyTooLarge),
+        (status = 415, response = UnsupportedMediaType), (status = 422, response = KeyRefused),
+        (status = 429, response = Overloaded), (status = 503, response = Unavailable),
+    )
+)]
+pub(super) async fn create(
+    req: HttpRequest,
+    payload: web::Payload,
+    state: web::Data<AppState>,
+) -> Result<HttpResponse, ApiError> {
     let intake = intake(&req, payload, &state, "/payments", EmptyBody::Refused).await?;
     let fields = object_fields(&intake.body, &["amount", "account"]).map_err(ApiError::InvalidRequest)?;
     let amount = Amount::parse("amount", required(fields, "amount").map_err(ApiError::InvalidRequest)?)
@@ -65,7 +104,7 @@ async fn create(req: HttpRequest, payload: web::Payload, state: web::Data<AppSta
             account: p.account,
             charged: p.amount,
             balance: p.balance_after,
-            status: "succeeded",
+            status: PaymentStatus::Succeeded,
             created_at: p.created_at,
         }
     })
@@ -79,7 +118,17 @@ fn payment_id(req: &HttpRequest) -> Result<Uuid, ApiError> {
         .ok_or(ApiError::NotFound)
 }
 
-async fn show(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+/// A payment's current state.
+#[utoipa::path(
+    get, path = "/payments/{id}", tag = "payments", operation_id = "get_payment", security(("api_key" = [])),
+    params(("id" = Uuid, Path, description = "The payment's id; another tenant's answers 404.")),
+    responses(
+        (status = 200, description = "The payment.", body = PaymentStateOut),
+        (status = 401, response = Unauthorized), (status = 404, response = NotFound),
+        (status = 429, response = Overloaded), (status = 503, response = Unavailable),
+    )
+)]
+pub(super) async fn show(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     let tenant = crate::auth::tenant(&req, &state.pool, &state.tenants).await?;
     let id = payment_id(&req)?;
     let mut conn = state.conn().await?;
@@ -90,16 +139,37 @@ async fn show(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpRespon
         account: payment.account,
         amount: payment.amount,
         status: if payment.refunded_at.is_some() {
-            "refunded"
+            PaymentStatus::Refunded
         } else {
-            "succeeded"
+            PaymentStatus::Succeeded
         },
         created_at: payment.created_at,
         refunded_at: payment.refunded_at,
     }))
 }
 
-async fn refund(req: HttpRequest, payload: web::Payload, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+/// Refunds a whole payment, at most once.
+#[utoipa::path(
+    post, path = "/payments/{id}/refund", tag = "payments", operation_id = "refund_payment",
+    request_body(content = RefundIn, description = "Empty, or `{}`."),
+    params(("id" = Uuid, Path, description = "The payment's id."), IdempotencyKeyHeader),
+    security(("api_key" = [])),
+    responses(
+        (status = 200, description = "Refunded (or the replay of the first answer).", body = RefundOut, headers(
+            ("Idempotency-Replayed" = String, description = "`true` on a replay, `false` on a first answer; absent without a key"),
+        )),
+        (status = 400, response = BadRequest), (status = 401, response = Unauthorized),
+        (status = 404, response = NotFound), (status = 409, response = Conflict),
+        (status = 413, response = BodyTooLarge), (status = 415, response = UnsupportedMediaType),
+        (status = 422, response = KeyRefused), (status = 429, response = Overloaded),
+        (status = 503, response = Unavailable),
+    )
+)]
+pub(super) async fn refund(
+    req: HttpRequest,
+    payload: web::Payload,
+    state: web::Data<AppState>,
+) -> Result<HttpResponse, ApiError> {
     let intake = intake(&req, payload, &state, req.path(), EmptyBody::MeansEmptyObject).await?;
     object_fields(&intake.body, &[]).map_err(ApiError::InvalidRequest)?;
     let id = payment_id(&req)?;
@@ -109,7 +179,7 @@ async fn refund(req: HttpRequest, payload: web::Payload, state: web::Data<AppSta
     let outcome = conn.discard_if_broken(result)?;
     respond(outcome, intake.claim.is_some(), StatusCode::OK, |r, _| RefundOut {
         id: r.payment_id,
-        status: "refunded",
+        status: PaymentStatus::Refunded,
         refunded: r.refunded,
         balance: r.balance_after,
     })
