@@ -4,6 +4,7 @@
 //! (money movements) -> PostgreSQL (`db`, `migrations/`). Only `routes`, `auth`, `error`
 //! and `telemetry` know HTTP.
 
+pub mod audit;
 pub mod auth;
 pub mod config;
 pub mod db;

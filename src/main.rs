@@ -4,7 +4,7 @@ use clap::{Parser, Subcommand};
 use oncepay::config::Settings;
 use oncepay::domain::{MissingKeyPolicy, OpeningBalance};
 use oncepay::startup::Application;
-use oncepay::{db, purge, telemetry, tenants};
+use oncepay::{audit, db, purge, telemetry, tenants};
 
 /// oncepay: a payment API whose retried requests never charge twice.
 #[derive(Parser)]
@@ -22,6 +22,22 @@ enum Command {
     Migrate,
     /// Delete idempotency-key rows older than ONCEPAY_RETENTION_SECS; prints `deleted=N`.
     Purge,
+    /// Reconcile balances, key rows and effects (docs/audit.md). Exit 0 clean (warnings
+    /// allowed), 3 when an invariant is broken, 1 when the audit could not run.
+    Audit {
+        /// Print the report as one JSON object.
+        #[arg(long)]
+        json: bool,
+        /// Audit one tenant only.
+        #[arg(long)]
+        tenant: Option<uuid::Uuid>,
+        /// Keyless payments this close (same tenant, account, amount) are suspected duplicates.
+        #[arg(long, default_value_t = 5)]
+        duplicate_window_secs: u64,
+        /// Example rows listed per finding.
+        #[arg(long, default_value_t = 20)]
+        samples: i64,
+    },
     /// Manage tenants.
     #[command(subcommand)]
     Tenant(TenantCommand),
@@ -84,6 +100,31 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             db::check_schema(&pool).await?;
             let deleted = purge::purge(&pool, settings.retention, settings.purge_batch_size).await?;
             println!("deleted={deleted}");
+        }
+        Command::Audit {
+            json,
+            tenant,
+            duplicate_window_secs,
+            samples,
+        } => {
+            let options = audit::Options {
+                tenant_id: tenant,
+                retention: settings.retention,
+                fingerprint_window: settings.fingerprint_window,
+                duplicate_window: std::time::Duration::from_secs(duplicate_window_secs),
+                samples,
+            };
+            let pool = db::pool(&settings)?;
+            db::check_schema(&pool).await?;
+            let report = audit::run(&pool, &options).await.context("the audit could not run")?;
+            if json {
+                println!("{}", serde_json::to_string(&report)?);
+            } else {
+                println!("{report}");
+            }
+            if !report.clean {
+                std::process::exit(audit::EXIT_BROKEN);
+            }
         }
         Command::Tenant(TenantCommand::Create {
             name,
