@@ -22,13 +22,13 @@ SELECT ('00000000-0000-4000-8000-' || lpad((1 + i % 10)::text, 12, '0'))::uuid,
        now() - make_interval(secs => (i % 86400)::float8 + (i / 86400) * 0.001),
        CASE WHEN i % 20 = 1 THEN now() - make_interval(secs => (i % 86400)::float8 / 2) END,
        CASE WHEN i % 20 = 1 THEN 0 END
-  FROM generate_series(1, :payments) i;
+  FROM generate_series(1::bigint, :payments) i;
 
 INSERT INTO deposits (tenant_id, deposit_id, account_id, amount, balance_after, idempotency_key, created_at)
 SELECT ('00000000-0000-4000-8000-' || lpad((1 + i % 10)::text, 12, '0'))::uuid,
        gen_random_uuid(), 'acct-' || (1 + (i / 10) % 1000), 1 + (i * 104729) % 9000, 0,
        'd-' || i, now() - make_interval(secs => (i % 86400)::float8)
-  FROM generate_series(1, :payments / 10) i;
+  FROM generate_series(1::bigint, :payments / 10) i;
 
 INSERT INTO idempotency_keys (tenant_id, key, fingerprint, method, path, status, resource_id, created_at, expires_at)
 SELECT tenant_id, idempotency_key, sha256(idempotency_key::bytea), 'POST', '/payments', 201,

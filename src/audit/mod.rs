@@ -148,46 +148,37 @@ async fn balances(conn: &mut PgConnection, o: &Options) -> Result<Findings<Balan
 }
 
 async fn dangling_keys(conn: &mut PgConnection, o: &Options) -> Result<Findings<DanglingKey>, sqlx::Error> {
-    // Resource ids are text (an account id or a UUID); only UUID-shaped ones are cast, so
-    // that a malformed row is reported instead of failing the cast.
+    // One pass over the key rows with hash joins to each kind of resource. Resource ids are
+    // text: account ids on `/accounts`, UUIDs written by the server everywhere else.
     let rows = sqlx::query_as!(
         DanglingKey,
-        r#"WITH k AS MATERIALIZED (
+        r#"WITH k AS (
                SELECT tenant_id, key, path, status, resource_id,
-                      CASE WHEN resource_id ~ '^[0-9a-fA-F]{8}-([0-9a-fA-F]{4}-){3}[0-9a-fA-F]{12}$'
+                      CASE WHEN path <> '/accounts' AND length(resource_id) = 36
                            THEN resource_id::uuid END AS resource_uuid
                  FROM idempotency_keys
                 WHERE status IN (200, 201) AND ($1::uuid IS NULL OR tenant_id = $1)),
-           dangling AS (
-               SELECT k.*, 'names no payment made with this key'::text AS problem FROM k
-                WHERE k.path = '/payments'
-                  AND NOT EXISTS (SELECT 1 FROM payments p
-                                   WHERE p.tenant_id = k.tenant_id AND p.payment_id = k.resource_uuid
-                                     AND p.idempotency_key = k.key)
-               UNION ALL
-               SELECT k.*, 'names no refunded payment' FROM k
-                WHERE k.path LIKE '/payments/%/refund'
-                  AND NOT EXISTS (SELECT 1 FROM payments p
-                                   WHERE p.tenant_id = k.tenant_id AND p.payment_id = k.resource_uuid
-                                     AND p.refunded_at IS NOT NULL)
-               UNION ALL
-               SELECT k.*, 'names no deposit made with this key' FROM k
-                WHERE k.path LIKE '/accounts/%/deposits'
-                  AND NOT EXISTS (SELECT 1 FROM deposits d
-                                   WHERE d.tenant_id = k.tenant_id AND d.deposit_id = k.resource_uuid
-                                     AND d.idempotency_key = k.key)
-               UNION ALL
-               SELECT k.*, 'names no account' FROM k
-                WHERE k.path = '/accounts'
-                  AND NOT EXISTS (SELECT 1 FROM accounts a
-                                   WHERE a.tenant_id = k.tenant_id AND a.account_id = k.resource_id)
-               UNION ALL
-               SELECT k.*, 'has a path no operation writes' FROM k
-                WHERE k.path NOT IN ('/payments', '/accounts')
-                  AND k.path NOT LIKE '/payments/%/refund' AND k.path NOT LIKE '/accounts/%/deposits')
+           found AS MATERIALIZED (
+               SELECT k.tenant_id, k.key, k.path, k.status, k.resource_id,
+                      CASE WHEN k.path = '/payments' THEN
+                                CASE WHEN p.idempotency_key IS DISTINCT FROM k.key
+                                     THEN 'names no payment made with this key' END
+                           WHEN k.path LIKE '/payments/%/refund' THEN
+                                CASE WHEN p.refunded_at IS NULL THEN 'names no refunded payment' END
+                           WHEN k.path LIKE '/accounts/%/deposits' THEN
+                                CASE WHEN d.idempotency_key IS DISTINCT FROM k.key
+                                     THEN 'names no deposit made with this key' END
+                           WHEN k.path = '/accounts' THEN
+                                CASE WHEN a.account_id IS NULL THEN 'names no account' END
+                           ELSE 'has a path no operation writes' END AS problem
+                 FROM k
+                 LEFT JOIN payments p ON p.tenant_id = k.tenant_id AND p.payment_id = k.resource_uuid
+                 LEFT JOIN deposits d ON d.tenant_id = k.tenant_id AND d.deposit_id = k.resource_uuid
+                 LEFT JOIN accounts a ON a.tenant_id = k.tenant_id AND a.account_id = k.resource_id)
            SELECT tenant_id AS "tenant_id!", key AS "key!", path AS "path!", status AS "status!",
                   resource_id, problem AS "problem!", count(*) OVER () AS "total!"
-             FROM dangling
+             FROM found
+            WHERE problem IS NOT NULL
             ORDER BY tenant_id, key
             LIMIT $2"#,
         o.tenant_id,
@@ -210,16 +201,19 @@ async fn missing_keys(conn: &mut PgConnection, o: &Options) -> Result<Findings<M
                SELECT 'deposit', tenant_id, deposit_id, idempotency_key, created_at
                  FROM deposits
                 WHERE idempotency_key IS NOT NULL AND created_at > now() - make_interval(secs => $2)
-                  AND ($1::uuid IS NULL OR tenant_id = $1))
-           SELECT e.kind AS "kind!", e.tenant_id AS "tenant_id!", e.id AS "id!", e.key AS "key!",
-                  e.created_at AS "created_at!", k.resource_id AS key_row_resource,
+                  AND ($1::uuid IS NULL OR tenant_id = $1)),
+           found AS MATERIALIZED (
+               SELECT e.kind, e.tenant_id, e.id, e.key, e.created_at, k.resource_id
+                 FROM keyed e
+                 LEFT JOIN idempotency_keys k ON k.tenant_id = e.tenant_id AND k.key = e.key
+                WHERE k.key IS NULL
+                   OR (k.resource_id IS DISTINCT FROM e.id::text
+                       AND NOT (e.key LIKE 'fp:%' AND k.created_at >= e.created_at)))
+           SELECT kind AS "kind!", tenant_id AS "tenant_id!", id AS "id!", key AS "key!",
+                  created_at AS "created_at!", resource_id AS key_row_resource,
                   count(*) OVER () AS "total!"
-             FROM keyed e
-             LEFT JOIN idempotency_keys k ON k.tenant_id = e.tenant_id AND k.key = e.key
-            WHERE k.key IS NULL
-               OR (k.resource_id IS DISTINCT FROM e.id::text
-                   AND NOT (e.key LIKE 'fp:%' AND k.created_at >= e.created_at))
-            ORDER BY e.tenant_id, e.created_at
+             FROM found
+            ORDER BY tenant_id, created_at
             LIMIT $3"#,
         o.tenant_id,
         o.retention.as_secs_f64(),
