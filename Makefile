@@ -20,13 +20,15 @@ export SQLX_OFFLINE ?= true
 BIN := target/release/oncepay
 CARGO_TEST := $(shell cargo nextest --version >/dev/null 2>&1 && echo "cargo nextest run --no-fail-fast" || echo "cargo test --no-fail-fast")
 
-.PHONY: help run serve build db-up db-down migrate psql purge test check sqlx-prepare bench bench-quick clean-db openapi schemathesis
+.PHONY: help run serve build db-up db-down migrate psql purge audit audit-bench test chaos check sqlx-prepare bench bench-quick clean-db openapi schemathesis
 
 help:
 	@echo "make run      local database if needed, migrate, demo tenant, serve on 127.0.0.1:8130"
 	@echo "make test     every test, against a real PostgreSQL (started if needed)"
+	@echo "make chaos    fault tests (kill -9, PostgreSQL restart, ...) on their own PostgreSQL cluster"
+	@echo "make audit    reconcile balances, key rows and payments; non-zero exit if an invariant is broken"
 	@echo "make schemathesis   fuzz a live server from its OpenAPI document (docs/openapi.json)"
-	@echo "make migrate | purge | psql | db-up | db-down | check | bench | sqlx-prepare | openapi"
+	@echo "make migrate | purge | psql | db-up | db-down | check | bench | audit-bench | sqlx-prepare | openapi"
 
 db-up:
 ifdef LOCAL_DB
@@ -50,6 +52,13 @@ run: migrate
 purge: db-up build
 	$(BIN) purge
 
+audit: db-up build
+	$(BIN) audit
+
+# Times the audit on a generated ledger of a million payments (docs/audit.md).
+audit-bench: db-up build
+	@scripts/audit-bench.sh $(BIN) "$(DATABASE_URL)" oncepay_audit_bench
+
 psql: db-up
 	@psql "$(DATABASE_URL)"
 
@@ -70,6 +79,23 @@ endif
 # Regenerates the committed OpenAPI document (a unit test fails while it is stale).
 openapi:
 	cargo run --quiet --locked -- openapi > docs/openapi.json
+
+# The chaos tests stop and restart PostgreSQL, so they get a cluster of their own (port
+# CHAOS_PG_PORT), stopped again afterwards, and run one at a time. `make test` skips them
+# (they are #[ignore]d); .ci/run runs both.
+CHAOS_PG_PORT ?= 55131
+CHAOS_PGDATA ?= $(shell if [ "$$(id -u)" = 0 ]; then echo /var/tmp/oncepay-chaos-pg-$$(printf '%s' "$(CURDIR)" | sha256sum | cut -c1-12); else echo "$(CURDIR)/.pgdata-chaos"; fi)
+CHAOS_DB := ONCEPAY_PG_PORT=$(CHAOS_PG_PORT) ONCEPAY_PGDATA=$(CHAOS_PGDATA)
+CHAOS_TEST := $(shell cargo nextest --version >/dev/null 2>&1 \
+	&& echo "cargo nextest run --no-fail-fast --locked --test chaos --run-ignored only --test-threads 1" \
+	|| echo "cargo test --no-fail-fast --locked --test chaos -- --ignored --test-threads=1")
+
+chaos:
+	@$(CHAOS_DB) scripts/db.sh up
+	@psql -X -q "$$($(CHAOS_DB) scripts/db.sh url postgres)" -c 'DROP DATABASE IF EXISTS oncepay_chaos WITH (FORCE)' -c 'CREATE DATABASE oncepay_chaos'
+	@status=0; $(CHAOS_DB) ONCEPAY_CHAOS_DATABASE_URL="$$($(CHAOS_DB) scripts/db.sh url oncepay_chaos)" \
+		$(CHAOS_TEST) || status=$$?; \
+	$(CHAOS_DB) scripts/db.sh down; exit $$status
 
 check:
 	cargo fmt --check

@@ -2,7 +2,7 @@
 # A project-local PostgreSQL cluster for `make run`, `make test` and `make bench`.
 #
 #   scripts/db.sh up      start it (initdb on first use), create the databases, print nothing else
-#   scripts/db.sh down    stop it
+#   scripts/db.sh down    stop it (mode ONCEPAY_PG_STOP_MODE: fast, or immediate for a crash)
 #   scripts/db.sh url DB  print the URL of database DB on it
 #
 # It listens on 127.0.0.1:$ONCEPAY_PG_PORT only (default 55130) with its socket in the data folder.
@@ -87,7 +87,7 @@ CONF
 down() {
   bin="$(pg_bindir)" || exit 0
   if [ -s "$data/PG_VERSION" ] && as_pg "$bin/pg_ctl" -D "$data" status >/dev/null 2>&1; then
-    as_pg "$bin/pg_ctl" -D "$data" -m fast -w stop >/dev/null
+    as_pg "$bin/pg_ctl" -D "$data" -m "${ONCEPAY_PG_STOP_MODE:-fast}" -w stop >/dev/null
     echo "db.sh: stopped the local cluster in $data" >&2
   fi
 }

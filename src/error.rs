@@ -21,6 +21,8 @@ pub enum ApiError {
     AdminDisabled,
     #[error("the body exceeds the limit of {limit} bytes")]
     BodyTooLarge { limit: usize },
+    #[error("the body did not arrive within {secs} seconds; nothing was processed")]
+    BodyTimeout { secs: u64 },
     #[error("the body must be JSON, sent with `Content-Type: application/json`")]
     UnsupportedMediaType,
     #[error("this tenant requires an `Idempotency-Key` header on every POST")]
@@ -56,6 +58,7 @@ impl ApiError {
             Self::Unauthorized => "unauthorized",
             Self::AdminDisabled => "admin_disabled",
             Self::BodyTooLarge { .. } => "body_too_large",
+            Self::BodyTimeout { .. } => "request_timeout",
             Self::UnsupportedMediaType => "unsupported_media_type",
             Self::MissingIdempotencyKey => "missing_idempotency_key",
             Self::InvalidIdempotencyKey(_) => "invalid_idempotency_key",
@@ -77,6 +80,7 @@ impl ApiError {
             Self::Unauthorized => "Unauthorized",
             Self::AdminDisabled => "Admin API disabled",
             Self::BodyTooLarge { .. } => "Body too large",
+            Self::BodyTimeout { .. } => "Request timeout",
             Self::UnsupportedMediaType => "Unsupported media type",
             Self::MissingIdempotencyKey => "Missing idempotency key",
             Self::InvalidIdempotencyKey(_) => "Invalid idempotency key",
@@ -107,6 +111,7 @@ impl ApiError {
             Self::NotFound => "not_found",
             Self::Internal(_) => "internal_error",
             Self::BodyTooLarge { .. }
+            | Self::BodyTimeout { .. }
             | Self::UnsupportedMediaType
             | Self::InvalidIdempotencyKey(_)
             | Self::InvalidJson(_)
@@ -135,6 +140,7 @@ impl ResponseError for ApiError {
             Self::Unauthorized => StatusCode::UNAUTHORIZED,
             Self::AdminDisabled => StatusCode::FORBIDDEN,
             Self::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             Self::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Self::MissingIdempotencyKey
             | Self::InvalidIdempotencyKey(_)
@@ -163,6 +169,10 @@ impl ResponseError for ApiError {
         response.insert_header((header::CONTENT_TYPE, "application/problem+json"));
         if self.retry_after() {
             response.insert_header((header::RETRY_AFTER, RETRY_AFTER_SECS.to_string()));
+        }
+        if let Self::BodyTimeout { .. } = self {
+            // The rest of a trickled body is not worth waiting for: free the connection.
+            response.force_close();
         }
         if let Self::Declined { replayed: true, .. } = self {
             response.insert_header((REPLAYED_HEADER, "true"));

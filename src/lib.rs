@@ -5,6 +5,7 @@
 //! and `telemetry` know HTTP.
 //! `client` is the other side: a Rust client (and the CLI's client commands) that retries safely.
 
+pub mod audit;
 pub mod auth;
 pub mod client;
 pub mod config;

@@ -5,7 +5,7 @@ use oncepay::client::cli::ClientCommand;
 use oncepay::config::Settings;
 use oncepay::domain::{MissingKeyPolicy, OpeningBalance};
 use oncepay::startup::Application;
-use oncepay::{db, purge, telemetry, tenants};
+use oncepay::{audit, db, purge, telemetry, tenants};
 
 /// oncepay: a payment API whose retried requests never charge twice.
 #[derive(Parser)]
@@ -34,6 +34,22 @@ enum ServerCommand {
     Migrate,
     /// Delete idempotency-key rows older than ONCEPAY_RETENTION_SECS; prints `deleted=N`.
     Purge,
+    /// Reconcile balances, key rows and effects (docs/audit.md). Exit 0 clean (warnings
+    /// allowed), 3 when an invariant is broken, 1 when the audit could not run.
+    Audit {
+        /// Print the report as one JSON object.
+        #[arg(long)]
+        json: bool,
+        /// Audit one tenant only.
+        #[arg(long)]
+        tenant: Option<uuid::Uuid>,
+        /// Keyless payments this close (same tenant, account, amount) are suspected duplicates.
+        #[arg(long, default_value_t = 5)]
+        duplicate_window_secs: u64,
+        /// Example rows listed per finding.
+        #[arg(long, default_value_t = 20)]
+        samples: i64,
+    },
     /// Manage tenants.
     #[command(subcommand)]
     Tenant(TenantCommand),
@@ -108,6 +124,31 @@ async fn run(command: ServerCommand) -> anyhow::Result<()> {
             db::check_schema(&pool).await?;
             let deleted = purge::purge(&pool, settings.retention, settings.purge_batch_size).await?;
             println!("deleted={deleted}");
+        }
+        ServerCommand::Audit {
+            json,
+            tenant,
+            duplicate_window_secs,
+            samples,
+        } => {
+            let options = audit::Options {
+                tenant_id: tenant,
+                retention: settings.retention,
+                fingerprint_window: settings.fingerprint_window,
+                duplicate_window: std::time::Duration::from_secs(duplicate_window_secs),
+                samples,
+            };
+            let pool = db::pool(&settings)?;
+            db::check_schema(&pool).await?;
+            let report = audit::run(&pool, &options).await.context("the audit could not run")?;
+            if json {
+                println!("{}", serde_json::to_string(&report)?);
+            } else {
+                println!("{report}");
+            }
+            if !report.clean {
+                std::process::exit(audit::EXIT_BROKEN);
+            }
         }
         ServerCommand::Tenant(TenantCommand::Create {
             name,

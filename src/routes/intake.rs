@@ -1,6 +1,8 @@
 //! Steps 1 to 3 of every tenant POST (see `crate::idempotency`): authentication, body size
 //! and type, the key, the JSON body and its fingerprint, in the contract's order.
 
+use std::time::Duration;
+
 use actix_web::http::header;
 use actix_web::{web, HttpMessage, HttpRequest};
 use serde_json::Value;
@@ -52,8 +54,13 @@ pub async fn intake(
     Ok(Intake { tenant, body, claim })
 }
 
-/// Reads at most `limit` bytes (413 beyond) and requires a JSON media type for a non-empty
-/// body (415).
+/// How long a whole body may take to arrive. actix's `client_request_timeout` bounds only
+/// the headers: without this, a body trickled a byte at a time (slowloris) holds its
+/// connection for ever.
+pub const BODY_READ_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Reads at most `limit` bytes (413 beyond) within [`BODY_READ_TIMEOUT`] (408 beyond) and
+/// requires a JSON media type for a non-empty body (415).
 pub async fn read_body(req: &HttpRequest, payload: web::Payload, limit: usize) -> Result<web::Bytes, ApiError> {
     // A declared length over the limit is refused before any of the body is awaited: a
     // client announcing a huge body must not hold a worker waiting for bytes it never sends.
@@ -64,7 +71,10 @@ pub async fn read_body(req: &HttpRequest, payload: web::Payload, limit: usize) -
     if declared.is_some_and(|length| length > limit as u64) {
         return Err(ApiError::BodyTooLarge { limit });
     }
-    let bytes = match payload.to_bytes_limited(limit).await {
+    let read = tokio::time::timeout(BODY_READ_TIMEOUT, payload.to_bytes_limited(limit)).await;
+    let bytes = match read.map_err(|_| ApiError::BodyTimeout {
+        secs: BODY_READ_TIMEOUT.as_secs(),
+    })? {
         Err(_) => return Err(ApiError::BodyTooLarge { limit }),
         Ok(Err(err)) => return Err(ApiError::InvalidJson(format!("the body could not be read: {err}"))),
         Ok(Ok(bytes)) => bytes,

@@ -1,5 +1,6 @@
 //! The API tests: a real server, a real PostgreSQL, real HTTP.
 
+mod audit;
 mod brownout;
 mod cli;
 mod client;

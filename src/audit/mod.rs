@@ -1,0 +1,288 @@
+//! `oncepay audit`: reconciliation, the way settlement finds double charges.
+//!
+//! Every check is one set-based statement (hash joins and aggregates, no per-row lookups),
+//! and all of them read one REPEATABLE READ snapshot, so an audit of a live database is
+//! consistent with itself. Invariants (any finding fails the audit):
+//! - per account: opening balance + deposits - payments + refunds = balance;
+//! - every stored success (key row with status 200/201) names an existing resource: the
+//!   payment made under that key, the refunded payment, the deposit made under that key, the
+//!   account;
+//! - every keyed payment or deposit younger than the key retention has its key row, naming
+//!   it. Older key rows are purged, so older effects are not checked. A derived key (`fp:`,
+//!   policy `fingerprint`) is renewed in place after its window and names only its latest
+//!   effect; an older effect under it needs a row at least as recent as itself;
+//! - no two effects under one key closer than the key allows: a client key can only be
+//!   processed again after its row is purged (the retention), a derived key after its window.
+//!
+//! Warning only: keyless payments (policy `allow`) of the same tenant, account and amount
+//! within a few seconds. Without a key nothing tells a retry from a second purchase, so
+//! these are suspicions for a human, not broken invariants.
+
+mod report;
+
+use std::time::{Duration, Instant};
+
+use sqlx::{PgConnection, PgPool};
+use uuid::Uuid;
+
+pub use report::*;
+
+/// Exit status of `oncepay audit` when an invariant is broken (1 is any command's failure
+/// to run, 2 a usage error).
+pub const EXIT_BROKEN: i32 = 3;
+
+/// What to audit and with which windows (the server's, from the same environment).
+#[derive(Clone, Debug)]
+pub struct Options {
+    pub tenant_id: Option<Uuid>,
+    pub retention: Duration,
+    pub fingerprint_window: Duration,
+    pub duplicate_window: Duration,
+    /// How many example rows each finding lists.
+    pub samples: i64,
+}
+
+/// Runs every check on one snapshot.
+pub async fn run(pool: &PgPool, options: &Options) -> Result<Report, sqlx::Error> {
+    let started = Instant::now();
+    let mut tx = pool.begin().await?;
+    // A batch job, not a request: the server's per-statement bound would cut it off on a big
+    // ledger, and the joins want memory rather than temporary files.
+    sqlx::query!("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+        .execute(&mut *tx)
+        .await?;
+    sqlx::query!("SET LOCAL statement_timeout = 0")
+        .execute(&mut *tx)
+        .await?;
+    sqlx::query!("SET LOCAL work_mem = '256MB'").execute(&mut *tx).await?;
+
+    let (snapshot_at, checked) = checked(&mut tx, options.tenant_id).await?;
+    let invariants = Invariants {
+        balances: balances(&mut tx, options).await?,
+        dangling_keys: dangling_keys(&mut tx, options).await?,
+        missing_keys: missing_keys(&mut tx, options).await?,
+        double_charges: double_charges(&mut tx, options).await?,
+    };
+    let warnings = Warnings {
+        suspected_keyless_duplicates: keyless_duplicates(&mut tx, options).await?,
+    };
+    tx.commit().await?;
+    Ok(Report {
+        clean: invariants.broken() == 0,
+        snapshot_at,
+        elapsed_ms: started.elapsed().as_millis() as u64,
+        scope: Scope {
+            tenant_id: options.tenant_id,
+            retention_secs: options.retention.as_secs(),
+            fingerprint_window_secs: options.fingerprint_window.as_secs(),
+            duplicate_window_secs: options.duplicate_window.as_secs(),
+        },
+        checked,
+        invariants,
+        warnings,
+    })
+}
+
+async fn checked(
+    conn: &mut PgConnection,
+    tenant: Option<Uuid>,
+) -> Result<(chrono::DateTime<chrono::Utc>, Checked), sqlx::Error> {
+    let row = sqlx::query!(
+        r#"SELECT now() AS "now!",
+                  (SELECT count(*) FROM tenants WHERE $1::uuid IS NULL OR tenant_id = $1) AS "tenants!",
+                  (SELECT count(*) FROM accounts WHERE $1::uuid IS NULL OR tenant_id = $1) AS "accounts!",
+                  (SELECT count(*) FROM payments WHERE $1::uuid IS NULL OR tenant_id = $1) AS "payments!",
+                  (SELECT count(*) FROM deposits WHERE $1::uuid IS NULL OR tenant_id = $1) AS "deposits!",
+                  (SELECT count(*) FROM idempotency_keys WHERE $1::uuid IS NULL OR tenant_id = $1) AS "key_rows!""#,
+        tenant,
+    )
+    .fetch_one(conn)
+    .await?;
+    Ok((
+        row.now,
+        Checked {
+            tenants: row.tenants,
+            accounts: row.accounts,
+            payments: row.payments,
+            deposits: row.deposits,
+            key_rows: row.key_rows,
+        },
+    ))
+}
+
+async fn balances(conn: &mut PgConnection, o: &Options) -> Result<Findings<BalanceMismatch>, sqlx::Error> {
+    let rows = sqlx::query_as!(
+        BalanceMismatch,
+        r#"WITH paid AS (
+               SELECT tenant_id, account_id, sum(amount) AS paid,
+                      sum(amount) FILTER (WHERE refunded_at IS NOT NULL) AS refunded
+                 FROM payments WHERE $1::uuid IS NULL OR tenant_id = $1
+                GROUP BY tenant_id, account_id),
+           deposited AS (
+               SELECT tenant_id, account_id, sum(amount) AS deposited
+                 FROM deposits WHERE $1::uuid IS NULL OR tenant_id = $1
+                GROUP BY tenant_id, account_id),
+           expected AS (
+               SELECT a.tenant_id, a.account_id, a.opening_balance, a.balance,
+                      coalesce(d.deposited, 0) AS deposited, coalesce(p.paid, 0) AS paid,
+                      coalesce(p.refunded, 0) AS refunded
+                 FROM accounts a
+                 LEFT JOIN paid p USING (tenant_id, account_id)
+                 LEFT JOIN deposited d USING (tenant_id, account_id)
+                WHERE $1::uuid IS NULL OR a.tenant_id = $1)
+           SELECT tenant_id AS "tenant_id!", account_id AS "account_id!",
+                  opening_balance AS "opening_balance!", deposited::bigint AS "deposited!",
+                  paid::bigint AS "paid!", refunded::bigint AS "refunded!",
+                  (opening_balance + deposited - paid + refunded)::bigint AS "expected!",
+                  balance AS "balance!", count(*) OVER () AS "total!"
+             FROM expected
+            WHERE opening_balance + deposited - paid + refunded <> balance
+            ORDER BY tenant_id, account_id
+            LIMIT $2"#,
+        o.tenant_id,
+        o.samples,
+    )
+    .fetch_all(conn)
+    .await?;
+    Ok(Findings::from_rows(rows, |r| r.total))
+}
+
+async fn dangling_keys(conn: &mut PgConnection, o: &Options) -> Result<Findings<DanglingKey>, sqlx::Error> {
+    // One pass over the key rows with hash joins to each kind of resource. Resource ids are
+    // text: account ids on `/accounts`, UUIDs written by the server everywhere else.
+    let rows = sqlx::query_as!(
+        DanglingKey,
+        r#"WITH k AS (
+               SELECT tenant_id, key, path, status, resource_id,
+                      CASE WHEN path <> '/accounts' AND length(resource_id) = 36
+                           THEN resource_id::uuid END AS resource_uuid
+                 FROM idempotency_keys
+                WHERE status IN (200, 201) AND ($1::uuid IS NULL OR tenant_id = $1)),
+           found AS MATERIALIZED (
+               SELECT k.tenant_id, k.key, k.path, k.status, k.resource_id,
+                      CASE WHEN k.path = '/payments' THEN
+                                CASE WHEN p.idempotency_key IS DISTINCT FROM k.key
+                                     THEN 'names no payment made with this key' END
+                           WHEN k.path LIKE '/payments/%/refund' THEN
+                                CASE WHEN p.refunded_at IS NULL THEN 'names no refunded payment' END
+                           WHEN k.path LIKE '/accounts/%/deposits' THEN
+                                CASE WHEN d.idempotency_key IS DISTINCT FROM k.key
+                                     THEN 'names no deposit made with this key' END
+                           WHEN k.path = '/accounts' THEN
+                                CASE WHEN a.account_id IS NULL THEN 'names no account' END
+                           ELSE 'has a path no operation writes' END AS problem
+                 FROM k
+                 LEFT JOIN payments p ON p.tenant_id = k.tenant_id AND p.payment_id = k.resource_uuid
+                 LEFT JOIN deposits d ON d.tenant_id = k.tenant_id AND d.deposit_id = k.resource_uuid
+                 LEFT JOIN accounts a ON a.tenant_id = k.tenant_id AND a.account_id = k.resource_id)
+           SELECT tenant_id AS "tenant_id!", key AS "key!", path AS "path!", status AS "status!",
+                  resource_id, problem AS "problem!", count(*) OVER () AS "total!"
+             FROM found
+            WHERE problem IS NOT NULL
+            ORDER BY tenant_id, key
+            LIMIT $2"#,
+        o.tenant_id,
+        o.samples,
+    )
+    .fetch_all(conn)
+    .await?;
+    Ok(Findings::from_rows(rows, |r| r.total))
+}
+
+async fn missing_keys(conn: &mut PgConnection, o: &Options) -> Result<Findings<MissingKey>, sqlx::Error> {
+    let rows = sqlx::query_as!(
+        MissingKey,
+        r#"WITH keyed AS (
+               SELECT 'payment'::text AS kind, tenant_id, payment_id AS id, idempotency_key AS key, created_at
+                 FROM payments
+                WHERE idempotency_key IS NOT NULL AND created_at > now() - make_interval(secs => $2)
+                  AND ($1::uuid IS NULL OR tenant_id = $1)
+               UNION ALL
+               SELECT 'deposit', tenant_id, deposit_id, idempotency_key, created_at
+                 FROM deposits
+                WHERE idempotency_key IS NOT NULL AND created_at > now() - make_interval(secs => $2)
+                  AND ($1::uuid IS NULL OR tenant_id = $1)),
+           found AS MATERIALIZED (
+               SELECT e.kind, e.tenant_id, e.id, e.key, e.created_at, k.resource_id
+                 FROM keyed e
+                 LEFT JOIN idempotency_keys k ON k.tenant_id = e.tenant_id AND k.key = e.key
+                WHERE k.key IS NULL
+                   OR (k.resource_id IS DISTINCT FROM e.id::text
+                       AND NOT (e.key LIKE 'fp:%' AND k.created_at >= e.created_at)))
+           SELECT kind AS "kind!", tenant_id AS "tenant_id!", id AS "id!", key AS "key!",
+                  created_at AS "created_at!", resource_id AS key_row_resource,
+                  count(*) OVER () AS "total!"
+             FROM found
+            ORDER BY tenant_id, created_at
+            LIMIT $3"#,
+        o.tenant_id,
+        o.retention.as_secs_f64(),
+        o.samples,
+    )
+    .fetch_all(conn)
+    .await?;
+    Ok(Findings::from_rows(rows, |r| r.total))
+}
+
+async fn double_charges(conn: &mut PgConnection, o: &Options) -> Result<Findings<DoubleCharge>, sqlx::Error> {
+    // Grouping first keeps the sort to the keys that have more than one effect.
+    let rows = sqlx::query_as!(
+        DoubleCharge,
+        r#"WITH keyed AS (
+               SELECT 'payment'::text AS kind, tenant_id, payment_id AS id, idempotency_key AS key, created_at
+                 FROM payments WHERE idempotency_key IS NOT NULL AND ($1::uuid IS NULL OR tenant_id = $1)
+               UNION ALL
+               SELECT 'deposit', tenant_id, deposit_id, idempotency_key, created_at
+                 FROM deposits WHERE idempotency_key IS NOT NULL AND ($1::uuid IS NULL OR tenant_id = $1)),
+           repeated AS (
+               SELECT tenant_id, key FROM keyed GROUP BY tenant_id, key HAVING count(*) > 1),
+           ordered AS (
+               SELECT e.kind, e.tenant_id, e.key, e.id, e.created_at,
+                      lag(e.id) OVER w AS earlier_id, lag(e.created_at) OVER w AS earlier_at
+                 FROM keyed e JOIN repeated r USING (tenant_id, key)
+               WINDOW w AS (PARTITION BY e.tenant_id, e.key ORDER BY e.created_at, e.id))
+           SELECT kind AS "kind!", tenant_id AS "tenant_id!", key AS "key!", id AS "id!",
+                  earlier_id AS "earlier_id!",
+                  extract(epoch FROM created_at - earlier_at)::float8 AS "seconds_apart!",
+                  count(*) OVER () AS "total!"
+             FROM ordered
+            WHERE earlier_id IS NOT NULL
+              AND created_at - earlier_at < CASE WHEN key LIKE 'fp:%' THEN make_interval(secs => $2)
+                                                 ELSE make_interval(secs => $3) END
+            ORDER BY tenant_id, key, created_at
+            LIMIT $4"#,
+        o.tenant_id,
+        o.fingerprint_window.as_secs_f64(),
+        o.retention.as_secs_f64(),
+        o.samples,
+    )
+    .fetch_all(conn)
+    .await?;
+    Ok(Findings::from_rows(rows, |r| r.total))
+}
+
+async fn keyless_duplicates(conn: &mut PgConnection, o: &Options) -> Result<Findings<SuspectedDuplicate>, sqlx::Error> {
+    let rows = sqlx::query_as!(
+        SuspectedDuplicate,
+        r#"WITH ordered AS (
+               SELECT tenant_id, account_id, amount, payment_id, created_at,
+                      lag(payment_id) OVER w AS earlier_id, lag(created_at) OVER w AS earlier_at
+                 FROM payments
+                WHERE idempotency_key IS NULL AND ($1::uuid IS NULL OR tenant_id = $1)
+               WINDOW w AS (PARTITION BY tenant_id, account_id, amount ORDER BY created_at, payment_id))
+           SELECT tenant_id AS "tenant_id!", account_id AS "account_id!", amount AS "amount!",
+                  payment_id AS "payment_id!", earlier_id AS "earlier_payment_id!",
+                  extract(epoch FROM created_at - earlier_at)::float8 AS "seconds_apart!",
+                  count(*) OVER () AS "total!"
+             FROM ordered
+            WHERE earlier_id IS NOT NULL AND created_at - earlier_at <= make_interval(secs => $2)
+            ORDER BY tenant_id, account_id, created_at
+            LIMIT $3"#,
+        o.tenant_id,
+        o.duplicate_window.as_secs_f64(),
+        o.samples,
+    )
+    .fetch_all(conn)
+    .await?;
+    Ok(Findings::from_rows(rows, |r| r.total))
+}

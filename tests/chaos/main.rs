@@ -1,0 +1,11 @@
+//! Fault tests with real processes and a real PostgreSQL: servers killed with SIGKILL,
+//! PostgreSQL stopped and restarted, backends terminated, the pool exhausted, slow clients.
+//! Each ends with every operation charged exactly once, no key wedged and `oncepay audit`
+//! clean. They stop PostgreSQL, so they are ignored by `make test` and run by `make chaos`
+//! on a cluster of their own, one at a time. `--no-capture` shows their figures.
+
+mod harness;
+mod kill;
+mod ledger;
+mod overload;
+mod postgres;
