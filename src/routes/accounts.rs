@@ -11,7 +11,7 @@ use super::intake::{intake, EmptyBody};
 use super::respond;
 use super::schemas::{
     AccountIn, BadRequest, BodyTooLarge, Conflict, DepositIn, IdempotencyKeyHeader, KeyRefused, NotFound, Overloaded,
-    Unauthorized, Unavailable, UnsupportedMediaType,
+    RequestTimeout, Unauthorized, Unavailable, UnsupportedMediaType,
 };
 use crate::domain::{object_fields, required, AccountId, Amount, OpeningBalance};
 use crate::error::ApiError;
@@ -62,7 +62,7 @@ fn path_account(req: &HttpRequest) -> Result<AccountId, ApiError> {
             ("Idempotency-Replayed" = String, description = "`true` on a replay, `false` on a first answer; absent without a key"),
         )),
         (status = 400, response = BadRequest), (status = 401, response = Unauthorized),
-        (status = 409, response = Conflict), (status = 413, response = BodyTooLarge),
+        (status = 409, response = Conflict), (status = 408, response = RequestTimeout), (status = 413, response = BodyTooLarge),
         (status = 415, response = UnsupportedMediaType), (status = 422, response = KeyRefused),
         (status = 429, response = Overloaded), (status = 503, response = Unavailable),
     )
@@ -134,7 +134,7 @@ pub(super) async fn show(req: HttpRequest, state: web::Data<AppState>) -> Result
         )),
         (status = 400, response = BadRequest), (status = 401, response = Unauthorized),
         (status = 404, response = NotFound), (status = 409, response = Conflict),
-        (status = 413, response = BodyTooLarge), (status = 415, response = UnsupportedMediaType),
+        (status = 408, response = RequestTimeout), (status = 413, response = BodyTooLarge), (status = 415, response = UnsupportedMediaType),
         (status = 422, response = KeyRefused), (status = 429, response = Overloaded),
         (status = 503, response = Unavailable),
     )

@@ -7,8 +7,8 @@ use uuid::Uuid;
 
 use super::intake::read_body;
 use super::schemas::{
-    AdminDisabled, BadRequest, BodyTooLarge, NotFound, Overloaded, TenantIn, TenantPatchIn, Unauthorized, Unavailable,
-    UnsupportedMediaType,
+    AdminDisabled, BadRequest, BodyTooLarge, NotFound, Overloaded, RequestTimeout, TenantIn, TenantPatchIn,
+    Unauthorized, Unavailable, UnsupportedMediaType,
 };
 use crate::domain::{object_fields, required, MissingKeyPolicy, OpeningBalance};
 use crate::error::ApiError;
@@ -44,7 +44,7 @@ fn policy_field(value: &Value) -> Result<MissingKeyPolicy, ApiError> {
     responses(
         (status = 201, description = "Created.", body = tenants::CreatedTenant),
         (status = 400, response = BadRequest), (status = 401, response = Unauthorized),
-        (status = 403, response = AdminDisabled), (status = 413, response = BodyTooLarge),
+        (status = 403, response = AdminDisabled), (status = 408, response = RequestTimeout), (status = 413, response = BodyTooLarge),
         (status = 415, response = UnsupportedMediaType), (status = 429, response = Overloaded),
         (status = 503, response = Unavailable),
     )
@@ -91,7 +91,7 @@ pub(super) async fn create_tenant(
         (status = 200, description = "The tenant.", body = tenants::TenantView),
         (status = 400, response = BadRequest), (status = 401, response = Unauthorized),
         (status = 403, response = AdminDisabled), (status = 404, response = NotFound),
-        (status = 413, response = BodyTooLarge), (status = 415, response = UnsupportedMediaType),
+        (status = 408, response = RequestTimeout), (status = 413, response = BodyTooLarge), (status = 415, response = UnsupportedMediaType),
         (status = 429, response = Overloaded), (status = 503, response = Unavailable),
     )
 )]

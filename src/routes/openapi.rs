@@ -12,7 +12,7 @@ use utoipa::{Modify, OpenApi};
 
 use super::schemas::{
     AdminDisabled, BadRequest, BodyTooLarge, Conflict, InsufficientFunds, KeyRefused, NotFound, Overloaded, Problem,
-    Unauthorized, Unavailable, UnsupportedMediaType,
+    RequestTimeout, Unauthorized, Unavailable, UnsupportedMediaType,
 };
 use super::{accounts, admin, health, payments};
 
@@ -33,7 +33,7 @@ use super::{accounts, admin, health, payments};
     components(
         schemas(Problem),
         responses(
-            BadRequest, Unauthorized, InsufficientFunds, AdminDisabled, NotFound, Conflict, BodyTooLarge,
+            BadRequest, Unauthorized, InsufficientFunds, AdminDisabled, NotFound, Conflict, RequestTimeout, BodyTooLarge,
             UnsupportedMediaType, KeyRefused, Overloaded, Unavailable,
         ),
     ),

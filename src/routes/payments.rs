@@ -11,7 +11,7 @@ use super::intake::{intake, EmptyBody};
 use super::respond;
 use super::schemas::{
     BadRequest, BodyTooLarge, Conflict, IdempotencyKeyHeader, InsufficientFunds, KeyRefused, NotFound, Overloaded,
-    PaymentIn, RefundIn, Unauthorized, Unavailable, UnsupportedMediaType,
+    PaymentIn, RefundIn, RequestTimeout, Unauthorized, Unavailable, UnsupportedMediaType,
 };
 use crate::domain::{object_fields, required, AccountId, Amount};
 use crate::error::ApiError;
@@ -78,7 +78,7 @@ struct RefundOut {
         )),
         (status = 400, response = BadRequest), (status = 401, response = Unauthorized),
         (status = 402, response = InsufficientFunds), (status = 404, response = NotFound),
-        (status = 409, response = Conflict), (status = 413, response = BodyTooLarge),
+        (status = 409, response = Conflict), (status = 408, response = RequestTimeout), (status = 413, response = BodyTooLarge),
         (status = 415, response = UnsupportedMediaType), (status = 422, response = KeyRefused),
         (status = 429, response = Overloaded), (status = 503, response = Unavailable),
     )
@@ -160,7 +160,7 @@ pub(super) async fn show(req: HttpRequest, state: web::Data<AppState>) -> Result
         )),
         (status = 400, response = BadRequest), (status = 401, response = Unauthorized),
         (status = 404, response = NotFound), (status = 409, response = Conflict),
-        (status = 413, response = BodyTooLarge), (status = 415, response = UnsupportedMediaType),
+        (status = 408, response = RequestTimeout), (status = 413, response = BodyTooLarge), (status = 415, response = UnsupportedMediaType),
         (status = 422, response = KeyRefused), (status = 429, response = Overloaded),
         (status = 503, response = Unavailable),
     )

@@ -193,6 +193,7 @@ pub const PROBLEM_CODES: &[&str] = &[
     "request_in_progress",
     "account_exists",
     "already_refunded",
+    "request_timeout",
     "body_too_large",
     "unsupported_media_type",
     "idempotency_key_reused",
@@ -250,6 +251,8 @@ problem_responses! {
     NotFound = 404 ["not_found", "account_not_found"] "No such resource for this tenant.";
     Conflict = 409 ["request_in_progress", "account_exists", "already_refunded"]
         "`request_in_progress` (with Retry-After) or a stored, replayed conflict.";
+    RequestTimeout = 408 ["request_timeout"]
+        "The body did not arrive within 5 seconds (a slow or stalled client); nothing was processed.";
     BodyTooLarge = 413 ["body_too_large"] "The body exceeds ONCEPAY_MAX_BODY_BYTES.";
     UnsupportedMediaType = 415 ["unsupported_media_type"] "A body that is not `application/json`.";
     KeyRefused = 422 ["idempotency_key_reused", "idempotency_key_expired"]
