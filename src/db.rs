@@ -105,7 +105,8 @@ fn is_connection_broken(err: &sqlx::Error) -> bool {
     }
 }
 
-/// Failures after which nothing was committed and the same request may succeed later.
+/// Failures after which the same request may succeed later. Nothing was committed, except
+/// when the connection broke during the commit itself: then a retry with the key replays it.
 pub fn is_transient(err: &sqlx::Error) -> bool {
     if is_connection_broken(err) {
         return true;

@@ -35,6 +35,9 @@ pub enum ApiError {
     InvalidRequest(String),
     #[error("no such resource")]
     NotFound,
+    /// A read of an account that does not exist (a payment from one is a stored decline).
+    #[error("no such account")]
+    AccountNotFound,
     /// A deterministic failure of the operation: stored with the key and replayed.
     #[error("{}", .decline.detail())]
     Declined { decline: Decline, replayed: bool },
@@ -46,7 +49,7 @@ pub enum ApiError {
     InProgress,
     #[error("the service is at capacity; retry after the Retry-After delay")]
     Overloaded,
-    #[error("a temporary failure prevented processing; nothing was committed, retry with the same Idempotency-Key")]
+    #[error("a temporary failure interrupted the request; retry with the same Idempotency-Key: if it was committed the retry replays it, otherwise the retry processes it")]
     Unavailable,
     #[error("internal error")]
     Internal(#[source] anyhow::Error),
@@ -65,6 +68,7 @@ impl ApiError {
             Self::InvalidJson(_) => "invalid_json",
             Self::InvalidRequest(_) => "invalid_request",
             Self::NotFound => "not_found",
+            Self::AccountNotFound => "account_not_found",
             Self::Declined { decline, .. } => decline.code(),
             Self::KeyReused => "idempotency_key_reused",
             Self::KeyExpired => "idempotency_key_expired",
@@ -87,6 +91,7 @@ impl ApiError {
             Self::InvalidJson(_) => "Invalid JSON",
             Self::InvalidRequest(_) => "Invalid request",
             Self::NotFound => "Not found",
+            Self::AccountNotFound => "Account not found",
             Self::Declined { decline, .. } => decline.title(),
             Self::KeyReused => "Idempotency key reused",
             Self::KeyExpired => "Idempotency key expired",
@@ -108,7 +113,7 @@ impl ApiError {
             Self::KeyExpired => "expired",
             Self::InProgress => "in_progress",
             Self::Overloaded | Self::Unavailable => "transient_error",
-            Self::NotFound => "not_found",
+            Self::NotFound | Self::AccountNotFound => "not_found",
             Self::Internal(_) => "internal_error",
             Self::BodyTooLarge { .. }
             | Self::BodyTimeout { .. }
@@ -146,7 +151,7 @@ impl ResponseError for ApiError {
             | Self::InvalidIdempotencyKey(_)
             | Self::InvalidJson(_)
             | Self::InvalidRequest(_) => StatusCode::BAD_REQUEST,
-            Self::NotFound => StatusCode::NOT_FOUND,
+            Self::NotFound | Self::AccountNotFound => StatusCode::NOT_FOUND,
             Self::Declined { decline, .. } => {
                 StatusCode::from_u16(decline.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
             }

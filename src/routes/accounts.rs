@@ -113,10 +113,7 @@ pub(super) async fn show(req: HttpRequest, state: web::Data<AppState>) -> Result
     let id = path_account(&req)?;
     let mut conn = state.conn().await?;
     let result = ledger::balance(&mut conn, tenant.id, &id).await;
-    let balance = conn.discard_if_broken(result)?.ok_or(ApiError::Declined {
-        decline: ledger::Decline::AccountNotFound,
-        replayed: false,
-    })?;
+    let balance = conn.discard_if_broken(result)?.ok_or(ApiError::AccountNotFound)?;
     Ok(HttpResponse::Ok().json(AccountOut {
         id: id.as_str().to_owned(),
         balance,

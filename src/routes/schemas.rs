@@ -259,5 +259,5 @@ problem_responses! {
         "The key was used for another request, or has passed its replay window; nothing was processed.";
     Overloaded = 429 ["overloaded"] "The service is at capacity; retry after Retry-After.";
     Unavailable = 503 ["temporarily_unavailable"]
-        "A transient failure: nothing was committed, retry with the same key after Retry-After.";
+        "A transient failure: retry with the same key after Retry-After (a committed request is replayed, an uncommitted one processed).";
 }
