@@ -5,6 +5,8 @@
 //! and `telemetry` know HTTP.
 
 pub mod auth;
+#[cfg(feature = "bench")]
+pub mod bench;
 pub mod config;
 pub mod db;
 pub mod domain;

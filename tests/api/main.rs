@@ -1,5 +1,6 @@
 //! The API tests: a real server, a real PostgreSQL, real HTTP.
 
+mod bench_sql;
 mod concurrency;
 mod errors;
 mod helpers;
