@@ -100,11 +100,13 @@ http() { # scenario concurrency key_rows round [side urls pids] [extra loadgen a
     --scenario "$scenario" --concurrency "$c" --duration-secs "$secs" --key-rows "$rows" --round "$round" \
     --accounts "$accounts" --replay-keys "$replay_keys" "$@" >>"$results"
 }
-export PGOPTIONS="-c lock_timeout=5000ms -c statement_timeout=15000ms -c idle_in_transaction_session_timeout=60s"
+# oncepay's connections carry these from their start-up packet (src/db.rs); pgbench's alone
+# get them (psql's fills must not inherit the statement timeout).
+pgoptions="-c lock_timeout=5000ms -c statement_timeout=15000ms -c idle_in_transaction_session_timeout=60s"
 pgb() { # script scenario concurrency key_rows round [-D name=value ...]
   local script="$1" scenario="$2" c="$3" rows="$4" round="$5"
   shift 5
-  "$lg" pgbench --pgbench "$bindir/pgbench" --database-url "$url" --script "bench/sql/$script.sql" \
+  "$lg" pgbench --pgbench "$bindir/pgbench" --pgoptions="$pgoptions" --database-url "$url" --script "bench/sql/$script.sql" \
     --scenario "$scenario" --concurrency "$c" --duration-secs "$secs" --key-rows "$rows" --round "$round" \
     -D "tenant=$tenant" -D derived=false -D "fp=\\x$fp" -D window=86400 -D amount=1 "$@" >>"$results"
 }
