@@ -73,7 +73,7 @@ sql -c "INSERT INTO accounts (tenant_id, account_id, balance, opening_balance)
 
 urls=()
 for i in 0 1 2; do
-  RUST_LOG=warn ONCEPAY_BIND="127.0.0.1:$((port + i))" "$bin" serve 2>>"$out/server.log" &
+  RUST_LOG=warn ONCEPAY_BIND="127.0.0.1:$((port + i))" "$bin" serve 2>>target/bench-server.log &
   pids+=("$!")
   urls+=("http://127.0.0.1:$((port + i))")
 done
@@ -84,7 +84,7 @@ done
 # A fourth instance differs only in its pool size: the pool decides how many commits reach
 # PostgreSQL at once (group commit), so the bench measures the default against a larger one.
 alt_pool="${BENCH_ALT_POOL:-64}"
-RUST_LOG=warn ONCEPAY_DB_POOL_SIZE="$alt_pool" ONCEPAY_BIND="127.0.0.1:$((port + 3))" "$bin" serve 2>>"$out/server.log" &
+RUST_LOG=warn ONCEPAY_DB_POOL_SIZE="$alt_pool" ONCEPAY_BIND="127.0.0.1:$((port + 3))" "$bin" serve 2>>target/bench-server.log &
 pids+=("$!")
 alt_url="http://127.0.0.1:$((port + 3))"
 for _ in $(seq 100); do curl -sf "$alt_url/readyz" >/dev/null && break; sleep 0.1; done
