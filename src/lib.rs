@@ -7,6 +7,8 @@
 
 pub mod audit;
 pub mod auth;
+#[cfg(feature = "bench")]
+pub mod bench;
 pub mod client;
 pub mod config;
 pub mod db;

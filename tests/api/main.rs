@@ -1,6 +1,7 @@
 //! The API tests: a real server, a real PostgreSQL, real HTTP.
 
 mod audit;
+mod bench_sql;
 mod brownout;
 mod cli;
 mod client;

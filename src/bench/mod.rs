@@ -1,0 +1,44 @@
+//! Shared by the benchmark binaries (`make bench`, feature `bench`): the one-line JSON record
+//! each measured step writes, and how it is summarised.
+
+use hdrhistogram::Histogram;
+use serde::{Deserialize, Serialize};
+
+/// One measured step: one side (pgbench, or oncepay with one or three instances), one
+/// scenario, one concurrency, one key-table size, one round of the alternation.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Record {
+    /// `pgbench`, `oncepay` or `oncepay x3`.
+    pub side: String,
+    pub scenario: String,
+    pub concurrency: u32,
+    /// Rows in `idempotency_keys` when the step started (pre-filled with SQL).
+    pub key_rows: u64,
+    pub round: u32,
+    pub duration_secs: f64,
+    /// Answered as expected.
+    pub requests: u64,
+    /// Anything else: a wrong status, a transport error, a failed pgbench transaction.
+    pub errors: u64,
+    pub throughput: f64,
+    pub p50_ms: f64,
+    pub p99_ms: f64,
+    pub p999_ms: f64,
+    /// User + system CPU seconds of the server process(es) per request; `None` for pgbench,
+    /// whose server is PostgreSQL itself.
+    pub cpu_secs_per_request: Option<f64>,
+    /// Free text, e.g. "purge running".
+    #[serde(default)]
+    pub note: String,
+}
+
+/// Latencies in microseconds, 1 µs to 60 s at three significant figures.
+pub fn histogram() -> Histogram<u64> {
+    Histogram::new_with_bounds(1, 60_000_000, 3).expect("valid histogram bounds")
+}
+
+/// The latency fields of a [`Record`] from a histogram in microseconds.
+pub fn percentiles_ms(h: &Histogram<u64>) -> (f64, f64, f64) {
+    let ms = |q: f64| h.value_at_quantile(q) as f64 / 1000.0;
+    (ms(0.50), ms(0.99), ms(0.999))
+}

@@ -1,0 +1,273 @@
+//! The oncepay side: scenarios over HTTP against one or several instances.
+
+use std::rc::Rc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use hdrhistogram::Histogram;
+use oncepay::bench::{histogram, percentiles_ms, Record};
+use rand::Rng;
+use reqwest::header::{HeaderValue, AUTHORIZATION, CONTENT_TYPE};
+use serde_json::json;
+
+use crate::{cpu, Step};
+
+/// Keys of the replay scenario are these numbers (as text) plus 0..replay_keys: digits only,
+/// so that pgbench's replay script can name the same keys with `\set`.
+pub const REPLAY_KEY_BASE: u64 = 1_000_000_000;
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    step: Step,
+    /// Instances, comma-separated; worker i talks to instance i mod n.
+    #[arg(long, value_delimiter = ',')]
+    urls: Vec<String>,
+    #[arg(long)]
+    api_key: String,
+    /// Server pids whose CPU time is charged to the requests.
+    #[arg(long, value_delimiter = ',')]
+    pids: Vec<u32>,
+    #[arg(long, default_value_t = 100)]
+    clock_ticks: u32,
+    #[arg(long, default_value_t = 10_000)]
+    accounts: u32,
+    #[arg(long, default_value_t = 10_000)]
+    replay_keys: u64,
+    /// Keep going while this process lives (the purge), at most `duration_secs`.
+    #[arg(long)]
+    while_pid: Option<u32>,
+    #[arg(long, default_value = "oncepay")]
+    side: String,
+}
+
+/// What one request of a scenario sends and expects back.
+struct Request {
+    key: Option<String>,
+    body: serde_json::Value,
+    /// The answer must carry `Idempotency-Replayed: true` (replays) or `false` (new keys).
+    replayed: Option<bool>,
+}
+
+fn request(scenario: &str, worker: u64, seq: u64, args: &Args) -> anyhow::Result<Request> {
+    let mut rng = rand::thread_rng();
+    let account = |rng: &mut rand::rngs::ThreadRng| rng.gen_range(0..args.accounts).to_string();
+    Ok(match scenario {
+        "new" => Request {
+            key: Some(uuid::Uuid::new_v4().to_string()),
+            body: json!({"amount": 1, "account": account(&mut rng)}),
+            replayed: Some(false),
+        },
+        "hot" => Request {
+            key: Some(uuid::Uuid::new_v4().to_string()),
+            body: json!({"amount": 1, "account": "0"}),
+            replayed: Some(false),
+        },
+        "replay" => Request {
+            key: Some((REPLAY_KEY_BASE + rng.gen_range(0..args.replay_keys)).to_string()),
+            body: json!({"amount": 1, "account": "0"}),
+            replayed: Some(true),
+        },
+        // Keys the replay scenario replays, each sent once: worker w takes w, w + n, ...
+        "seed" => Request {
+            key: Some((REPLAY_KEY_BASE + seq * u64::from(args.step.concurrency) + worker).to_string()),
+            body: json!({"amount": 1, "account": "0"}),
+            replayed: Some(false),
+        },
+        // No key, policy `fingerprint`: a unique amount keeps every body (and so its derived key) new.
+        "keyless" => Request {
+            key: None,
+            body: json!({"amount": worker * 10_000_000 + seq + 1, "account": account(&mut rng)}),
+            replayed: Some(false),
+        },
+        other => bail!("unknown scenario {other:?} (new, hot, replay, seed, keyless, one-key)"),
+    })
+}
+
+struct Tally {
+    latencies: Histogram<u64>,
+    ok: u64,
+    errors: u64,
+    /// First answers (`Idempotency-Replayed: false`), for the one-key scenario.
+    created: u64,
+}
+
+impl Tally {
+    fn new() -> Self {
+        Self {
+            latencies: histogram(),
+            ok: 0,
+            errors: 0,
+            created: 0,
+        }
+    }
+
+    fn add(&mut self, other: &Tally) {
+        self.latencies.add(&other.latencies).expect("same bounds");
+        self.ok += other.ok;
+        self.errors += other.errors;
+        self.created += other.created;
+    }
+}
+
+struct Shared {
+    client: reqwest::Client,
+    auth: HeaderValue,
+}
+
+/// Sends one request and counts its answer: 201 with the expected replay header is ok.
+async fn send(shared: &Shared, url: &str, req: &Request, tally: &mut Tally) {
+    let started = Instant::now();
+    let mut builder = shared
+        .client
+        .post(format!("{url}/payments"))
+        .header(AUTHORIZATION, shared.auth.clone())
+        .header(CONTENT_TYPE, "application/json")
+        .body(req.body.to_string());
+    if let Some(key) = &req.key {
+        builder = builder.header("Idempotency-Key", key);
+    }
+    let answer = match builder.send().await {
+        Ok(response) => {
+            let status = response.status().as_u16();
+            let replayed = response
+                .headers()
+                .get("idempotency-replayed")
+                .is_some_and(|v| v.as_bytes() == b"true");
+            response.bytes().await.ok().map(|_| (status, replayed))
+        }
+        Err(_) => None,
+    };
+    let micros = started.elapsed().as_micros().max(1) as u64;
+    tally.latencies.saturating_record(micros);
+    match answer {
+        Some((201, replayed)) if req.replayed.is_none_or(|want| want == replayed) => {
+            tally.ok += 1;
+            tally.created += u64::from(!replayed);
+        }
+        _ => tally.errors += 1,
+    }
+}
+
+fn alive(pid: Option<u32>) -> bool {
+    pid.is_none_or(|p| std::path::Path::new(&format!("/proc/{p}")).exists())
+}
+
+pub async fn run(args: Args) -> anyhow::Result<Record> {
+    if args.urls.is_empty() {
+        bail!("--urls names no instance");
+    }
+    let shared = Rc::new(Shared {
+        client: reqwest::Client::builder()
+            .timeout(Duration::from_secs(30))
+            .pool_max_idle_per_host(args.step.concurrency as usize)
+            .build()?,
+        auth: HeaderValue::from_str(&format!("Bearer {}", args.api_key)).context("bad API key")?,
+    });
+    let args = Rc::new(args);
+    let cpu_before = cpu::seconds(&args.pids, args.clock_ticks)?;
+    let started = Instant::now();
+    let tally = if args.step.scenario == "one-key" {
+        one_key_rounds(&shared, &args).await
+    } else {
+        closed_loop(&shared, &args).await?
+    };
+    let elapsed = started.elapsed().as_secs_f64();
+    let cpu = cpu::seconds(&args.pids, args.clock_ticks)? - cpu_before;
+    let (p50_ms, p99_ms, p999_ms) = percentiles_ms(&tally.latencies);
+    let step = &args.step;
+    Ok(Record {
+        side: args.side.clone(),
+        scenario: step.scenario.clone(),
+        concurrency: step.concurrency,
+        key_rows: step.key_rows,
+        round: step.round,
+        duration_secs: elapsed,
+        requests: tally.ok,
+        errors: tally.errors,
+        throughput: tally.ok as f64 / elapsed,
+        p50_ms,
+        p99_ms,
+        p999_ms,
+        cpu_secs_per_request: (!args.pids.is_empty() && tally.ok > 0).then(|| cpu / tally.ok as f64),
+        note: step.note.clone(),
+    })
+}
+
+/// `concurrency` workers, each sending its next request as soon as the last one answered.
+async fn closed_loop(shared: &Rc<Shared>, args: &Rc<Args>) -> anyhow::Result<Tally> {
+    let deadline = Instant::now() + args.step.duration();
+    let seed_total = args.replay_keys;
+    let local = tokio::task::LocalSet::new();
+    let mut handles = Vec::new();
+    for worker in 0..u64::from(args.step.concurrency) {
+        let (shared, args) = (shared.clone(), args.clone());
+        handles.push(local.spawn_local(async move {
+            let url = &args.urls[worker as usize % args.urls.len()];
+            let mut tally = Tally::new();
+            for seq in 0.. {
+                if Instant::now() >= deadline || !alive(args.while_pid) {
+                    break;
+                }
+                if args.step.scenario == "seed" && seq * u64::from(args.step.concurrency) + worker >= seed_total {
+                    break;
+                }
+                let req = request(&args.step.scenario, worker, seq, &args)?;
+                send(&shared, url, &req, &mut tally).await;
+            }
+            Ok::<_, anyhow::Error>(tally)
+        }));
+    }
+    let mut total = Tally::new();
+    local
+        .run_until(async {
+            for handle in handles {
+                total.add(&handle.await??);
+            }
+            Ok::<_, anyhow::Error>(())
+        })
+        .await?;
+    Ok(total)
+}
+
+/// Rounds of `concurrency` simultaneous requests with one fresh key and one body, spread
+/// over the instances, until the time is up. Each round must charge once: exactly one
+/// first answer; a round with any other count adds its requests to the errors.
+async fn one_key_rounds(shared: &Rc<Shared>, args: &Rc<Args>) -> Tally {
+    let deadline = Instant::now() + args.step.duration();
+    let mut total = Tally::new();
+    let local = tokio::task::LocalSet::new();
+    while Instant::now() < deadline {
+        let key = uuid::Uuid::new_v4().to_string();
+        let mut handles = Vec::new();
+        for worker in 0..args.step.concurrency as usize {
+            let (shared, args, key) = (shared.clone(), args.clone(), key.clone());
+            handles.push(local.spawn_local(async move {
+                let req = Request {
+                    key: Some(key),
+                    body: json!({"amount": 1, "account": "1"}),
+                    replayed: None,
+                };
+                let mut tally = Tally::new();
+                send(&shared, &args.urls[worker % args.urls.len()], &req, &mut tally).await;
+                tally
+            }));
+        }
+        let mut round = Tally::new();
+        local
+            .run_until(async {
+                for handle in handles {
+                    if let Ok(t) = handle.await {
+                        round.add(&t);
+                    }
+                }
+            })
+            .await;
+        if round.created != 1 {
+            round.errors += round.ok;
+            round.ok = 0;
+        }
+        total.add(&round);
+    }
+    total
+}
