@@ -15,6 +15,7 @@ pub mod db;
 pub mod domain;
 pub mod error;
 pub mod idempotency;
+pub mod json;
 pub mod ledger;
 pub mod metrics;
 pub mod purge;

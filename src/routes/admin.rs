@@ -26,7 +26,7 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
 async fn admin_body(req: &HttpRequest, payload: web::Payload, state: &AppState) -> Result<Value, ApiError> {
     auth::admin(req, state.settings.admin_token.as_deref())?;
     let body = read_body(req, payload, state.settings.max_body_bytes).await?;
-    serde_json::from_slice(&body).map_err(|e| ApiError::InvalidJson(e.to_string()))
+    crate::json::parse_strict(&body).map_err(|e| ApiError::InvalidJson(e.to_string()))
 }
 
 fn policy_field(value: &Value) -> Result<MissingKeyPolicy, ApiError> {

@@ -44,7 +44,7 @@ pub async fn intake(
     let body = if bytes.iter().all(u8::is_ascii_whitespace) && empty == EmptyBody::MeansEmptyObject {
         Value::Object(Default::default())
     } else {
-        serde_json::from_slice(&bytes).map_err(|e| ApiError::InvalidJson(e.to_string()))?
+        crate::json::parse_strict(&bytes).map_err(|e| ApiError::InvalidJson(e.to_string()))?
     };
     let fingerprint = idempotency::fingerprint("POST", fingerprint_path, &body);
     let claim = idempotency::claim_for(key, tenant.policy, fingerprint, state.windows());

@@ -197,7 +197,13 @@ async fn malformed_keys_are_400() {
 #[tokio::test]
 async fn malformed_json_is_400_invalid_json() {
     let app = spawn_app().await;
-    for body in [&b"{"[..], b"not json", b"", b"{\"amount\": 1,}"] {
+    for body in [
+        &b"{"[..],
+        b"not json",
+        b"",
+        b"{\"amount\": 1,}",
+        b"{\"amount\": 1, \"amount\": 1000}",
+    ] {
         let answer = raw(&app, Some(&new_key()), Some("application/json"), body.to_vec()).await;
         answer.assert_problem(400, "invalid_json");
     }
