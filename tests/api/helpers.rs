@@ -194,6 +194,17 @@ impl TestApp {
             .await
     }
 
+    /// The Prometheus exposition of this instance.
+    pub async fn metrics(&self) -> String {
+        let response = self
+            .client
+            .get(self.url("/metrics"))
+            .send()
+            .await
+            .expect("request sent");
+        response.text().await.expect("metrics read")
+    }
+
     pub async fn get(&self, path: &str) -> Answer {
         self.get_as(&self.api_key, path).await
     }

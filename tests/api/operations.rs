@@ -87,15 +87,7 @@ async fn metrics_count_a_new_request_and_its_replay_apart() {
     app.pay(Some(&key), 100).await;
     app.pay(Some(&key), 100).await;
 
-    let text = app
-        .client
-        .get(app.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = app.metrics().await;
 
     assert!(
         text.contains(r#"oncepay_requests_total{outcome="created",route="/payments"} 1"#),

@@ -23,15 +23,7 @@ async fn under_allow_keyless_requests_are_processed_without_protection() {
         "the double charge a key prevents"
     );
     assert_eq!(app.key_count().await, 0);
-    let metrics = app
-        .client
-        .get(app.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = app.metrics().await;
     assert!(
         metrics.contains(r#"oncepay_requests_total{outcome="keyless",route="/payments"} 2"#),
         "{metrics}"

@@ -77,15 +77,7 @@ async fn the_purge_deletes_old_keys_keeps_young_ones_and_never_touches_payments(
     assert_eq!(remaining_keys(&app, &young).await, 3);
     assert_eq!(app.payment_count().await, 8, "payments untouched");
     assert_eq!(app.balance("main").await, MAIN_BALANCE - 80);
-    let text = app
-        .client
-        .get(app.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = app.metrics().await;
     assert!(text.contains("oncepay_purge_runs_total 1"), "{text}");
 }
 
