@@ -107,3 +107,82 @@ async fn purge_prints_deleted_n() {
     pool.close().await;
     drop_database(&url).await;
 }
+
+/// A free port on 127.0.0.1 for a server process (bound, read, released).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+#[tokio::test]
+async fn serve_logs_one_json_line_per_request_without_keys_or_bodies() {
+    let app = crate::helpers::spawn_app().await;
+    let port = free_port();
+    let mut server = Command::new(env!("CARGO_BIN_EXE_oncepay"))
+        .arg("serve")
+        .env("DATABASE_URL", crate::helpers::database_url())
+        .env("ONCEPAY_BIND", format!("127.0.0.1:{port}"))
+        .env("ONCEPAY_LOG_FORMAT", "json")
+        .env("RUST_LOG", "info")
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let url = format!("http://127.0.0.1:{port}/payments");
+    let mut answered = None;
+    for _ in 0..100 {
+        let sent = app
+            .client
+            .post(&url)
+            .bearer_auth(&app.api_key)
+            .header("Idempotency-Key", "log-me-once")
+            .header("x-request-id", "req-json-1")
+            .json(&serde_json::json!({ "amount": 7, "account": "main" }))
+            .send()
+            .await;
+        if let Ok(response) = sent {
+            answered = Some(response.status().as_u16());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(answered, Some(201), "the server answered within 10 s");
+    let replay = app
+        .client
+        .post(&url)
+        .bearer_auth(&app.api_key)
+        .header("Idempotency-Key", "log-me-once")
+        .json(&serde_json::json!({ "amount": 7, "account": "main" }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(replay.status().as_u16(), 201);
+    server.start_kill().unwrap();
+    let output = tokio::time::timeout(Duration::from_secs(20), server.wait_with_output())
+        .await
+        .expect("the server stops")
+        .unwrap();
+    let logs = String::from_utf8_lossy(&output.stderr);
+
+    let requests: Vec<serde_json::Value> = logs
+        .lines()
+        .map(|line| serde_json::from_str::<serde_json::Value>(line).unwrap_or_else(|_| panic!("not JSON: {line}")))
+        .filter(|entry| entry["message"] == "request")
+        .collect();
+    assert_eq!(requests.len(), 2, "{logs}");
+    let first = &requests[0];
+    assert_eq!(first["request_id"], "req-json-1");
+    assert_eq!(first["tenant"], app.tenant_id.to_string());
+    assert_eq!(first["route"], "/payments");
+    assert_eq!(first["status"], 201);
+    assert_eq!(first["outcome"], "created");
+    assert_eq!(first["replayed"], false);
+    assert!(first["latency_ms"].as_f64().is_some());
+    assert_eq!(requests[1]["outcome"], "replayed");
+    assert_eq!(requests[1]["replayed"], true);
+    assert!(!logs.contains(&app.api_key), "an API key was logged");
+    assert!(!logs.contains("\"amount\""), "a body was logged");
+}
