@@ -100,6 +100,7 @@ chaos:
 check:
 	cargo fmt --check
 	cargo clippy --all-targets --locked -- -D warnings
+	cargo clippy --all-targets --locked --features bench -- -D warnings
 
 # Regenerates .sqlx/ from a scratch database with the migrations applied by psql (no
 # sqlx-cli needed: the macros write their cache to SQLX_OFFLINE_DIR while compiling online).
