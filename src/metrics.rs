@@ -87,6 +87,12 @@ impl Metrics {
     }
 
     /// The text exposition, with the pool gauges read at scrape time.
+    /// Counts one purge run and the keys it deleted.
+    pub fn record_purge(&self, deleted: u64) {
+        self.purged_keys.inc_by(deleted);
+        self.purge_runs.inc();
+    }
+
     pub fn render(&self, pool: &sqlx::PgPool) -> String {
         let size = i64::from(pool.size());
         let idle = pool.num_idle() as i64;

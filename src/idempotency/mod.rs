@@ -39,7 +39,6 @@ pub use fingerprint::{fingerprint, Fingerprint};
 pub use key::IdempotencyKey;
 
 use crate::domain::MissingKeyPolicy;
-use crate::error::ApiError;
 
 /// Prefix of the keys the server derives for keyless requests under policy `fingerprint`.
 pub const DERIVED_KEY_PREFIX: &str = "fp:";
@@ -60,13 +59,17 @@ impl Claim {
     }
 }
 
+/// A keyless request refused by the tenant's policy `reject`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MissingKey;
+
 /// Step 2: the client's key, or the tenant's decision for a keyless request.
 pub fn key_or_policy(
     key: Option<IdempotencyKey>,
     policy: MissingKeyPolicy,
-) -> Result<Option<IdempotencyKey>, ApiError> {
+) -> Result<Option<IdempotencyKey>, MissingKey> {
     match (key, policy) {
-        (None, MissingKeyPolicy::Reject) => Err(ApiError::MissingIdempotencyKey),
+        (None, MissingKeyPolicy::Reject) => Err(MissingKey),
         (key, _) => Ok(key),
     }
 }

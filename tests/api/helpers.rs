@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use oncepay::config::Settings;
 use oncepay::domain::{MissingKeyPolicy, OpeningBalance};
-use oncepay::startup::{AppState, Application};
+use oncepay::startup::Application;
+use oncepay::state::AppState;
 use reqwest::{Method, Response};
 use serde_json::Value;
 use sqlx::{Connection, Executor, PgPool};
@@ -118,7 +119,7 @@ pub async fn new_tenant(pool: &PgPool, policy: MissingKeyPolicy) -> (Uuid, Strin
     let created = oncepay::tenants::create(pool, "test", policy, balance)
         .await
         .expect("tenant created");
-    (created.tenant_id, created.api_key)
+    (created.tenant_id.get(), created.api_key)
 }
 
 /// A JSON answer: status, headers and parsed body.

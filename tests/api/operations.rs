@@ -76,7 +76,7 @@ async fn readiness_is_503_when_the_database_is_unreachable() {
     settings.db_acquire_timeout = Duration::from_millis(300);
     let pool = oncepay::db::pool(&settings).unwrap();
     let unreachable = oncepay::db::acquire(&pool).await;
-    assert!(matches!(unreachable, Err(oncepay::error::ApiError::Unavailable)));
+    assert!(matches!(unreachable, Err(oncepay::db::DbError::Transient(_))));
     assert_eq!(reqwest::get(format!("{address}/readyz")).await.unwrap().status(), 200);
 }
 

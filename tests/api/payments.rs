@@ -211,7 +211,7 @@ async fn a_key_past_its_replay_window_is_refused_whatever_the_body() {
     let key = new_key();
     app.pay(Some(&key), 100).await;
     sqlx::query(
-        "UPDATE idempotency_keys SET expires_at = now() - interval '1 second' WHERE tenant_id = $1 AND key = $2",
+        "UPDATE idempotency_keys SET created_at = now() - interval '1 day 1 second', expires_at = now() - interval '1 second' WHERE tenant_id = $1 AND key = $2",
     )
     .bind(app.tenant_id)
     .bind(&key)

@@ -50,7 +50,7 @@ pub async fn tenant(pool: &PgPool) -> Tenant {
         .await
         .expect("tenant created");
     Tenant {
-        id: created.tenant_id,
+        id: created.tenant_id.get(),
         api_key: created.api_key,
         opening,
     }

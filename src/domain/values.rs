@@ -66,13 +66,9 @@ impl AccountId {
         }
     }
 
-    /// Parses an optional JSON field, defaulting to `main`.
-    pub fn parse_field(field: &str, value: Option<&Value>) -> Result<Self, String> {
-        match value {
-            None => Ok(Self(Self::MAIN.to_owned())),
-            Some(Value::String(s)) => Self::parse(s),
-            Some(_) => Err(format!("`{field}` must be a string")),
-        }
+    /// The account every tenant gets at creation, and the default of a payment.
+    pub fn main() -> Self {
+        Self(Self::MAIN.to_owned())
     }
 
     pub fn as_str(&self) -> &str {
@@ -108,21 +104,36 @@ impl MissingKeyPolicy {
     }
 }
 
-/// Reads a JSON object body into its fields, refusing unknown ones.
-pub fn object_fields<'a>(body: &'a Value, known: &[&str]) -> Result<&'a serde_json::Map<String, Value>, String> {
-    let object = body.as_object().ok_or("the body must be a JSON object")?;
-    if let Some(unknown) = object.keys().find(|k| !known.contains(&k.as_str())) {
-        return Err(format!(
-            "unknown field `{unknown}`; expected one of: {}",
-            known.join(", ")
-        ));
-    }
-    Ok(object)
+/// Deserialises through a JSON value, so that a body's fields are checked by the same
+/// parsers as everywhere else and a bad value is named in serde's error with its field.
+macro_rules! deserialize_via_value {
+    ($ty:ty, $parse:expr) => {
+        impl<'de> serde::Deserialize<'de> for $ty {
+            fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+                let value = Value::deserialize(deserializer)?;
+                $parse(&value).map_err(serde::de::Error::custom)
+            }
+        }
+    };
 }
 
-/// A required field of an object body.
-pub fn required<'a>(object: &'a serde_json::Map<String, Value>, field: &str) -> Result<&'a Value, String> {
-    object.get(field).ok_or_else(|| format!("missing field `{field}`"))
+deserialize_via_value!(Amount, |v: &Value| Amount::parse("amount", v));
+deserialize_via_value!(OpeningBalance, |v: &Value| OpeningBalance::parse("balance", v));
+deserialize_via_value!(AccountId, |v: &Value| match v {
+    Value::String(s) => AccountId::parse(s),
+    _ => Err("an account id must be a string".to_owned()),
+});
+
+impl serde::Serialize for AccountId {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(&self.0)
+    }
+}
+
+impl std::fmt::Display for AccountId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
 }
 
 #[cfg(test)]
