@@ -195,6 +195,29 @@ impl TestApp {
             .await
     }
 
+    pub async fn refund(&self, key: Option<&str>, payment_id: &str) -> Answer {
+        self.post(&format!("/payments/{payment_id}/refund"), key, &serde_json::json!({}))
+            .await
+    }
+
+    pub async fn deposit(&self, key: Option<&str>, account: &str, amount: i64) -> Answer {
+        self.post(
+            &format!("/accounts/{account}/deposits"),
+            key,
+            &serde_json::json!({ "amount": amount }),
+        )
+        .await
+    }
+
+    pub async fn transfer(&self, key: Option<&str>, from: &str, to: &str, amount: i64) -> Answer {
+        self.post(
+            "/transfers",
+            key,
+            &serde_json::json!({ "from": from, "to": to, "amount": amount }),
+        )
+        .await
+    }
+
     /// The Prometheus exposition of this instance.
     pub async fn metrics(&self) -> String {
         let response = self

@@ -79,9 +79,7 @@ async fn replaying_after_later_payments_and_a_refund_returns_the_first_balance()
     let first = app.pay(Some(&key), 100).await;
     app.pay(Some(&new_key()), 250).await;
     let id = first.body["id"].as_str().unwrap().to_owned();
-    let refund = app
-        .post(&format!("/payments/{id}/refund"), Some(&new_key()), &json!({}))
-        .await;
+    let refund = app.refund(Some(&new_key()), &id).await;
     assert_eq!(refund.status, 200, "{}", refund.body);
 
     let replay = app.pay(Some(&key), 100).await;
