@@ -11,6 +11,7 @@ use anyhow::Context;
 use crate::auth::TenantCache;
 use crate::config::Settings;
 use crate::db;
+use crate::idempotency::cache::ReplayCache;
 use crate::metrics::Metrics;
 use crate::state::AppState;
 use crate::{purge, routes, telemetry};
@@ -30,11 +31,13 @@ impl Application {
         let listener = TcpListener::bind(&settings.bind).with_context(|| format!("cannot bind {}", settings.bind))?;
         let port = listener.local_addr()?.port();
         let workers = settings.workers;
+        let replays = ReplayCache::new(settings.replay_cache_entries);
         let state = web::Data::new(AppState {
             pool,
             settings,
             tenants: TenantCache::new(),
             metrics: Metrics::new(),
+            replays,
         });
         let app_state = state.clone();
         let server = HttpServer::new(move || {

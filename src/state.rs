@@ -1,19 +1,37 @@
 //! What every handler shares: the pool, the settings, the tenant cache and the metrics.
 
+use actix_web::http::StatusCode;
+use actix_web::web::Bytes;
 use prometheus::IntGauge;
 use sqlx::PgPool;
 
 use crate::auth::TenantCache;
 use crate::config::Settings;
 use crate::db::{self, Conn, DbError};
+use crate::idempotency::cache::ReplayCache;
 use crate::idempotency::Windows;
 use crate::metrics::Metrics;
+use crate::operation::Decline;
 
 pub struct AppState {
     pub pool: PgPool,
     pub settings: Settings,
     pub tenants: TenantCache,
     pub metrics: Metrics,
+    /// Finished results this process answers replays from (`ONCEPAY_REPLAY_CACHE_ENTRIES`).
+    pub replays: ReplayCache<CachedAnswer>,
+}
+
+/// A finished result as the replay cache keeps it: the answer, as the database's replay
+/// would rebuild it.
+#[derive(Debug)]
+pub enum CachedAnswer {
+    Success {
+        status: StatusCode,
+        body: Bytes,
+        location: Option<String>,
+    },
+    Declined(Decline),
 }
 
 impl AppState {

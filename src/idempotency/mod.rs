@@ -30,6 +30,7 @@
 //! rolls back both, so the key is free again and the retry runs for real (503 with
 //! `Retry-After` when the server lives to answer).
 
+pub mod cache;
 pub mod fingerprint;
 pub mod key;
 

@@ -5,6 +5,7 @@
 //! else (method, path, statuses, declines) comes from its entry in `crate::operation`.
 
 use actix_web::http::{header, StatusCode};
+use actix_web::web::Bytes;
 use actix_web::{web, HttpRequest, HttpResponse};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -12,11 +13,13 @@ use utoipa::ToSchema;
 
 use super::intake::{parse_body, read_body, EmptyBody};
 use crate::error::{ApiError, REPLAYED_HEADER};
-use crate::idempotency::{self, IdempotencyKey};
+use crate::idempotency::cache::{Finished, Lookup};
+use crate::idempotency::{self, Claim, IdempotencyKey};
 use crate::ledger::{ClaimArgs, Effect, Outcome, Refusal, Reply};
 use crate::operation::Spec;
-use crate::state::AppState;
+use crate::state::{AppState, CachedAnswer};
 use crate::telemetry::RequestOutcome;
+use crate::tenants::Tenant;
 
 /// An operation as the HTTP edge sees it.
 pub trait Endpoint: 'static {
@@ -75,42 +78,98 @@ async fn handle<E: Endpoint>(
     if claim.is_none() {
         tracing::warn!(tenant = %tenant.id, path, "keyless request processed without idempotency protection (policy allow)");
     }
+    if let Some(claim) = &claim {
+        if let Some(answer) = cached(&state, &tenant, claim) {
+            return answer;
+        }
+    }
     let args = ClaimArgs::new(spec, path, claim.as_ref(), state.settings.inflight_wait);
 
     let mut conn = state.conn().await?;
     let result = effect.run(&mut conn, tenant.id, &args).await;
     let outcome = conn.discard_if_broken(result)?;
-    respond::<E>(spec, outcome, claim.is_some())
+    let expires_at = outcome.expires_at;
+    let (answer, finished) = respond::<E>(spec, outcome, claim.is_some())?;
+    if let (Some(claim), Some(expires_at), Some(value)) = (&claim, expires_at, finished) {
+        let finished = Finished {
+            fingerprint: claim.fingerprint,
+            expires_at,
+            value,
+        };
+        state.replays.insert(tenant.id, &claim.key, finished);
+        state.metrics.replay_cache_entries.set(state.replays.len() as i64);
+    }
+    answer
+}
+
+/// The answer from this process's replay cache, if it knows the key (`None`: ask the
+/// database).
+fn cached(state: &AppState, tenant: &Tenant, claim: &Claim) -> Option<Result<HttpResponse, ApiError>> {
+    let hit = match state.replays.lookup(tenant.id, &claim.key, &claim.fingerprint) {
+        Lookup::Miss => {
+            state.metrics.replay_cache_misses.inc();
+            return None;
+        }
+        Lookup::Reused => Err(ApiError::KeyReused),
+        Lookup::Replay(finished) => match &finished.value {
+            CachedAnswer::Declined(decline) => Err(ApiError::Declined {
+                decline: *decline,
+                replayed: true,
+            }),
+            CachedAnswer::Success { status, body, location } => {
+                let mut response = HttpResponse::build(*status);
+                response.insert_header((REPLAYED_HEADER, "true"));
+                if let Some(location) = location {
+                    response.insert_header((header::LOCATION, location.as_str()));
+                }
+                let mut response = response.content_type(mime::APPLICATION_JSON).body(body.clone());
+                response.extensions_mut().insert(RequestOutcome("replayed"));
+                Ok(response)
+            }
+        },
+    };
+    state.metrics.replay_cache_hits.inc();
+    Some(hit)
 }
 
 /// Answers an outcome: the success status and body, marked as a replay when it is one;
-/// `keyed` tells a keyless (`allow`) request apart in logs and metrics.
+/// `keyed` tells a keyless (`allow`) request apart in logs and metrics. Also gives what the
+/// replay cache may keep of it (a finished result: a success or a stored decline).
 fn respond<E: Endpoint>(
     spec: &Spec,
     outcome: Outcome<<E::Effect as Effect>::Row>,
     keyed: bool,
-) -> Result<HttpResponse, ApiError> {
-    let (row, replayed) = match outcome.result.map_err(ApiError::from)? {
-        Reply::New(row) => (row, false),
-        Reply::Replayed(row) => (row, true),
+) -> Result<(Result<HttpResponse, ApiError>, Option<CachedAnswer>), ApiError> {
+    let (row, replayed) = match outcome.result {
+        Ok(Reply::New(row)) => (row, false),
+        Ok(Reply::Replayed(row)) => (row, true),
+        Err(Refusal::Declined { decline, replayed }) => {
+            return Ok((
+                Err(ApiError::Declined { decline, replayed }),
+                Some(CachedAnswer::Declined(decline)),
+            ))
+        }
+        Err(refusal) => return Ok((Err(refusal.into()), None)),
     };
     let out = E::render(row)?;
     let status = StatusCode::from_u16(spec.success_status).expect("the table holds valid statuses");
+    let location = E::location(&out);
+    let body = Bytes::from(serde_json::to_vec(&out).map_err(|e| ApiError::Internal(e.into()))?);
     let mut response = HttpResponse::build(status);
     if keyed {
         response.insert_header((REPLAYED_HEADER, if replayed { "true" } else { "false" }));
     }
-    if let Some(location) = E::location(&out) {
-        response.insert_header((header::LOCATION, location));
+    if let Some(location) = &location {
+        response.insert_header((header::LOCATION, location.as_str()));
     }
-    let mut response = response.json(out);
+    let mut response = response.content_type(mime::APPLICATION_JSON).body(body.clone());
     let label = match (replayed, keyed) {
         (true, _) => "replayed",
         (false, true) => "created",
         (false, false) => "keyless",
     };
     response.extensions_mut().insert(RequestOutcome(label));
-    Ok(response)
+    Ok((Ok(response), Some(CachedAnswer::Success { status, body, location })))
 }
 
 impl From<Refusal> for ApiError {

@@ -19,6 +19,7 @@ mod operations;
 mod payments;
 mod policy;
 mod purge;
+mod replay_cache;
 mod security;
 mod tenancy;
 mod transfers;
