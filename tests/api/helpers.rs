@@ -115,7 +115,7 @@ pub fn client() -> reqwest::Client {
 }
 
 pub async fn new_tenant(pool: &PgPool, policy: MissingKeyPolicy) -> (Uuid, String) {
-    let balance = OpeningBalance::parse("b", &MAIN_BALANCE.into()).unwrap();
+    let balance = OpeningBalance::new(MAIN_BALANCE).unwrap();
     let created = oncepay::tenants::create(pool, "test", policy, balance)
         .await
         .expect("tenant created");

@@ -45,7 +45,7 @@ pub struct Tenant {
 /// A tenant whose `main` account can pay for everything a test sends.
 pub async fn tenant(pool: &PgPool) -> Tenant {
     let opening = oncepay::domain::MAX_AMOUNT;
-    let balance = OpeningBalance::parse("main_balance", &opening.into()).unwrap();
+    let balance = OpeningBalance::new(opening).unwrap();
     let created = oncepay::tenants::create(pool, "chaos", MissingKeyPolicy::Reject, balance)
         .await
         .expect("tenant created");
