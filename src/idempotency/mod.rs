@@ -26,7 +26,7 @@
 //!      the transaction (the `statement_timeout` still bounds it);
 //!    - then the effect runs (debit, refund, deposit, account, transfer) and a deterministic
 //!      decline (402, 404, 409) rewrites the key row to the stored failure.
-
+//!
 //! What is locked and for how long: the key's index entry and the account row, from the
 //! claim to the commit of that single statement (well under a millisecond of work).
 //! What a crash leaves behind: nothing. The key row and the effect commit together; a
