@@ -2,10 +2,9 @@
 
 use std::net::TcpListener;
 use std::sync::Arc;
-use std::time::Duration;
 
 use actix_web::dev::Server;
-use actix_web::{middleware, web, App, HttpServer};
+use actix_web::{middleware, web, App};
 use anyhow::Context;
 use sqlx::PgPool;
 
@@ -15,7 +14,7 @@ use crate::db::{self, Conn};
 use crate::error::ApiError;
 use crate::idempotency::Windows;
 use crate::metrics::Metrics;
-use crate::{purge, routes, telemetry};
+use crate::{http1, purge, routes, telemetry};
 
 /// What every handler shares.
 pub struct AppState {
@@ -64,20 +63,12 @@ impl Application {
             metrics: Metrics::new(),
         });
         let app_state = state.clone();
-        let server = HttpServer::new(move || {
+        let server = http1::serve(listener, workers, move || {
             App::new()
                 .app_data(app_state.clone())
                 .wrap(middleware::from_fn(telemetry::request_log))
                 .configure(routes::configure)
-        })
-        .workers(workers)
-        // Slow clients (slowloris) are dropped: headers within 5 s, idle keep-alive 30 s.
-        .client_request_timeout(Duration::from_secs(5))
-        .client_disconnect_timeout(Duration::from_secs(1))
-        .keep_alive(Duration::from_secs(30))
-        .shutdown_timeout(10)
-        .listen(listener)?
-        .run();
+        })?;
         Ok(Self { port, server, state })
     }
 

@@ -11,6 +11,7 @@ mod concurrency;
 mod dashboards;
 mod errors;
 mod fault_proxy;
+mod framing;
 mod fuzz;
 mod hardening;
 mod helpers;
