@@ -13,6 +13,8 @@ use prometheus::{
 };
 use sqlx::PgPool;
 
+use crate::error::ApiError;
+
 pub struct Metrics {
     registry: Registry,
     /// `oncepay_requests_total{route,outcome}`: `replayed` apart from `created` is how an
@@ -98,6 +100,8 @@ impl Metrics {
             "1 when the database answered the scrape's probe (as /readyz), else 0",
         )
         .expect("valid metric");
+        // The server starts only after the database answered its schema check.
+        ready.set(1);
         let oldest_key_age = Gauge::new(
             "oncepay_idempotency_key_oldest_age_seconds",
             "Age of the oldest idempotency-key row (0 when there is none)",
@@ -166,21 +170,33 @@ impl Metrics {
     /// One cheap query (the minimum of the `created_at` index) answers both whether the
     /// database is reachable and how far behind the purge is. When it fails, the key age
     /// keeps its last value and `oncepay_ready` says why it is stale.
+    ///
+    /// A pool whose every connection is in use is busy, not cut off (those connections are
+    /// answering, or failing and being closed): the probe is skipped rather than holding the
+    /// scrape for a connection, and both gauges keep the last probe's values.
     async fn probe_database(&self, pool: &PgPool) {
-        let oldest = match crate::db::acquire(pool).await {
-            Ok(mut conn) => {
-                let result = sqlx::query_scalar::<_, Option<f64>>(
-                    "SELECT extract(epoch FROM now() - min(created_at))::float8 FROM idempotency_keys",
-                )
-                .fetch_one(&mut *conn)
-                .await;
-                conn.discard_if_broken(result).ok()
+        if pool.num_idle() == 0 && pool.size() >= pool.options().get_max_connections() {
+            return;
+        }
+        let mut conn = match crate::db::acquire(pool).await {
+            Ok(conn) => conn,
+            Err(ApiError::Overloaded) => return,
+            Err(_) => {
+                self.ready.set(0);
+                return;
             }
-            Err(_) => None,
         };
-        self.ready.set(i64::from(oldest.is_some()));
-        if let Some(age) = oldest {
-            self.oldest_key_age.set(age.unwrap_or(0.0).max(0.0));
+        let result = sqlx::query_scalar::<_, Option<f64>>(
+            "SELECT extract(epoch FROM now() - min(created_at))::float8 FROM idempotency_keys",
+        )
+        .fetch_one(&mut *conn)
+        .await;
+        match conn.discard_if_broken(result) {
+            Ok(age) => {
+                self.ready.set(1);
+                self.oldest_key_age.set(age.unwrap_or(0.0).max(0.0));
+            }
+            Err(_) => self.ready.set(0),
         }
     }
 }

@@ -158,6 +158,14 @@ async fn requests_of_every_kind(app: &TestApp) {
     let second = spawn_payment(app, &new_key());
     blocked_by(&mut observer, holder, 2).await;
     app.get("/accounts/main").await.assert_problem(429, "overloaded");
+    // A busy pool is not a database that does not answer, and the scrape does not wait.
+    let started = std::time::Instant::now();
+    assert_eq!(sample(&app.metrics().await, "oncepay_ready"), 1.0);
+    assert!(
+        started.elapsed() < Duration::from_millis(250),
+        "{:?}",
+        started.elapsed()
+    );
 
     // The original's connection dies: nothing committed, 503.
     sqlx::query("SELECT pg_terminate_backend($1)")
