@@ -6,12 +6,12 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use serde_json::{json, Value};
+use serde_json::json;
 use sqlx::{Connection, PgConnection};
 
 use crate::concurrency::lock_main_account;
 use crate::helpers::{database_url, new_key, spawn_app_with, Answer, TestApp};
-use crate::promql::{selectors, SCRAPE_SERIES};
+use crate::promql::{dashboard_queries, recorded_names, rule_exprs, selectors, SCRAPE_SERIES};
 
 const RULES: &str = include_str!("../../ops/prometheus/rules.yml");
 const DASHBOARD: &str = include_str!("../../ops/grafana/oncepay.json");
@@ -294,53 +294,4 @@ impl Exposition {
 
 fn is_word(s: &str) -> bool {
     !s.is_empty() && s.bytes().all(|b| b.is_ascii_lowercase() || b == b'_')
-}
-
-/// The `expr` of every rule. The rules file is YAML; its expressions are one-line values
-/// or block scalars (`|`, `>-`, ...) indented under their key, which is all it uses.
-fn rule_exprs(yaml: &str) -> Vec<String> {
-    let lines: Vec<&str> = yaml.lines().collect();
-    let mut exprs = Vec::new();
-    for (i, line) in lines.iter().enumerate() {
-        let trimmed = line.trim_start();
-        let Some(value) = trimmed.strip_prefix("expr:") else {
-            continue;
-        };
-        let value = value.trim();
-        if matches!(value, "|" | "|-" | ">" | ">-") {
-            let indent = line.len() - trimmed.len();
-            let block: Vec<&str> = lines[i + 1..]
-                .iter()
-                .take_while(|l| l.trim().is_empty() || l.len() - l.trim_start().len() > indent)
-                .copied()
-                .collect();
-            exprs.push(block.join("\n"));
-        } else {
-            exprs.push(value.trim_matches(['\'', '"']).to_owned());
-        }
-    }
-    exprs
-}
-
-fn recorded_names(yaml: &str) -> BTreeSet<String> {
-    yaml.lines()
-        .filter_map(|l| l.trim_start().trim_start_matches("- ").strip_prefix("record:"))
-        .map(|name| name.trim().to_owned())
-        .collect()
-}
-
-/// Every PromQL string of the dashboard: panel targets (`expr`) and variable queries.
-fn dashboard_queries(value: &Value, out: &mut Vec<String>) {
-    match value {
-        Value::Object(map) => {
-            for (key, value) in map {
-                match (key.as_str(), value) {
-                    ("expr" | "query", Value::String(query)) => out.push(query.clone()),
-                    _ => dashboard_queries(value, out),
-                }
-            }
-        }
-        Value::Array(items) => items.iter().for_each(|v| dashboard_queries(v, out)),
-        _ => {}
-    }
 }

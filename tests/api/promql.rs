@@ -1,8 +1,62 @@
-//! Just enough PromQL to list the series a query reads, with their label matchers (for
-//! `dashboards.rs`): no operator precedence, no evaluation.
+//! Just enough PromQL to list the series a query reads, with their label matchers, and the
+//! queries of the rules file and the dashboard (for `dashboards.rs`): no operator
+//! precedence, no evaluation.
+
+use std::collections::BTreeSet;
+
+use serde_json::Value;
 
 /// Series that Prometheus makes itself when it scrapes, not the service.
 pub const SCRAPE_SERIES: &[&str] = &["up"];
+
+/// The `expr` of every rule. The rules file is YAML; its expressions are one-line values
+/// or block scalars (`|`, `>-`, ...) indented under their key, which is all it uses.
+pub fn rule_exprs(yaml: &str) -> Vec<String> {
+    let lines: Vec<&str> = yaml.lines().collect();
+    let mut exprs = Vec::new();
+    for (i, line) in lines.iter().enumerate() {
+        let trimmed = line.trim_start();
+        let Some(value) = trimmed.strip_prefix("expr:") else {
+            continue;
+        };
+        let value = value.trim();
+        if matches!(value, "|" | "|-" | ">" | ">-") {
+            let indent = line.len() - trimmed.len();
+            let block: Vec<&str> = lines[i + 1..]
+                .iter()
+                .take_while(|l| l.trim().is_empty() || l.len() - l.trim_start().len() > indent)
+                .copied()
+                .collect();
+            exprs.push(block.join("\n"));
+        } else {
+            exprs.push(value.trim_matches(['\'', '"']).to_owned());
+        }
+    }
+    exprs
+}
+
+pub fn recorded_names(yaml: &str) -> BTreeSet<String> {
+    yaml.lines()
+        .filter_map(|l| l.trim_start().trim_start_matches("- ").strip_prefix("record:"))
+        .map(|name| name.trim().to_owned())
+        .collect()
+}
+
+/// Every PromQL string of the dashboard: panel targets (`expr`) and variable queries.
+pub fn dashboard_queries(value: &Value, out: &mut Vec<String>) {
+    match value {
+        Value::Object(map) => {
+            for (key, value) in map {
+                match (key.as_str(), value) {
+                    ("expr" | "query", Value::String(query)) => out.push(query.clone()),
+                    _ => dashboard_queries(value, out),
+                }
+            }
+        }
+        Value::Array(items) => items.iter().for_each(|v| dashboard_queries(v, out)),
+        _ => {}
+    }
+}
 
 #[derive(Debug, PartialEq)]
 enum Token {
