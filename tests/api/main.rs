@@ -20,4 +20,5 @@ mod payments;
 mod policy;
 mod purge;
 mod security;
+mod sql_functions;
 mod tenancy;
