@@ -24,5 +24,6 @@ mod promql;
 mod purge;
 mod replay_cache;
 mod security;
+mod sql_functions;
 mod tenancy;
 mod transfers;
