@@ -306,7 +306,7 @@ fn account(id: &str) -> AccountId {
 }
 
 fn amount(n: i64) -> Amount {
-    Amount::parse("amount", &json!(n)).unwrap()
+    Amount::new(n).unwrap()
 }
 
 fn pay(from: &str, n: i64) -> Pay {
@@ -326,7 +326,7 @@ fn deposit(to: &str, n: i64) -> Deposit {
 fn open_account(id: &str, balance: i64) -> OpenAccount {
     OpenAccount {
         account: account(id),
-        balance: OpeningBalance::parse("balance", &json!(balance)).unwrap(),
+        balance: OpeningBalance::new(balance).unwrap(),
     }
 }
 
@@ -1359,27 +1359,23 @@ async fn opposite_transfers_in_parallel_never_deadlock() {
 }
 
 /// The SQL function itself, given one account as both sides (Rust's `Transfer::new` refuses
-/// it before): it locks one row, so it declines `account_not_found` and moves nothing.
+/// it before): it refuses too, before claiming the key, and moves nothing.
 #[tokio::test]
-async fn transfer_from_an_account_to_itself_moves_nothing_in_sql() {
+async fn transfer_from_an_account_to_itself_is_refused_in_sql() {
     let fx = Fx::new().await;
     let before = fx.snapshot().await;
     let key = new_key();
     let args = claim_args(Operation::Transfer, "/transfers", &client_claim(&key, fp("self")), WAIT);
 
-    let (outcome, decline): (ClaimOutcome, Option<Decline>) =
-        sqlx::query_as("SELECT outcome, decline FROM oncepay_transfer($1, $2, 'main', 'main', 1)")
-            .bind(fx.tenant.get())
-            .bind(&args)
-            .fetch_one(&fx.pool)
-            .await
-            .unwrap();
+    let refused = sqlx::query("SELECT * FROM oncepay_transfer($1, $2, 'main', 'main', 1)")
+        .bind(fx.tenant.get())
+        .bind(&args)
+        .execute(&fx.pool)
+        .await
+        .unwrap_err();
 
-    assert_eq!(
-        (outcome, decline),
-        (ClaimOutcome::Declined, Some(Decline::AccountNotFound))
-    );
-    assert_eq!(fx.snapshot().await.effects, before.effects);
+    assert_eq!(sqlstate(&refused).as_deref(), Some("23514"), "{refused}");
+    assert_eq!(fx.snapshot().await, before, "no key claimed, nothing moved");
 }
 
 // ---------------------------------------------------------------------------------------
