@@ -11,7 +11,7 @@ use crate::ledger::Decline;
 pub const RETRY_AFTER_SECS: u64 = 1;
 
 /// Header marking a replayed answer.
-pub const REPLAYED_HEADER: &str = "Idempotency-Replayed";
+pub use oncepay_client::protocol::REPLAYED_HEADER;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {

@@ -3,13 +3,13 @@
 //! Layers, from the edge in: `routes` (HTTP) -> `idempotency` (the protocol) and `ledger`
 //! (money movements) -> PostgreSQL (`db`, `migrations/`). Only `routes`, `auth`, `error`
 //! and `telemetry` know HTTP.
-//! `client` is the other side: a Rust client (and the CLI's client commands) that retries safely.
+//! The other side, a Rust client (and the CLI's client commands) that retries safely, is the
+//! crate `oncepay-client` (`client/`); the rules both sides share live in its `protocol`.
 
 pub mod audit;
 pub mod auth;
 #[cfg(feature = "bench")]
 pub mod bench;
-pub mod client;
 pub mod config;
 pub mod db;
 pub mod domain;

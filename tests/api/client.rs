@@ -1,4 +1,4 @@
-//! `oncepay::client` against a real server, through the fault-injecting proxy: answers
+//! `oncepay_client` against a real server, through the fault-injecting proxy: answers
 //! lost after processing, `Retry-After` windows, refusals and requests in flight.
 
 use std::collections::{HashMap, HashSet};
@@ -6,7 +6,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use futures_util::stream::{self, StreamExt};
-use oncepay::client::{Backoff, BudgetConfig, Client, ClientConfig, ClientError, IdempotencyKey};
+use oncepay_client::{Backoff, BudgetConfig, Client, ClientConfig, ClientError, IdempotencyKey};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use uuid::Uuid;

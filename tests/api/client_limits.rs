@@ -1,11 +1,11 @@
-//! Where `oncepay::client` stops retrying: the attempt count, the deadline, the retry
+//! Where `oncepay_client` stops retrying: the attempt count, the deadline, the retry
 //! budget, and no server at all. Each stop says whether the outcome is unknown.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use oncepay::client::{BudgetConfig, Client, ClientConfig, ClientError, IdempotencyKey};
+use oncepay_client::{BudgetConfig, Client, ClientConfig, ClientError, IdempotencyKey};
 
 use crate::client::{client_for, fast_config};
 use crate::fault_proxy::{Action, FaultProxy};

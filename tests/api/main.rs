@@ -21,3 +21,4 @@ mod policy;
 mod purge;
 mod security;
 mod tenancy;
+mod workspace;

@@ -12,7 +12,7 @@ use clap::{Args, Subcommand};
 use serde::Serialize;
 use uuid::Uuid;
 
-use super::{Client, ClientConfig, ClientError, IdempotencyKey, Reply, RetryNote};
+use crate::{Client, ClientConfig, ClientError, IdempotencyKey, Reply, RetryNote};
 
 pub const EXIT_USAGE: i32 = 2;
 pub const EXIT_REFUSED: i32 = 3;

@@ -5,6 +5,8 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+use crate::protocol::ProblemCode;
+
 /// An RFC 9457 problem answered by the server (or a non-problem error answer, whose `code`
 /// is then `http_<status>`).
 #[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
@@ -36,6 +38,12 @@ impl Problem {
         problem.status = status;
         problem.replayed = replayed;
         problem
+    }
+
+    /// The `code` as a [`ProblemCode`]; `None` for a code this client does not know (a newer
+    /// server's, or `http_<status>`).
+    pub fn known_code(&self) -> Option<ProblemCode> {
+        self.code.parse().ok()
     }
 }
 
@@ -107,7 +115,7 @@ impl ClientError {
     /// the caller should send it again later *with the same key*, never with a new one.
     pub fn outcome_unknown(&self) -> bool {
         match self {
-            Self::Problem(problem) => super::policy::retryable(problem.status, &problem.code),
+            Self::Problem(problem) => crate::policy::retryable(problem.status, problem.known_code()),
             Self::Transport { .. } | Self::DeadlineExceeded { .. } | Self::BudgetExhausted { .. } => true,
             Self::InvalidResponse { .. } | Self::InvalidArgument(_) => false,
         }

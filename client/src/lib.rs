@@ -1,4 +1,6 @@
-//! `oncepay::client`: a client of the tenant API that retries safely.
+//! `oncepay-client`: a client of the oncepay tenant API that retries safely. It depends on
+//! no server crate (no actix-web, sqlx or refinery); the server depends on it for the rules
+//! both sides share ([`protocol`]).
 //!
 //! - **One key per logical operation.** Every POST takes an [`IdempotencyKey`]; each
 //!   retry of the call sends that same key, so the server processes the operation at most
@@ -17,11 +19,14 @@
 
 mod budget;
 mod calls;
+/// The client commands of the `oncepay` binary (feature `cli`).
+#[cfg(feature = "cli")]
 pub mod cli;
 mod config;
 mod error;
 mod key;
 pub mod policy;
+pub mod protocol;
 mod retry;
 
 use std::sync::Arc;

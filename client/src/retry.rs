@@ -7,11 +7,10 @@ use reqwest::header::{AUTHORIZATION, CONTENT_TYPE};
 use reqwest::{Method, Url};
 use serde::de::DeserializeOwned;
 
-use super::error::{ClientError, Problem};
-use super::key::IdempotencyKey;
-use super::{policy, Client, Reply, RetryNote};
-use crate::error::REPLAYED_HEADER;
-use crate::idempotency::key::HEADER as KEY_HEADER;
+use crate::error::{ClientError, Problem};
+use crate::key::IdempotencyKey;
+use crate::protocol::{KEY_HEADER, REPLAYED_HEADER};
+use crate::{policy, Client, Reply, RetryNote};
 
 /// One logical operation: the body is serialised once, so every attempt sends equal bytes
 /// (and so the same fingerprint).
@@ -123,7 +122,7 @@ impl Client {
         }
         let problem = Problem::from_answer(status, replayed, &body);
         Err(Failed {
-            retryable: policy::retryable(status, &problem.code),
+            retryable: policy::retryable(status, problem.known_code()),
             error: ClientError::Problem(problem),
             retry_after,
         })

@@ -7,10 +7,10 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use uuid::Uuid;
 
-use super::error::ClientError;
-use super::key::IdempotencyKey;
-use super::retry::Call;
-use super::{Client, Reply};
+use crate::error::ClientError;
+use crate::key::IdempotencyKey;
+use crate::retry::Call;
+use crate::{Client, Reply};
 
 /// `POST /payments`: 201.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
