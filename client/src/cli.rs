@@ -1,5 +1,6 @@
-//! The client commands of the `oncepay` binary: `pay`, `refund`, `deposit`, `balance`,
-//! `get-payment`. The answer's JSON goes to stdout; retries, replays and errors to stderr.
+//! The client commands of the `oncepay` binary: `pay`, `refund`, `deposit`, `transfer`,
+//! `balance`, `get-payment`, `get-transfer`. The answer's JSON goes to stdout; retries,
+//! replays and errors to stderr.
 //!
 //! Exit status: 0 success; 2 bad usage; 3 the server refused the request (a 4xx problem that
 //! a retry would not change); 4 the outcome is unknown (no final answer within the attempts,
@@ -55,6 +56,22 @@ pub enum ClientCommand {
         #[command(flatten)]
         key: KeyArg,
     },
+    /// Transfer between two accounts of the tenant: POST /transfers.
+    Transfer {
+        #[command(flatten)]
+        server: ServerArgs,
+        /// The account debited.
+        #[arg(long)]
+        from: String,
+        /// The account credited.
+        #[arg(long)]
+        to: String,
+        /// Amount in minor units (1 ..= 10^12).
+        #[arg(long)]
+        amount: i64,
+        #[command(flatten)]
+        key: KeyArg,
+    },
     /// An account's balance: GET /accounts/{id}.
     Balance {
         #[command(flatten)]
@@ -67,6 +84,13 @@ pub enum ClientCommand {
         #[command(flatten)]
         server: ServerArgs,
         #[arg(long)]
+        id: Uuid,
+    },
+    /// A transfer: GET /transfers/{id}.
+    GetTransfer {
+        #[command(flatten)]
+        server: ServerArgs,
+        /// The transfer's id.
         id: Uuid,
     },
 }
@@ -126,11 +150,13 @@ impl KeyArg {
     }
 }
 
-fn keyed(key: &IdempotencyKey) -> impl Fn(ClientError) -> Failed + '_ {
-    move |error| Failed {
+/// Prints the answer of a keyed operation; a failure carries the key to resume it with.
+fn print_keyed<T: Serialize>(reply: Result<Reply<T>, ClientError>, key: &IdempotencyKey) -> Result<(), Failed> {
+    let reply = reply.map_err(|error| Failed {
         error,
         key: Some(key.clone()),
-    }
+    })?;
+    print(reply, Some(key))
 }
 
 async fn execute(command: ClientCommand) -> Result<(), Failed> {
@@ -142,13 +168,11 @@ async fn execute(command: ClientCommand) -> Result<(), Failed> {
             key,
         } => {
             let key = key.resolve()?;
-            let reply = client(&server)?.pay(amount, account.as_deref(), &key).await;
-            print(reply.map_err(keyed(&key))?, Some(&key))
+            print_keyed(client(&server)?.pay(amount, account.as_deref(), &key).await, &key)
         }
         ClientCommand::Refund { server, payment, key } => {
             let key = key.resolve()?;
-            let reply = client(&server)?.refund(payment, &key).await;
-            print(reply.map_err(keyed(&key))?, Some(&key))
+            print_keyed(client(&server)?.refund(payment, &key).await, &key)
         }
         ClientCommand::Deposit {
             server,
@@ -157,11 +181,21 @@ async fn execute(command: ClientCommand) -> Result<(), Failed> {
             key,
         } => {
             let key = key.resolve()?;
-            let reply = client(&server)?.deposit(&account, amount, &key).await;
-            print(reply.map_err(keyed(&key))?, Some(&key))
+            print_keyed(client(&server)?.deposit(&account, amount, &key).await, &key)
+        }
+        ClientCommand::Transfer {
+            server,
+            from,
+            to,
+            amount,
+            key,
+        } => {
+            let key = key.resolve()?;
+            print_keyed(client(&server)?.transfer(&from, &to, amount, &key).await, &key)
         }
         ClientCommand::Balance { server, account } => print(client(&server)?.account(&account).await?, None),
         ClientCommand::GetPayment { server, id } => print(client(&server)?.payment(id).await?, None),
+        ClientCommand::GetTransfer { server, id } => print(client(&server)?.get_transfer(id).await?, None),
     }
 }
 
@@ -241,4 +275,71 @@ fn chain(err: &ClientError) -> String {
         source = cause.source();
     }
     text
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(subcommand)]
+        command: ClientCommand,
+    }
+
+    fn parse(args: &[&str]) -> Result<ClientCommand, clap::Error> {
+        let server = ["--url", "http://127.0.0.1:8130", "--api-key", "k"];
+        let all = ["oncepay"].iter().chain(args).chain(server.iter());
+        Cli::try_parse_from(all).map(|cli| cli.command)
+    }
+
+    #[test]
+    fn transfer_takes_from_to_amount_and_an_optional_key() {
+        let ClientCommand::Transfer {
+            from, to, amount, key, ..
+        } = parse(&[
+            "transfer", "--from", "u1", "--to", "u2", "--amount", "100", "--key", "t-1",
+        ])
+        .unwrap()
+        else {
+            panic!("not a transfer");
+        };
+        assert_eq!((from.as_str(), to.as_str(), amount), ("u1", "u2", 100));
+        assert_eq!(key.resolve().unwrap().as_str(), "t-1");
+
+        let ClientCommand::Transfer { key, .. } =
+            parse(&["transfer", "--from", "a", "--to", "b", "--amount", "1"]).unwrap()
+        else {
+            panic!("not a transfer");
+        };
+        assert_ne!(
+            key.resolve().unwrap(),
+            key.resolve().unwrap(),
+            "no --key: a new key per run"
+        );
+    }
+
+    #[test]
+    fn transfer_requires_both_accounts_and_the_amount() {
+        for args in [
+            &["transfer", "--to", "u2", "--amount", "1"][..],
+            &["transfer", "--from", "u1", "--amount", "1"],
+            &["transfer", "--from", "u1", "--to", "u2"],
+        ] {
+            let err = parse(args).err().expect("refused");
+            assert_eq!(err.kind(), clap::error::ErrorKind::MissingRequiredArgument, "{args:?}");
+        }
+    }
+
+    #[test]
+    fn get_transfer_takes_the_id_as_its_argument() {
+        let id = "9b2f4f6e-52c4-4c3a-a0f5-0e4d2f5b8a11";
+        let ClientCommand::GetTransfer { id: parsed, .. } = parse(&["get-transfer", id]).unwrap() else {
+            panic!("not get-transfer");
+        };
+        assert_eq!(parsed.to_string(), id);
+        assert!(parse(&["get-transfer", "not-a-uuid"]).is_err());
+    }
 }

@@ -28,6 +28,7 @@ mod key;
 pub mod policy;
 pub mod protocol;
 mod retry;
+mod transfers;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -39,6 +40,7 @@ pub use calls::{Account, AccountCreated, Deposit, Payment, PaymentState, Refund}
 pub use config::{Backoff, BudgetConfig, ClientConfig};
 pub use error::{ClientError, Problem};
 pub use key::IdempotencyKey;
+pub use transfers::{Transfer, TransferState};
 
 use budget::RetryBudget;
 

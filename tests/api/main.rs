@@ -6,6 +6,7 @@ mod brownout;
 mod cli;
 mod client;
 mod client_limits;
+mod client_transfers;
 mod commands;
 mod concurrency;
 mod errors;
