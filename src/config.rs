@@ -1,5 +1,6 @@
 //! Settings from the environment, validated once at startup (contract section 2).
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
@@ -27,6 +28,10 @@ pub struct Settings {
     /// HTTP worker threads; defaults to the number of cores.
     pub workers: usize,
     pub log_json: bool,
+    /// PEM certificate chain and private key (`ONCEPAY_TLS_CERT`, `ONCEPAY_TLS_KEY`): with
+    /// both, `serve` speaks HTTPS; with one alone it refuses to start.
+    pub tls_cert: Option<PathBuf>,
+    pub tls_key: Option<PathBuf>,
 }
 
 impl Settings {
@@ -60,6 +65,8 @@ impl Settings {
             purge_batch_size: number("ONCEPAY_PURGE_BATCH_SIZE", 5_000)?,
             workers: number("ONCEPAY_WORKERS", cores)?,
             log_json: var("ONCEPAY_LOG_FORMAT").is_some_and(|f| f.eq_ignore_ascii_case("json")),
+            tls_cert: var("ONCEPAY_TLS_CERT").filter(|p| !p.is_empty()).map(PathBuf::from),
+            tls_key: var("ONCEPAY_TLS_KEY").filter(|p| !p.is_empty()).map(PathBuf::from),
         };
         settings.validate()?;
         Ok(settings)
@@ -81,7 +88,15 @@ impl Settings {
         if self.db_pool_size == 0 || self.workers == 0 || self.max_body_bytes == 0 || self.purge_batch_size <= 0 {
             bail!("pool size, workers, body limit and purge batch size must be positive");
         }
-        Ok(())
+        match (&self.tls_cert, &self.tls_key) {
+            (Some(_), None) => {
+                bail!("ONCEPAY_TLS_CERT is set but ONCEPAY_TLS_KEY is not: set both to serve HTTPS, or neither")
+            }
+            (None, Some(_)) => {
+                bail!("ONCEPAY_TLS_KEY is set but ONCEPAY_TLS_CERT is not: set both to serve HTTPS, or neither")
+            }
+            _ => Ok(()),
+        }
     }
 }
 

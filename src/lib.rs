@@ -23,3 +23,4 @@ pub mod routes;
 pub mod startup;
 pub mod telemetry;
 pub mod tenants;
+pub mod tls;

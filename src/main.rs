@@ -112,7 +112,7 @@ async fn run(command: ServerCommand) -> anyhow::Result<()> {
     match command {
         ServerCommand::Serve => {
             let app = Application::build(settings.clone()).await?;
-            tracing::info!(bind = %settings.bind, port = app.port(), "oncepay serving");
+            tracing::info!(bind = %settings.bind, port = app.port(), https = settings.tls_cert.is_some(), "oncepay serving");
             app.run_until_stopped().await?;
         }
         ServerCommand::Migrate => {

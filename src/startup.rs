@@ -55,6 +55,10 @@ impl Application {
         let pool = db::pool(&settings)?;
         db::check_schema(&pool).await?;
         let listener = TcpListener::bind(&settings.bind).with_context(|| format!("cannot bind {}", settings.bind))?;
+        let tls = match (&settings.tls_cert, &settings.tls_key) {
+            (Some(cert), Some(key)) => Some(crate::tls::server_config(cert, key)?),
+            _ => None,
+        };
         let port = listener.local_addr()?.port();
         let workers = settings.workers;
         let state = web::Data::new(AppState {
@@ -75,8 +79,11 @@ impl Application {
         .client_request_timeout(Duration::from_secs(5))
         .client_disconnect_timeout(Duration::from_secs(1))
         .keep_alive(Duration::from_secs(30))
-        .shutdown_timeout(10)
-        .listen(listener)?
+        .shutdown_timeout(10);
+        let server = match tls {
+            Some(tls) => server.listen_rustls_0_23(listener, tls)?,
+            None => server.listen(listener)?,
+        }
         .run();
         Ok(Self { port, server, state })
     }

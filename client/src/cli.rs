@@ -3,7 +3,7 @@
 //! replays and errors to stderr.
 //!
 //! Exit status: 0 success; 2 bad usage; 3 the server refused the request (a 4xx problem that
-//! a retry would not change); 4 the outcome is unknown (no final answer within the attempts,
+//! a retry would not change) or the client refused the server's TLS certificate; 4 the outcome is unknown (no final answer within the attempts,
 //! the deadline or the budget): run the command again with the same `--key`; 5 the server's
 //! answer could not be read.
 
@@ -97,7 +97,8 @@ pub enum ClientCommand {
 
 #[derive(Args)]
 pub struct ServerArgs {
-    /// The server's base URL, e.g. http://127.0.0.1:8130.
+    /// The server's base URL, e.g. http://127.0.0.1:8130 or https://pay.example.com (trusting
+    /// the system's roots and those of the PEM file named by ONCEPAY_CA_CERT).
     #[arg(long, env = "ONCEPAY_URL")]
     url: String,
     /// The tenant's API key.

@@ -61,6 +61,14 @@ pub enum ClientError {
         #[source]
         source: reqwest::Error,
     },
+    /// The TLS handshake refused the server's certificate: it does not verify (unknown
+    /// issuer, another host name, expired). Nothing of the request was sent; a retry would
+    /// meet the same certificate, so there is none.
+    #[error("the server's TLS certificate was refused; nothing was sent: {source}")]
+    Tls {
+        #[source]
+        source: reqwest::Error,
+    },
     /// The operation's deadline came before an answer; `last` is the last attempt's failure.
     #[error("deadline of {deadline:?} exceeded after {attempts} attempt(s); last failure: {last}")]
     DeadlineExceeded {
@@ -96,6 +104,7 @@ impl ClientError {
             Self::Problem(problem) => &problem.code,
             Self::Transport { timed_out: true, .. } => "timeout",
             Self::Transport { timed_out: false, .. } => "transport_error",
+            Self::Tls { .. } => "tls_certificate_refused",
             Self::DeadlineExceeded { .. } => "deadline_exceeded",
             Self::BudgetExhausted { .. } => "retry_budget_exhausted",
             Self::InvalidResponse { .. } => "invalid_response",
@@ -117,7 +126,7 @@ impl ClientError {
         match self {
             Self::Problem(problem) => crate::policy::retryable(problem.status, problem.known_code()),
             Self::Transport { .. } | Self::DeadlineExceeded { .. } | Self::BudgetExhausted { .. } => true,
-            Self::InvalidResponse { .. } | Self::InvalidArgument(_) => false,
+            Self::Tls { .. } | Self::InvalidResponse { .. } | Self::InvalidArgument(_) => false,
         }
     }
 }

@@ -8,6 +8,7 @@
 //! | 429 `overloaded` | yes, after `Retry-After` | the server sheds load |
 //! | 409 `request_in_progress` | yes, after `Retry-After` | the first request with this key is still running |
 //! | 400, 401, 402, 403, 404, 413, 415, 422, other 409s, anything else | no | the same request gets the same answer: the caller must change something |
+//! | a server certificate that does not verify (`ClientError::Tls`) | no | the handshake failed, nothing was sent; the next attempt would meet the same certificate |
 
 use std::time::{Duration, SystemTime};
 

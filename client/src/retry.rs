@@ -142,6 +142,13 @@ pub(crate) fn read_answer<T: DeserializeOwned>(
 /// No answer (refused, reset, dropped, timed out): whether the server processed the request
 /// is unknown, which is exactly what the key is for.
 fn transport(source: reqwest::Error) -> Failed {
+    if crate::tls::handshake_refused(&source) {
+        return Failed {
+            error: ClientError::Tls { source },
+            retryable: false,
+            retry_after: None,
+        };
+    }
     Failed {
         error: ClientError::Transport {
             timed_out: source.is_timeout(),

@@ -21,5 +21,7 @@ mod payments;
 mod policy;
 mod purge;
 mod security;
+mod tcp_cut;
 mod tenancy;
+mod tls;
 mod workspace;
