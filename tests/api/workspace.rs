@@ -10,7 +10,7 @@ const SERVER_CRATES: &[&str] = &["actix-", "sqlx", "refinery", "tokio-postgres",
 fn normal_dependencies(package: &str) -> Vec<String> {
     let output = Command::new(env!("CARGO"))
         .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .args(["tree", "--offline", "--locked", "--all-features", "-e", "normal"])
+        .args(["tree", "--locked", "--all-features", "-e", "normal"])
         .args(["--prefix", "none", "--format", "{p}", "-p", package])
         .output()
         .expect("cargo runs");
