@@ -18,9 +18,9 @@ export DATABASE_URL
 export SQLX_OFFLINE ?= true
 
 BIN := target/release/oncepay
-CARGO_TEST := $(shell cargo nextest --version >/dev/null 2>&1 && echo "cargo nextest run --no-fail-fast" || echo "cargo test --no-fail-fast")
+CARGO_TEST := $(shell cargo nextest --version >/dev/null 2>&1 && echo "cargo nextest run --workspace --no-fail-fast" || echo "cargo test --workspace --no-fail-fast")
 
-.PHONY: help run serve build db-up db-down migrate psql purge audit audit-bench test chaos check sqlx-prepare bench bench-quick clean-db openapi schemathesis alerts-test
+.PHONY: help run serve build db-up db-down migrate psql purge audit audit-bench test chaos check client-deps-check sqlx-prepare bench bench-quick clean-db openapi schemathesis alerts-test
 
 help:
 	@echo "make run      local database if needed, migrate, demo tenant, serve on 127.0.0.1:8130"
@@ -29,7 +29,8 @@ help:
 	@echo "make audit    reconcile balances, key rows and payments; non-zero exit if an invariant is broken"
 	@echo "make schemathesis   fuzz a live server from its OpenAPI document (docs/openapi.json)"
 	@echo "make alerts-test    check the Prometheus rules (ops/prometheus) and run their unit tests with promtool"
-	@echo "make migrate | purge | psql | db-up | db-down | check | bench | audit-bench | sqlx-prepare | openapi"
+	@echo "make check    fmt, clippy -D warnings over the workspace, client-deps-check"
+	@echo "make migrate | purge | psql | db-up | db-down | client-deps-check | bench | audit-bench | sqlx-prepare | openapi"
 
 db-up:
 ifdef LOCAL_DB
@@ -103,10 +104,18 @@ chaos:
 		$(CHAOS_TEST) || status=$$?; \
 	$(CHAOS_DB) scripts/db.sh down; exit $$status
 
-check:
-	cargo fmt --check
-	cargo clippy --all-targets --locked -- -D warnings
-	cargo clippy --all-targets --locked --features bench -- -D warnings
+check: client-deps-check
+	cargo fmt --all --check
+	cargo clippy --workspace --all-targets --locked -- -D warnings
+	cargo clippy --workspace --all-targets --locked --features oncepay/bench -- -D warnings
+	cargo clippy -p oncepay-client --all-targets --locked -- -D warnings
+
+# The client crate compiles no server crate (contract section 1): fails if `cargo tree` shows one.
+client-deps-check:
+	@deps="$$(cargo tree --locked -p oncepay-client --all-features -e normal --prefix none --format '{p}')"; \
+	server="$$(grep -E '^(actix-|sqlx|refinery|tokio-postgres)' <<<"$$deps" | awk '{print $$1, $$2}' | sort -u)"; \
+	if [ -n "$$server" ]; then echo "oncepay-client depends on server crates:"; echo "$$server"; exit 1; fi; \
+	echo "oncepay-client: $$(sort -u <<<"$$deps" | wc -l) crates, no actix-web, sqlx or refinery"
 
 # Regenerates .sqlx/ from a scratch database with the migrations applied by psql (no
 # sqlx-cli needed: the macros write their cache to SQLX_OFFLINE_DIR while compiling online).

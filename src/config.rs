@@ -1,5 +1,6 @@
 //! Settings from the environment, validated once at startup (contract section 2).
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
@@ -30,6 +31,10 @@ pub struct Settings {
     /// Finished results kept in memory to answer replays (`ONCEPAY_REPLAY_CACHE_ENTRIES`);
     /// 0 turns the cache off.
     pub replay_cache_entries: u64,
+    /// PEM certificate chain and private key (`ONCEPAY_TLS_CERT`, `ONCEPAY_TLS_KEY`): with
+    /// both, `serve` speaks HTTPS; with one alone it refuses to start.
+    pub tls_cert: Option<PathBuf>,
+    pub tls_key: Option<PathBuf>,
 }
 
 impl Settings {
@@ -66,6 +71,8 @@ impl Settings {
             // About 0.5 KB an entry: 100,000 entries hold a day of keys at ~1 key/s per
             // replica, or the last few minutes of a busy one, in ~50 MB.
             replay_cache_entries: number("ONCEPAY_REPLAY_CACHE_ENTRIES", 100_000)?,
+            tls_cert: var("ONCEPAY_TLS_CERT").filter(|p| !p.is_empty()).map(PathBuf::from),
+            tls_key: var("ONCEPAY_TLS_KEY").filter(|p| !p.is_empty()).map(PathBuf::from),
         };
         settings.validate()?;
         Ok(settings)
@@ -87,7 +94,15 @@ impl Settings {
         if self.db_pool_size == 0 || self.workers == 0 || self.max_body_bytes == 0 || self.purge_batch_size <= 0 {
             bail!("pool size, workers, body limit and purge batch size must be positive");
         }
-        Ok(())
+        match (&self.tls_cert, &self.tls_key) {
+            (Some(_), None) => {
+                bail!("ONCEPAY_TLS_CERT is set but ONCEPAY_TLS_KEY is not: set both to serve HTTPS, or neither")
+            }
+            (None, Some(_)) => {
+                bail!("ONCEPAY_TLS_KEY is set but ONCEPAY_TLS_CERT is not: set both to serve HTTPS, or neither")
+            }
+            _ => Ok(()),
+        }
     }
 }
 

@@ -8,11 +8,13 @@ use serde::Serialize;
 use crate::db::DbError;
 use crate::operation::Decline;
 
+pub use oncepay_client::protocol::ProblemCode;
+
 /// Seconds a client is told to wait (`Retry-After`) on 409 in progress, 429 and 503.
 pub const RETRY_AFTER_SECS: u64 = 1;
 
 /// Header marking a replayed answer.
-pub const REPLAYED_HEADER: &str = "Idempotency-Replayed";
+pub use oncepay_client::protocol::REPLAYED_HEADER;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {
@@ -57,26 +59,27 @@ pub enum ApiError {
 }
 
 impl ApiError {
-    pub fn code(&self) -> &'static str {
+    /// The machine-readable `code` (shared with the client); it also decides the status.
+    pub fn code(&self) -> ProblemCode {
         match self {
-            Self::Unauthorized => "unauthorized",
-            Self::AdminDisabled => "admin_disabled",
-            Self::BodyTooLarge { .. } => "body_too_large",
-            Self::BodyTimeout { .. } => "request_timeout",
-            Self::UnsupportedMediaType => "unsupported_media_type",
-            Self::MissingIdempotencyKey => "missing_idempotency_key",
-            Self::InvalidIdempotencyKey(_) => "invalid_idempotency_key",
-            Self::InvalidJson(_) => "invalid_json",
-            Self::InvalidRequest(_) => "invalid_request",
-            Self::NotFound => "not_found",
-            Self::AccountNotFound => "account_not_found",
+            Self::Unauthorized => ProblemCode::Unauthorized,
+            Self::AdminDisabled => ProblemCode::AdminDisabled,
+            Self::BodyTooLarge { .. } => ProblemCode::BodyTooLarge,
+            Self::BodyTimeout { .. } => ProblemCode::RequestTimeout,
+            Self::UnsupportedMediaType => ProblemCode::UnsupportedMediaType,
+            Self::MissingIdempotencyKey => ProblemCode::MissingIdempotencyKey,
+            Self::InvalidIdempotencyKey(_) => ProblemCode::InvalidIdempotencyKey,
+            Self::InvalidJson(_) => ProblemCode::InvalidJson,
+            Self::InvalidRequest(_) => ProblemCode::InvalidRequest,
+            Self::NotFound => ProblemCode::NotFound,
+            Self::AccountNotFound => ProblemCode::AccountNotFound,
             Self::Declined { decline, .. } => decline.code(),
-            Self::KeyReused => "idempotency_key_reused",
-            Self::KeyExpired => "idempotency_key_expired",
-            Self::InProgress => "request_in_progress",
-            Self::Overloaded => "overloaded",
-            Self::Unavailable => "temporarily_unavailable",
-            Self::Internal(_) => "internal_error",
+            Self::KeyReused => ProblemCode::IdempotencyKeyReused,
+            Self::KeyExpired => ProblemCode::IdempotencyKeyExpired,
+            Self::InProgress => ProblemCode::RequestInProgress,
+            Self::Overloaded => ProblemCode::Overloaded,
+            Self::Unavailable => ProblemCode::TemporarilyUnavailable,
+            Self::Internal(_) => ProblemCode::InternalError,
         }
     }
 
@@ -142,26 +145,7 @@ struct Problem<'a> {
 
 impl ResponseError for ApiError {
     fn status_code(&self) -> StatusCode {
-        match self {
-            Self::Unauthorized => StatusCode::UNAUTHORIZED,
-            Self::AdminDisabled => StatusCode::FORBIDDEN,
-            Self::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-            Self::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
-            Self::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            Self::MissingIdempotencyKey
-            | Self::InvalidIdempotencyKey(_)
-            | Self::InvalidJson(_)
-            | Self::InvalidRequest(_) => StatusCode::BAD_REQUEST,
-            Self::NotFound | Self::AccountNotFound => StatusCode::NOT_FOUND,
-            Self::Declined { decline, .. } => {
-                StatusCode::from_u16(decline.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
-            }
-            Self::KeyReused | Self::KeyExpired => StatusCode::UNPROCESSABLE_ENTITY,
-            Self::InProgress => StatusCode::CONFLICT,
-            Self::Overloaded => StatusCode::TOO_MANY_REQUESTS,
-            Self::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
-            Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
-        }
+        StatusCode::from_u16(self.code().status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
     }
 
     fn error_response(&self) -> HttpResponse {
@@ -188,7 +172,7 @@ impl ResponseError for ApiError {
             title: self.title(),
             status: status.as_u16(),
             detail: self.to_string(),
-            code,
+            code: code.as_str(),
         })
     }
 }

@@ -30,8 +30,11 @@ use actix_http::body::MessageBody;
 use actix_http::{HttpService, Request, Response};
 use actix_service::{fn_service, map_config, IntoServiceFactory, Service, ServiceFactory, ServiceFactoryExt};
 use actix_web::dev::{AppConfig, Server};
+use oncepay_client::protocol::ProblemCode;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
+use tokio_rustls::TlsAcceptor;
+use tokio_util::either::Either;
 
 /// Slow clients (slowloris) are dropped: the head within 5 s (else 408), then 1 s to close.
 const CLIENT_REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
@@ -40,8 +43,15 @@ const KEEP_ALIVE: Duration = Duration::from_secs(30);
 const SHUTDOWN_TIMEOUT_SECS: u64 = 10;
 
 /// Serves `app` on `listener` with `workers` threads; what `HttpServer::new(app).listen()`
-/// does, with the dispatcher's own error answers made problem+json.
-pub fn serve<F, I, S, B>(listener: TcpListener, workers: usize, app: F) -> io::Result<Server>
+/// does, with the dispatcher's own error answers made problem+json. With `tls`, each
+/// connection is a TLS one first (handshake within the client request timeout), and the
+/// rewriting sits between TLS and the dispatcher, so HTTPS answers the same problems.
+pub fn serve<F, I, S, B>(
+    listener: TcpListener,
+    workers: usize,
+    tls: Option<rustls::ServerConfig>,
+    app: F,
+) -> io::Result<Server>
 where
     F: Fn() -> I + Send + Clone + 'static,
     I: IntoServiceFactory<S, Request>,
@@ -54,6 +64,10 @@ where
     B: MessageBody + 'static,
 {
     let addr = listener.local_addr()?;
+    let tls = tls.map(|mut config| {
+        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+        TlsAcceptor::from(std::sync::Arc::new(config))
+    });
     let builder = actix_server::Server::build();
     let shutdown = builder.graceful_shutdown_signal();
     Ok(builder
@@ -61,6 +75,7 @@ where
         .shutdown_timeout(SHUTDOWN_TIMEOUT_SECS)
         .listen("oncepay", listener, move || {
             let shutdown = shutdown.clone();
+            let tls = tls.clone();
             let app = app().into_factory().map_err(|err| err.into().error_response());
             let h1 = HttpService::build()
                 .keep_alive(KEEP_ALIVE)
@@ -73,9 +88,23 @@ where
                     async move { shutdown.notified().await }
                 })
                 .h1(map_config(app, move |_| AppConfig::default()));
-            fn_service(|io: TcpStream| async move {
-                let peer = io.peer_addr().ok();
-                Ok((ProblemIo::new(io), peer))
+            fn_service(move |io: TcpStream| {
+                let tls = tls.clone();
+                async move {
+                    let peer = io.peer_addr().ok();
+                    let io = match tls {
+                        None => Either::Left(io),
+                        Some(tls) => {
+                            let handshake = tokio::time::timeout(CLIENT_REQUEST_TIMEOUT, tls.accept(io)).await;
+                            let stream = handshake
+                                .map_err(|_| io::Error::from(io::ErrorKind::TimedOut))
+                                .and_then(|accepted| accepted)
+                                .map_err(actix_http::error::DispatchError::Io)?;
+                            Either::Right(stream)
+                        }
+                    };
+                    Ok((ProblemIo::new(io), peer))
+                }
             })
             .and_then(h1)
         })?
@@ -163,19 +192,19 @@ struct Problem {
 const PROBLEMS: [Problem; 3] = [
     Problem {
         status: 400,
-        code: "invalid_request",
+        code: ProblemCode::InvalidRequest.as_str(),
         title: "Invalid request",
         detail: "the request is not valid HTTP/1.1 (request line, a header, Content-Length, Transfer-Encoding or chunk framing); nothing was processed",
     },
     Problem {
         status: 408,
-        code: "request_timeout",
+        code: ProblemCode::RequestTimeout.as_str(),
         title: "Request timeout",
         detail: "the request head did not arrive within 5 seconds; nothing was processed",
     },
     Problem {
         status: 431,
-        code: "headers_too_large",
+        code: ProblemCode::HeadersTooLarge.as_str(),
         title: "Request header fields too large",
         detail: "the request head exceeds 128 KiB or 96 header fields; nothing was processed",
     },

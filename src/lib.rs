@@ -10,13 +10,13 @@
 //!    `state`, `routes`, `http1` (the HTTP/1.1 server and its framing errors), `startup`
 //!    (which only composes).
 //!
-//! `client` is the other side: a Rust client (and the CLI's client commands) that retries safely.
+//! The other side, a Rust client (and the CLI's client commands) that retries safely, is the
+//! crate `oncepay-client` (`client/`); the rules both sides share live in its `protocol`.
 
 pub mod audit;
 pub mod auth;
 #[cfg(feature = "bench")]
 pub mod bench;
-pub mod client;
 pub mod config;
 pub mod db;
 pub mod domain;
@@ -33,3 +33,4 @@ pub mod startup;
 pub mod state;
 pub mod telemetry;
 pub mod tenants;
+pub mod tls;

@@ -1,11 +1,11 @@
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 
-use oncepay::client::cli::ClientCommand;
 use oncepay::config::Settings;
 use oncepay::domain::{MissingKeyPolicy, OpeningBalance};
 use oncepay::startup::Application;
 use oncepay::{audit, db, purge, telemetry, tenants};
+use oncepay_client::cli::ClientCommand;
 
 /// oncepay: a payment API whose retried requests never charge twice.
 #[derive(Parser)]
@@ -89,7 +89,7 @@ impl From<PolicyArg> for MissingKeyPolicy {
 async fn main() {
     let status = match Cli::parse().command {
         // The client commands talk to a server over HTTP: no database, no server settings.
-        Command::Client(command) => oncepay::client::cli::run(command).await,
+        Command::Client(command) => oncepay_client::cli::run(command).await,
         // Generated from the code alone: no settings, no database.
         Command::Openapi => {
             print!("{}", oncepay::routes::openapi_document());
@@ -112,7 +112,7 @@ async fn run(command: ServerCommand) -> anyhow::Result<()> {
     match command {
         ServerCommand::Serve => {
             let app = Application::build(settings.clone()).await?;
-            tracing::info!(bind = %settings.bind, port = app.port(), "oncepay serving");
+            tracing::info!(bind = %settings.bind, port = app.port(), https = settings.tls_cert.is_some(), "oncepay serving");
             app.run_until_stopped().await?;
         }
         ServerCommand::Migrate => {

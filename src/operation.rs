@@ -7,8 +7,13 @@
 //! audit and the tests all read them from here. The enum types below are PostgreSQL enums
 //! (migrations/V4) mapped with `sqlx::Type`; a test checks both sides name the same labels.
 //!
+//! Problem codes and their statuses are the client crate's (`oncepay_client::protocol`),
+//! shared with every client.
+//!
 //! Adding an operation: a variant and its [`Spec`] here, its SQL function, a
 //! `ledger::Effect` and a `routes::pipeline::Endpoint` (ARCHITECTURE.md walks through it).
+
+use oncepay_client::protocol::ProblemCode;
 
 /// An idempotent operation (PostgreSQL `oncepay_operation`, stored with each key).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, sqlx::Type)]
@@ -157,24 +162,20 @@ impl Decline {
         Self::AccountExists,
     ];
 
-    /// The problem `code`, which is also the PostgreSQL enum label.
-    pub const fn code(self) -> &'static str {
+    /// The problem `code` (its label is also the PostgreSQL enum label).
+    pub const fn code(self) -> ProblemCode {
         match self {
-            Self::InsufficientFunds => "insufficient_funds",
-            Self::AccountNotFound => "account_not_found",
-            Self::NotFound => "not_found",
-            Self::AlreadyRefunded => "already_refunded",
-            Self::AccountExists => "account_exists",
+            Self::InsufficientFunds => ProblemCode::InsufficientFunds,
+            Self::AccountNotFound => ProblemCode::AccountNotFound,
+            Self::NotFound => ProblemCode::NotFound,
+            Self::AlreadyRefunded => ProblemCode::AlreadyRefunded,
+            Self::AccountExists => ProblemCode::AccountExists,
         }
     }
 
-    /// The HTTP status this decline is answered with (stored with the key).
+    /// The HTTP status this decline is answered with (stored with the key): its code's.
     pub const fn status(self) -> u16 {
-        match self {
-            Self::InsufficientFunds => 402,
-            Self::AccountNotFound | Self::NotFound => 404,
-            Self::AlreadyRefunded | Self::AccountExists => 409,
-        }
+        self.code().status()
     }
 
     pub const fn title(self) -> &'static str {
@@ -203,7 +204,7 @@ impl Spec {
     pub fn decline_statuses(&self) -> serde_json::Value {
         self.declines
             .iter()
-            .map(|d| (d.code().to_owned(), serde_json::Value::from(d.status())))
+            .map(|d| (d.code().as_str().to_owned(), serde_json::Value::from(d.status())))
             .collect::<serde_json::Map<_, _>>()
             .into()
     }
@@ -234,7 +235,7 @@ mod tests {
             let map = op.spec().decline_statuses();
             for d in op.spec().declines {
                 assert!((400..500).contains(&d.status()));
-                assert_eq!(map[d.code()], d.status());
+                assert_eq!(map[d.code().as_str()], d.status());
             }
             assert_eq!(map.as_object().unwrap().len(), op.spec().declines.len());
         }

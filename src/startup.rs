@@ -28,6 +28,10 @@ impl Application {
         let pool = db::pool(&settings)?;
         db::check_schema(&pool).await?;
         let listener = TcpListener::bind(&settings.bind).with_context(|| format!("cannot bind {}", settings.bind))?;
+        let tls = match (&settings.tls_cert, &settings.tls_key) {
+            (Some(cert), Some(key)) => Some(crate::tls::server_config(cert, key)?),
+            _ => None,
+        };
         let port = listener.local_addr()?.port();
         let workers = settings.workers;
         let replays = ReplayCache::new(settings.replay_cache_entries);
@@ -39,7 +43,7 @@ impl Application {
             replays,
         });
         let app_state = state.clone();
-        let server = http1::serve(listener, workers, move || {
+        let server = http1::serve(listener, workers, tls, move || {
             App::new()
                 .app_data(app_state.clone())
                 .wrap(middleware::from_fn(telemetry::request_log))

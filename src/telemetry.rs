@@ -67,7 +67,7 @@ pub async fn request_log(
             .with_label_values(&[&route])
             .observe(elapsed.as_secs_f64());
         if let Some(code) = code {
-            state.metrics.errors.with_label_values(&[code]).inc();
+            state.metrics.errors.with_label_values(&[code.as_str()]).inc();
         }
         if let Some(tenant) = &tenant {
             match outcome {

@@ -9,8 +9,9 @@ use utoipa::openapi::{RefOr, Required, Response, ResponseBuilder, Schema};
 use utoipa::{IntoParams, PartialSchema, ToResponse, ToSchema};
 
 use crate::domain::{AccountId, Amount, OpeningBalance, MAX_AMOUNT};
-use crate::error::RETRY_AFTER_SECS;
+use crate::error::{ProblemCode, RETRY_AFTER_SECS};
 use crate::idempotency::key::{HEADER as KEY_HEADER, MAX_LEN as KEY_MAX_LEN};
+use std::sync::LazyLock;
 
 fn integer(min: i64, description: &str) -> RefOr<Schema> {
     ObjectBuilder::new()
@@ -118,36 +119,17 @@ fn problem_schema(status: Option<u16>, codes: &[&str]) -> ObjectBuilder {
         .required("code")
 }
 
-/// Every code of contract section 6 (and the opaque `internal_error` of a 500).
-pub const PROBLEM_CODES: &[&str] = &[
-    "missing_idempotency_key",
-    "invalid_idempotency_key",
-    "invalid_json",
-    "invalid_request",
-    "unauthorized",
-    "insufficient_funds",
-    "admin_disabled",
-    "not_found",
-    "account_not_found",
-    "request_in_progress",
-    "account_exists",
-    "already_refunded",
-    "request_timeout",
-    "body_too_large",
-    "unsupported_media_type",
-    "idempotency_key_reused",
-    "idempotency_key_expired",
-    "overloaded",
-    "temporarily_unavailable",
-    "internal_error",
-];
+/// Every code of contract section 6 (and the opaque `internal_error` of a 500, and the
+/// dispatcher's `headers_too_large`): the client crate's list.
+pub static PROBLEM_CODES: LazyLock<Vec<&'static str>> =
+    LazyLock::new(|| ProblemCode::ALL.iter().map(|code| code.as_str()).collect());
 
 /// The `Problem` component: any error of the API.
 pub struct Problem;
 
 impl PartialSchema for Problem {
     fn schema() -> RefOr<Schema> {
-        problem_schema(None, PROBLEM_CODES).into()
+        problem_schema(None, &PROBLEM_CODES).into()
     }
 }
 impl ToSchema for Problem {}
@@ -165,16 +147,25 @@ fn problem_response(status: u16, codes: &[&str], description: &str) -> Response 
     response.build()
 }
 
+/// The codes answered with `status`.
+fn codes_of(status: u16) -> Vec<&'static str> {
+    ProblemCode::ALL
+        .iter()
+        .filter(|code| code.status() == status)
+        .map(|code| code.as_str())
+        .collect()
+}
+
 /// Declares the reusable problem responses, one per status, each with its possible codes.
 macro_rules! problem_responses {
-    ($($name:ident = $status:literal [$($code:literal),+] $description:literal;)+) => {
+    ($($name:ident = $status:literal $description:literal;)+) => {
         $(
             #[doc = $description]
             pub struct $name;
 
             impl<'r> ToResponse<'r> for $name {
                 fn response() -> (&'r str, RefOr<Response>) {
-                    (stringify!($name), problem_response($status, &[$($code),+], $description).into())
+                    (stringify!($name), problem_response($status, &codes_of($status), $description).into())
                 }
             }
         )+
@@ -182,21 +173,16 @@ macro_rules! problem_responses {
 }
 
 problem_responses! {
-    BadRequest = 400 ["missing_idempotency_key", "invalid_idempotency_key", "invalid_json", "invalid_request"]
-        "A malformed request: nothing was processed or stored.";
-    Unauthorized = 401 ["unauthorized"] "No valid bearer token for this endpoint.";
-    InsufficientFunds = 402 ["insufficient_funds"] "Declined: the account's balance is too low (stored with the key and replayed).";
-    AdminDisabled = 403 ["admin_disabled"] "The admin API is disabled (ONCEPAY_ADMIN_TOKEN is unset).";
-    NotFound = 404 ["not_found", "account_not_found"] "No such resource for this tenant.";
-    Conflict = 409 ["request_in_progress", "account_exists", "already_refunded"]
-        "`request_in_progress` (with Retry-After) or a stored, replayed conflict.";
-    RequestTimeout = 408 ["request_timeout"]
-        "The body did not arrive within 5 seconds (a slow or stalled client); nothing was processed.";
-    BodyTooLarge = 413 ["body_too_large"] "The body exceeds ONCEPAY_MAX_BODY_BYTES.";
-    UnsupportedMediaType = 415 ["unsupported_media_type"] "A body that is not `application/json`.";
-    KeyRefused = 422 ["idempotency_key_reused", "idempotency_key_expired"]
-        "The key was used for another request, or has passed its replay window; nothing was processed.";
-    Overloaded = 429 ["overloaded"] "The service is at capacity; retry after Retry-After.";
-    Unavailable = 503 ["temporarily_unavailable"]
-        "A transient failure: retry with the same key after Retry-After (a committed request is replayed, an uncommitted one processed).";
+    BadRequest = 400 "A malformed request: nothing was processed or stored.";
+    Unauthorized = 401 "No valid bearer token for this endpoint.";
+    InsufficientFunds = 402 "Declined: the account's balance is too low (stored with the key and replayed).";
+    AdminDisabled = 403 "The admin API is disabled (ONCEPAY_ADMIN_TOKEN is unset).";
+    NotFound = 404 "No such resource for this tenant.";
+    Conflict = 409 "`request_in_progress` (with Retry-After) or a stored, replayed conflict.";
+    RequestTimeout = 408 "The body did not arrive within 5 seconds (a slow or stalled client); nothing was processed.";
+    BodyTooLarge = 413 "The body exceeds ONCEPAY_MAX_BODY_BYTES.";
+    UnsupportedMediaType = 415 "A body that is not `application/json`.";
+    KeyRefused = 422 "The key was used for another request, or has passed its replay window; nothing was processed.";
+    Overloaded = 429 "The service is at capacity; retry after Retry-After.";
+    Unavailable = 503 "A transient failure: retry with the same key after Retry-After (a committed request is replayed, an uncommitted one processed).";
 }

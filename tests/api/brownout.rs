@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use futures_util::future::join_all;
-use oncepay::client::{Backoff, BudgetConfig, ClientConfig, IdempotencyKey};
+use oncepay_client::{Backoff, BudgetConfig, ClientConfig, IdempotencyKey};
 
 use crate::client::client_for;
 use crate::fault_proxy::{Action, FaultProxy};

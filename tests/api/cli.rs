@@ -7,24 +7,24 @@ use std::time::Duration;
 use serde_json::Value;
 use tokio::process::Command;
 
-use crate::fault_proxy::{Action, FaultProxy};
+use crate::fault_proxy::{lose_the_first_answer, Action, FaultProxy};
 use crate::helpers::{new_key, spawn_app, TestApp, MAIN_BALANCE};
 
-struct Run {
-    status: i32,
-    stdout: String,
-    stderr: String,
+pub struct Run {
+    pub status: i32,
+    pub stdout: String,
+    pub stderr: String,
 }
 
 impl Run {
-    fn json(&self) -> Value {
+    pub fn json(&self) -> Value {
         serde_json::from_str(self.stdout.trim())
             .unwrap_or_else(|_| panic!("stdout is not JSON: {:?}, stderr: {}", self.stdout, self.stderr))
     }
 }
 
 /// Runs `oncepay ARGS` with `env` (and no DATABASE_URL), bounded in time.
-async fn oncepay(args: &[&str], env: &[(&str, &str)]) -> Run {
+pub async fn oncepay(args: &[&str], env: &[(&str, &str)]) -> Run {
     let mut command = Command::new(env!("CARGO_BIN_EXE_oncepay"));
     command
         .args(args)
@@ -44,7 +44,21 @@ async fn oncepay(args: &[&str], env: &[(&str, &str)]) -> Run {
     }
 }
 
-fn server_args<'a>(url: &'a str, app: &'a TestApp) -> Vec<&'a str> {
+/// Runs the same command twice, as a user retrying by hand, and expects both runs to succeed.
+pub async fn run_twice(args: &[&str]) -> (Run, Run) {
+    let first = oncepay(args, &[]).await;
+    let second = oncepay(args, &[]).await;
+    assert_eq!(
+        (first.status, second.status),
+        (0, 0),
+        "{} {}",
+        first.stderr,
+        second.stderr
+    );
+    (first, second)
+}
+
+pub fn server_args<'a>(url: &'a str, app: &'a TestApp) -> Vec<&'a str> {
     vec!["--url", url, "--api-key", &app.api_key]
 }
 
@@ -76,16 +90,8 @@ async fn paying_again_with_the_same_key_reports_the_replay_and_charges_once() {
     args.extend(server_args(&app.address, &app));
     args.extend(["--amount", "100", "--key", &key]);
 
-    let first = oncepay(&args, &[]).await;
-    let second = oncepay(&args, &[]).await;
+    let (first, second) = run_twice(&args).await;
 
-    assert_eq!(
-        (first.status, second.status),
-        (0, 0),
-        "{} {}",
-        first.stderr,
-        second.stderr
-    );
     assert_eq!(second.json(), first.json(), "the stored answer");
     assert!(!first.stderr.contains("replayed"), "{}", first.stderr);
     assert!(
@@ -120,14 +126,7 @@ async fn a_refusal_exits_3_with_the_problem_code_on_stderr_after_one_attempt() {
 #[tokio::test]
 async fn a_lost_answer_is_noted_on_stderr_and_the_retry_is_answered_by_a_replay() {
     let app = spawn_app().await;
-    let proxy = FaultProxy::start(&app.address, |incoming| {
-        if incoming.index == 0 {
-            Action::DropAnswer
-        } else {
-            Action::Forward
-        }
-    })
-    .await;
+    let proxy = FaultProxy::start(&app.address, lose_the_first_answer).await;
     let mut args = vec!["pay"];
     args.extend(server_args(&proxy.url, &app));
     args.extend(["--amount", "100", "--timeout-ms", "2000", "--max-attempts", "3"]);

@@ -1,11 +1,11 @@
-//! Where `oncepay::client` stops retrying: the attempt count, the deadline, the retry
+//! Where `oncepay_client` stops retrying: the attempt count, the deadline, the retry
 //! budget, and no server at all. Each stop says whether the outcome is unknown.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use oncepay::client::{BudgetConfig, Client, ClientConfig, ClientError, IdempotencyKey};
+use oncepay_client::{BudgetConfig, Client, ClientConfig, ClientError, IdempotencyKey};
 
 use crate::client::{client_for, fast_config};
 use crate::fault_proxy::{Action, FaultProxy};
@@ -142,7 +142,7 @@ async fn no_server_is_a_transport_error_retried_then_returned_as_unknown_outcome
 fn a_client_refuses_bad_settings_before_sending_anything() {
     for (url, api_key) in [
         ("not a url", "k"),
-        ("https://127.0.0.1:1", "k"),
+        ("ftp://127.0.0.1:1", "k"),
         ("http://127.0.0.1:1", "bad\nkey"),
     ] {
         let err = Client::builder(url, api_key).build().err().expect("refused");

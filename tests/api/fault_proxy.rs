@@ -58,6 +58,15 @@ pub struct Seen {
     pub status: Option<u16>,
 }
 
+/// A plan: the first request is processed and its answer lost, every later one forwarded.
+pub fn lose_the_first_answer(incoming: &Incoming) -> Action {
+    if incoming.index == 0 {
+        Action::DropAnswer
+    } else {
+        Action::Forward
+    }
+}
+
 type Plan = dyn Fn(&Incoming) -> Action + Send + Sync;
 
 pub struct FaultProxy {

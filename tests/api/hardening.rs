@@ -2,6 +2,7 @@
 //! application answers, whatever the input.
 
 use oncepay::routes::schemas::PROBLEM_CODES;
+use oncepay_client::protocol::ProblemCode;
 use reqwest::Method;
 use serde_json::json;
 
@@ -45,10 +46,29 @@ fn assert_clean_problem(answer: &Answer, what: &str) {
         "{what}: undocumented code {}",
         answer.body
     );
+    let code: ProblemCode = answer
+        .code()
+        .parse()
+        .unwrap_or_else(|e| panic!("{what}: {e} in {}", answer.body));
+    assert_eq!(
+        code.status(),
+        answer.status,
+        "{what}: {code} answered with another status"
+    );
     let text = answer.body.to_string().to_lowercase();
     for leak in LEAKS {
         assert!(!text.contains(leak), "{what}: `{leak}` leaked in {text}");
     }
+}
+
+/// The OpenAPI document lists exactly the codes of the protocol the client shares.
+#[test]
+fn the_documented_problem_codes_are_the_shared_ones() {
+    let mut documented: Vec<&str> = PROBLEM_CODES.to_vec();
+    let mut shared: Vec<&str> = ProblemCode::ALL.iter().map(|code| code.as_str()).collect();
+    documented.sort_unstable();
+    shared.sort_unstable();
+    assert_eq!(documented, shared);
 }
 
 pub async fn send(

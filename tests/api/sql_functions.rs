@@ -1666,7 +1666,7 @@ async fn the_operation_enum_lists_operation_all_in_order() {
 #[tokio::test]
 async fn the_decline_enum_lists_the_codes_of_decline_all_in_order() {
     let fx = Fx::new().await;
-    let codes: Vec<&str> = Decline::ALL.iter().map(|d| d.code()).collect();
+    let codes: Vec<&str> = Decline::ALL.iter().map(|d| d.code().as_str()).collect();
     assert_eq!(labels(&fx.pool, "oncepay_decline").await, codes);
     let decoded: Vec<Decline> = decoded(&fx.pool, "oncepay_decline").await;
     assert_eq!(decoded, Decline::ALL);

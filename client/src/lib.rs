@@ -1,4 +1,6 @@
-//! `oncepay::client`: a client of the tenant API that retries safely.
+//! `oncepay-client`: a client of the oncepay tenant API that retries safely. It depends on
+//! no server crate (no actix-web, sqlx or refinery); the server depends on it for the rules
+//! both sides share ([`protocol`]).
 //!
 //! - **One key per logical operation.** Every POST takes an [`IdempotencyKey`]; each
 //!   retry of the call sends that same key, so the server processes the operation at most
@@ -17,12 +19,17 @@
 
 mod budget;
 mod calls;
+/// The client commands of the `oncepay` binary (feature `cli`).
+#[cfg(feature = "cli")]
 pub mod cli;
 mod config;
 mod error;
 mod key;
 pub mod policy;
+pub mod protocol;
 mod retry;
+mod tls;
+mod transfers;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -34,6 +41,7 @@ pub use calls::{Account, AccountCreated, Deposit, Payment, PaymentState, Refund}
 pub use config::{Backoff, BudgetConfig, ClientConfig};
 pub use error::{ClientError, Problem};
 pub use key::IdempotencyKey;
+pub use transfers::{Transfer, TransferState};
 
 use budget::RetryBudget;
 
@@ -77,14 +85,19 @@ struct Inner {
     observer: Option<Observer>,
 }
 
+/// The environment variable naming a PEM file of extra trusted roots for `https://` URLs.
+pub const CA_CERT_ENV: &str = "ONCEPAY_CA_CERT";
+
 impl Client {
-    /// A client of the server at `base_url` (for example `http://127.0.0.1:8130`).
+    /// A client of the server at `base_url` (for example `http://127.0.0.1:8130` or
+    /// `https://pay.example.com`).
     pub fn builder(base_url: &str, api_key: &str) -> ClientBuilder {
         ClientBuilder {
             base_url: base_url.to_owned(),
             api_key: api_key.to_owned(),
             config: ClientConfig::default(),
             observer: None,
+            extra_roots: Vec::new(),
         }
     }
 }
@@ -94,6 +107,8 @@ pub struct ClientBuilder {
     api_key: String,
     config: ClientConfig,
     observer: Option<Observer>,
+    /// PEM bundles of roots trusted on top of the system's.
+    extra_roots: Vec<Vec<u8>>,
 }
 
 impl ClientBuilder {
@@ -108,13 +123,19 @@ impl ClientBuilder {
         self
     }
 
+    /// Trusts the certificates of this PEM bundle as roots, on top of the system's and those
+    /// of the file named by `ONCEPAY_CA_CERT` (read by [`ClientBuilder::build`]).
+    pub fn add_root_certificates_pem(mut self, pem: &[u8]) -> Self {
+        self.extra_roots.push(pem.to_vec());
+        self
+    }
+
     pub fn build(self) -> Result<Client, ClientError> {
         let invalid = |what: String| ClientError::InvalidArgument(what);
         let base = Url::parse(&self.base_url).map_err(|e| invalid(format!("invalid URL {:?}: {e}", self.base_url)))?;
-        // This build carries no TLS stack (reqwest without its TLS features).
-        if base.scheme() != "http" || base.cannot_be_a_base() {
+        if !matches!(base.scheme(), "http" | "https") || base.cannot_be_a_base() {
             return Err(invalid(format!(
-                "the URL must be http://host[:port][/prefix], got {:?}",
+                "the URL must be http(s)://host[:port][/prefix], got {:?}",
                 self.base_url
             )));
         }
@@ -126,10 +147,15 @@ impl ClientBuilder {
                 "max_attempts, the attempt timeout and the deadline must be positive".to_owned(),
             ));
         }
-        let http = reqwest::Client::builder()
+        let mut http = reqwest::Client::builder()
             .connect_timeout(self.config.connect_timeout)
             // A redirected POST would become a GET: the contract has no redirects.
             .redirect(reqwest::redirect::Policy::none())
+            .min_tls_version(reqwest::tls::Version::TLS_1_2);
+        for root in tls::extra_roots(self.extra_roots)? {
+            http = http.add_root_certificate(root);
+        }
+        let http = http
             .build()
             .map_err(|e| invalid(format!("cannot build the HTTP client: {e}")))?;
         Ok(Client {

@@ -7,10 +7,10 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use uuid::Uuid;
 
-use super::error::ClientError;
-use super::key::IdempotencyKey;
-use super::retry::Call;
-use super::{Client, Reply};
+use crate::error::ClientError;
+use crate::key::IdempotencyKey;
+use crate::retry::Call;
+use crate::{Client, Reply};
 
 /// `POST /payments`: 201.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -131,25 +131,37 @@ impl Client {
         body: &Value,
         key: &IdempotencyKey,
     ) -> Result<Reply<T>, ClientError> {
+        self.execute(self.post_call(path, body, key)?).await
+    }
+
+    /// A keyed POST, its body serialised once.
+    pub(crate) fn post_call<'k>(
+        &self,
+        path: &[&str],
+        body: &Value,
+        key: &'k IdempotencyKey,
+    ) -> Result<Call<'k>, ClientError> {
         let body = serde_json::to_vec(body).map_err(|e| ClientError::InvalidArgument(e.to_string()))?;
-        self.execute(Call {
+        Ok(Call {
             method: Method::POST,
             url: self.endpoint(path),
             body: Some(body),
             key: Some(key),
         })
-        .await
     }
 
     /// GETs are idempotent by design: retried by the same table, with no key.
     async fn get<T: DeserializeOwned>(&self, path: &[&str]) -> Result<Reply<T>, ClientError> {
-        self.execute(Call {
+        self.execute(self.get_call(path)).await
+    }
+
+    pub(crate) fn get_call(&self, path: &[&str]) -> Call<'static> {
+        Call {
             method: Method::GET,
             url: self.endpoint(path),
             body: None,
             key: None,
-        })
-        .await
+        }
     }
 
     /// The base URL with `segments` appended, each percent-encoded: an account id with a

@@ -1,8 +1,9 @@
-//! The client commands of the `oncepay` binary: `pay`, `refund`, `deposit`, `balance`,
-//! `get-payment`. The answer's JSON goes to stdout; retries, replays and errors to stderr.
+//! The client commands of the `oncepay` binary: `pay`, `refund`, `deposit`, `transfer`,
+//! `balance`, `get-payment`, `get-transfer`. The answer's JSON goes to stdout; retries,
+//! replays and errors to stderr.
 //!
 //! Exit status: 0 success; 2 bad usage; 3 the server refused the request (a 4xx problem that
-//! a retry would not change); 4 the outcome is unknown (no final answer within the attempts,
+//! a retry would not change) or the client refused the server's TLS certificate; 4 the outcome is unknown (no final answer within the attempts,
 //! the deadline or the budget): run the command again with the same `--key`; 5 the server's
 //! answer could not be read.
 
@@ -12,7 +13,7 @@ use clap::{Args, Subcommand};
 use serde::Serialize;
 use uuid::Uuid;
 
-use super::{Client, ClientConfig, ClientError, IdempotencyKey, Reply, RetryNote};
+use crate::{Client, ClientConfig, ClientError, IdempotencyKey, Reply, RetryNote};
 
 pub const EXIT_USAGE: i32 = 2;
 pub const EXIT_REFUSED: i32 = 3;
@@ -55,6 +56,22 @@ pub enum ClientCommand {
         #[command(flatten)]
         key: KeyArg,
     },
+    /// Transfer between two accounts of the tenant: POST /transfers.
+    Transfer {
+        #[command(flatten)]
+        server: ServerArgs,
+        /// The account debited.
+        #[arg(long)]
+        from: String,
+        /// The account credited.
+        #[arg(long)]
+        to: String,
+        /// Amount in minor units (1 ..= 10^12).
+        #[arg(long)]
+        amount: i64,
+        #[command(flatten)]
+        key: KeyArg,
+    },
     /// An account's balance: GET /accounts/{id}.
     Balance {
         #[command(flatten)]
@@ -69,11 +86,19 @@ pub enum ClientCommand {
         #[arg(long)]
         id: Uuid,
     },
+    /// A transfer: GET /transfers/{id}.
+    GetTransfer {
+        #[command(flatten)]
+        server: ServerArgs,
+        /// The transfer's id.
+        id: Uuid,
+    },
 }
 
 #[derive(Args)]
 pub struct ServerArgs {
-    /// The server's base URL, e.g. http://127.0.0.1:8130.
+    /// The server's base URL, e.g. http://127.0.0.1:8130 or https://pay.example.com (trusting
+    /// the system's roots and those of the PEM file named by ONCEPAY_CA_CERT).
     #[arg(long, env = "ONCEPAY_URL")]
     url: String,
     /// The tenant's API key.
@@ -126,11 +151,13 @@ impl KeyArg {
     }
 }
 
-fn keyed(key: &IdempotencyKey) -> impl Fn(ClientError) -> Failed + '_ {
-    move |error| Failed {
+/// Prints the answer of a keyed operation; a failure carries the key to resume it with.
+fn print_keyed<T: Serialize>(reply: Result<Reply<T>, ClientError>, key: &IdempotencyKey) -> Result<(), Failed> {
+    let reply = reply.map_err(|error| Failed {
         error,
         key: Some(key.clone()),
-    }
+    })?;
+    print(reply, Some(key))
 }
 
 async fn execute(command: ClientCommand) -> Result<(), Failed> {
@@ -142,13 +169,11 @@ async fn execute(command: ClientCommand) -> Result<(), Failed> {
             key,
         } => {
             let key = key.resolve()?;
-            let reply = client(&server)?.pay(amount, account.as_deref(), &key).await;
-            print(reply.map_err(keyed(&key))?, Some(&key))
+            print_keyed(client(&server)?.pay(amount, account.as_deref(), &key).await, &key)
         }
         ClientCommand::Refund { server, payment, key } => {
             let key = key.resolve()?;
-            let reply = client(&server)?.refund(payment, &key).await;
-            print(reply.map_err(keyed(&key))?, Some(&key))
+            print_keyed(client(&server)?.refund(payment, &key).await, &key)
         }
         ClientCommand::Deposit {
             server,
@@ -157,11 +182,21 @@ async fn execute(command: ClientCommand) -> Result<(), Failed> {
             key,
         } => {
             let key = key.resolve()?;
-            let reply = client(&server)?.deposit(&account, amount, &key).await;
-            print(reply.map_err(keyed(&key))?, Some(&key))
+            print_keyed(client(&server)?.deposit(&account, amount, &key).await, &key)
+        }
+        ClientCommand::Transfer {
+            server,
+            from,
+            to,
+            amount,
+            key,
+        } => {
+            let key = key.resolve()?;
+            print_keyed(client(&server)?.transfer(&from, &to, amount, &key).await, &key)
         }
         ClientCommand::Balance { server, account } => print(client(&server)?.account(&account).await?, None),
         ClientCommand::GetPayment { server, id } => print(client(&server)?.payment(id).await?, None),
+        ClientCommand::GetTransfer { server, id } => print(client(&server)?.get_transfer(id).await?, None),
     }
 }
 
@@ -242,3 +277,6 @@ fn chain(err: &ClientError) -> String {
     }
     text
 }
+
+#[cfg(test)]
+mod tests;

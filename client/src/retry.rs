@@ -1,17 +1,16 @@
 //! The retry loop: one logical operation, as many attempts as the policy, the deadline and
 //! the budget allow, every one with the same method, path, body and key.
 
-use std::time::{Instant, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use reqwest::header::{AUTHORIZATION, CONTENT_TYPE};
 use reqwest::{Method, Url};
 use serde::de::DeserializeOwned;
 
-use super::error::{ClientError, Problem};
-use super::key::IdempotencyKey;
-use super::{policy, Client, Reply, RetryNote};
-use crate::error::REPLAYED_HEADER;
-use crate::idempotency::key::HEADER as KEY_HEADER;
+use crate::error::{ClientError, Problem};
+use crate::key::IdempotencyKey;
+use crate::protocol::{KEY_HEADER, REPLAYED_HEADER};
+use crate::{policy, Client, Reply, RetryNote};
 
 /// One logical operation: the body is serialised once, so every attempt sends equal bytes
 /// (and so the same fingerprint).
@@ -26,7 +25,7 @@ pub(super) struct Call<'a> {
 struct Failed {
     error: ClientError,
     retryable: bool,
-    retry_after: Option<std::time::Duration>,
+    retry_after: Option<Duration>,
 }
 
 impl Client {
@@ -85,11 +84,9 @@ impl Client {
         }
     }
 
-    async fn attempt<T: DeserializeOwned>(
-        &self,
-        call: &Call<'_>,
-        timeout: std::time::Duration,
-    ) -> Result<Reply<T>, Failed> {
+    /// The request of one attempt: every attempt of a call sends the same method, URL, key
+    /// and body bytes.
+    pub(crate) fn request(&self, call: &Call<'_>, timeout: Duration) -> reqwest::RequestBuilder {
         let mut request = self
             .inner
             .http
@@ -102,37 +99,56 @@ impl Client {
         if let Some(body) = &call.body {
             request = request.header(CONTENT_TYPE, "application/json").body(body.clone());
         }
-        let response = request.send().await.map_err(transport)?;
+        request
+    }
+
+    async fn attempt<T: DeserializeOwned>(&self, call: &Call<'_>, timeout: Duration) -> Result<Reply<T>, Failed> {
+        let response = self.request(call, timeout).send().await.map_err(transport)?;
         let status = response.status().as_u16();
         let replayed = response.headers().get(REPLAYED_HEADER).is_some_and(|v| v == "true");
         let retry_after = policy::retry_after(response.headers(), SystemTime::now());
         // A connection dropped in the middle of the body is a transport failure too.
         let body = response.bytes().await.map_err(transport)?;
-        if (200..300).contains(&status) {
-            let value = serde_json::from_slice(&body).map_err(|source| Failed {
-                error: ClientError::InvalidResponse { status, source },
-                retryable: false,
-                retry_after: None,
-            })?;
-            return Ok(Reply {
-                value,
-                status,
-                replayed,
-                attempts: 0,
-            });
-        }
-        let problem = Problem::from_answer(status, replayed, &body);
-        Err(Failed {
-            retryable: policy::retryable(status, &problem.code),
-            error: ClientError::Problem(problem),
+        read_answer(status, replayed, &body).map_err(|(error, retryable)| Failed {
+            error,
+            retryable,
             retry_after,
         })
     }
 }
 
+/// Reads a whole answer: a success's body as `T`, anything else as a problem, with whether
+/// the retry table retries it.
+pub(crate) fn read_answer<T: DeserializeOwned>(
+    status: u16,
+    replayed: bool,
+    body: &[u8],
+) -> Result<Reply<T>, (ClientError, bool)> {
+    if (200..300).contains(&status) {
+        let value =
+            serde_json::from_slice(body).map_err(|source| (ClientError::InvalidResponse { status, source }, false))?;
+        return Ok(Reply {
+            value,
+            status,
+            replayed,
+            attempts: 0,
+        });
+    }
+    let problem = Problem::from_answer(status, replayed, body);
+    let retryable = policy::retryable(status, problem.known_code());
+    Err((ClientError::Problem(problem), retryable))
+}
+
 /// No answer (refused, reset, dropped, timed out): whether the server processed the request
 /// is unknown, which is exactly what the key is for.
 fn transport(source: reqwest::Error) -> Failed {
+    if crate::tls::handshake_refused(&source) {
+        return Failed {
+            error: ClientError::Tls { source },
+            retryable: false,
+            retry_after: None,
+        };
+    }
     Failed {
         error: ClientError::Transport {
             timed_out: source.is_timeout(),

@@ -8,7 +8,7 @@
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use super::config::BudgetConfig;
+use crate::config::BudgetConfig;
 
 #[derive(Debug)]
 pub struct RetryBudget {

@@ -8,16 +8,20 @@
 //! | 429 `overloaded` | yes, after `Retry-After` | the server sheds load |
 //! | 409 `request_in_progress` | yes, after `Retry-After` | the first request with this key is still running |
 //! | 400, 401, 402, 403, 404, 413, 415, 422, other 409s, anything else | no | the same request gets the same answer: the caller must change something |
+//! | a server certificate that does not verify (`ClientError::Tls`) | no | the handshake failed, nothing was sent; the next attempt would meet the same certificate |
 
 use std::time::{Duration, SystemTime};
 
 use reqwest::header::{HeaderMap, RETRY_AFTER};
 
-/// Whether an error answer with this status and problem `code` is worth retrying.
-pub fn retryable(status: u16, code: &str) -> bool {
+use crate::protocol::ProblemCode;
+
+/// Whether an error answer with this status and problem `code` (`None`: none this client
+/// knows) is worth retrying.
+pub fn retryable(status: u16, code: Option<ProblemCode>) -> bool {
     match status {
         500 | 502 | 503 | 504 | 429 => true,
-        409 => code == "request_in_progress",
+        409 => code == Some(ProblemCode::RequestInProgress),
         _ => false,
     }
 }
@@ -41,23 +45,21 @@ mod tests {
     #[test]
     fn the_table_retries_transient_statuses_and_in_progress_only() {
         for status in [500, 502, 503, 504, 429] {
-            assert!(retryable(status, "whatever"), "{status}");
+            assert!(retryable(status, None), "{status}");
         }
-        assert!(retryable(409, "request_in_progress"));
-        for (status, code) in [
-            (400, "invalid_request"),
-            (401, "unauthorized"),
-            (402, "insufficient_funds"),
-            (403, "admin_disabled"),
-            (404, "account_not_found"),
-            (409, "already_refunded"),
-            (409, "account_exists"),
-            (413, "body_too_large"),
-            (415, "unsupported_media_type"),
-            (422, "idempotency_key_reused"),
-            (501, "http_501"),
-        ] {
-            assert!(!retryable(status, code), "{status} {code}");
+        assert!(retryable(409, Some(ProblemCode::RequestInProgress)));
+        assert!(!retryable(409, None), "an unknown 409 is final");
+        assert!(!retryable(501, None));
+        // Every other code of the contract is final.
+        for &code in ProblemCode::ALL {
+            let expected = matches!(
+                code,
+                ProblemCode::RequestInProgress
+                    | ProblemCode::Overloaded
+                    | ProblemCode::TemporarilyUnavailable
+                    | ProblemCode::InternalError
+            );
+            assert_eq!(retryable(code.status(), Some(code)), expected, "{code}");
         }
     }
 

@@ -5,6 +5,8 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+use crate::protocol::ProblemCode;
+
 /// An RFC 9457 problem answered by the server (or a non-problem error answer, whose `code`
 /// is then `http_<status>`).
 #[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
@@ -37,6 +39,12 @@ impl Problem {
         problem.replayed = replayed;
         problem
     }
+
+    /// The `code` as a [`ProblemCode`]; `None` for a code this client does not know (a newer
+    /// server's, or `http_<status>`).
+    pub fn known_code(&self) -> Option<ProblemCode> {
+        self.code.parse().ok()
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -50,6 +58,14 @@ pub enum ClientError {
     #[error("no answer from the server{}: {source}", if *.timed_out { " in time" } else { "" })]
     Transport {
         timed_out: bool,
+        #[source]
+        source: reqwest::Error,
+    },
+    /// The TLS handshake refused the server's certificate: it does not verify (unknown
+    /// issuer, another host name, expired). Nothing of the request was sent; a retry would
+    /// meet the same certificate, so there is none.
+    #[error("the server's TLS certificate was refused; nothing was sent: {source}")]
+    Tls {
         #[source]
         source: reqwest::Error,
     },
@@ -88,6 +104,7 @@ impl ClientError {
             Self::Problem(problem) => &problem.code,
             Self::Transport { timed_out: true, .. } => "timeout",
             Self::Transport { timed_out: false, .. } => "transport_error",
+            Self::Tls { .. } => "tls_certificate_refused",
             Self::DeadlineExceeded { .. } => "deadline_exceeded",
             Self::BudgetExhausted { .. } => "retry_budget_exhausted",
             Self::InvalidResponse { .. } => "invalid_response",
@@ -107,9 +124,9 @@ impl ClientError {
     /// the caller should send it again later *with the same key*, never with a new one.
     pub fn outcome_unknown(&self) -> bool {
         match self {
-            Self::Problem(problem) => super::policy::retryable(problem.status, &problem.code),
+            Self::Problem(problem) => crate::policy::retryable(problem.status, problem.known_code()),
             Self::Transport { .. } | Self::DeadlineExceeded { .. } | Self::BudgetExhausted { .. } => true,
-            Self::InvalidResponse { .. } | Self::InvalidArgument(_) => false,
+            Self::Tls { .. } | Self::InvalidResponse { .. } | Self::InvalidArgument(_) => false,
         }
     }
 }

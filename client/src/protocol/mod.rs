@@ -1,0 +1,19 @@
+//! The rules the client and the server share, written once (the server depends on this
+//! crate): the header names, the `Idempotency-Key` syntax (contract section 5, rule 1) and
+//! the problem codes (contract section 6).
+//!
+//! Nothing here knows HTTP libraries: the server reads its actix headers and the client
+//! writes its reqwest headers with these names and rules.
+
+mod codes;
+mod key;
+
+pub use codes::{ProblemCode, UnknownProblemCode};
+pub use key::{key_header_value, parse_key_header, validate_key, KeySyntaxError, KEY_MAX_LEN};
+
+/// The request header that carries the key of a logical operation.
+pub const KEY_HEADER: &str = "Idempotency-Key";
+
+/// The response header marking an answer the server had stored for this key (`true`), not
+/// a second effect. First answers carry `false` or nothing.
+pub const REPLAYED_HEADER: &str = "Idempotency-Replayed";
