@@ -227,15 +227,7 @@ async fn a_restarted_server_forgets_no_key() {
     let original = first.pay(Some(&key), 100).await;
     first.state.pool.close().await;
 
-    let (address, state) = crate::helpers::start_server(crate::helpers::test_settings()).await;
-    let second = TestApp {
-        address,
-        client: crate::helpers::client(),
-        pool: state.pool.clone(),
-        state,
-        tenant_id: first.tenant_id,
-        api_key: first.api_key.clone(),
-    };
+    let second = TestApp::builder().tenant_of(&first).spawn().await;
     let replay = second.pay(Some(&key), 100).await;
 
     assert!(replay.replayed());

@@ -6,7 +6,7 @@ use std::time::Duration;
 use reqwest::Method;
 use serde_json::json;
 
-use crate::helpers::{drop_database, empty_database, new_key, spawn_app, Answer};
+use crate::helpers::{drop_database, empty_database, new_key, spawn_app, Answer, TestApp};
 
 #[tokio::test]
 async fn migrating_twice_and_from_two_processes_at_once_is_safe() {
@@ -25,10 +25,11 @@ async fn migrating_twice_and_from_two_processes_at_once_is_safe() {
 #[tokio::test]
 async fn serve_refuses_a_schema_that_is_behind_and_names_the_fix() {
     let url = empty_database("behind").await;
-    let mut settings = crate::helpers::test_settings();
-    settings.database_url = url.clone();
 
-    let refused = oncepay::startup::Application::build(settings).await;
+    let refused = TestApp::builder()
+        .settings(|s| s.database_url = url.clone())
+        .try_spawn()
+        .await;
 
     let message = format!("{:#}", refused.err().expect("serve must refuse"));
     assert!(message.contains("oncepay migrate"), "{message}");
@@ -68,16 +69,15 @@ async fn health_and_readiness_answer() {
 
 #[tokio::test]
 async fn readiness_is_503_when_the_database_is_unreachable() {
-    let mut settings = crate::helpers::test_settings();
-    let (address, state) = crate::helpers::start_server(settings.clone()).await;
-    drop(state);
+    let app = spawn_app().await;
+    let mut settings = app.state.settings.clone();
     // Same server code, pointed at a port where nothing listens.
     settings.database_url = "postgres://oncepay@127.0.0.1:1/oncepay".to_owned();
     settings.db_acquire_timeout = Duration::from_millis(300);
     let pool = oncepay::db::pool(&settings).unwrap();
     let unreachable = oncepay::db::acquire(&pool).await;
     assert!(matches!(unreachable, Err(oncepay::error::ApiError::Unavailable)));
-    assert_eq!(reqwest::get(format!("{address}/readyz")).await.unwrap().status(), 200);
+    assert_eq!(reqwest::get(app.url("/readyz")).await.unwrap().status(), 200);
 }
 
 #[tokio::test]
