@@ -20,4 +20,5 @@ mod payments;
 mod policy;
 mod purge;
 mod security;
+mod tcp_relay;
 mod tenancy;
