@@ -321,7 +321,7 @@ pub fn new_key() -> String {
 
 /// A new, empty database on the test cluster; returns its URL.
 pub async fn empty_database(name_hint: &str) -> String {
-    let name = format!("oncepay_{name_hint}_{}", uuid::Uuid::new_v4().simple());
+    let name = format!("oncepay_{name_hint}_{}", Uuid::new_v4().simple());
     let mut conn = sqlx::PgConnection::connect(&database_url()).await.unwrap();
     conn.execute(format!("CREATE DATABASE {name}").as_str()).await.unwrap();
     let (base, _) = database_url()

@@ -1,5 +1,9 @@
 //! The API tests: a real server, a real PostgreSQL, real HTTP.
 
+// A failed unwrap is a failed test, and tests may print what they measured: the
+// lints against both are for the service's code.
+#![allow(clippy::unwrap_used, clippy::print_stdout, clippy::print_stderr)]
+
 mod audit;
 mod bench_sql;
 mod brownout;
