@@ -30,17 +30,17 @@ SELECT ('00000000-0000-4000-8000-' || lpad((1 + i % 10)::text, 12, '0'))::uuid,
        'd-' || i, now() - make_interval(secs => (i % 86400)::float8)
   FROM generate_series(1::bigint, :payments / 10) i;
 
-INSERT INTO idempotency_keys (tenant_id, key, fingerprint, method, path, status, resource_id, created_at, expires_at)
-SELECT tenant_id, idempotency_key, sha256(idempotency_key::bytea), 'POST', '/payments', 201,
+INSERT INTO idempotency_keys (tenant_id, key, fingerprint, operation, method, path, status, resource_id, created_at, expires_at)
+SELECT tenant_id, idempotency_key, sha256(idempotency_key::bytea), 'pay'::oncepay_operation, 'POST', '/payments', 201,
        payment_id::text, created_at, created_at + interval '1 day'
   FROM payments WHERE idempotency_key IS NOT NULL
 UNION ALL
-SELECT tenant_id, 'r-' || payment_id, sha256(payment_id::text::bytea), 'POST',
+SELECT tenant_id, 'r-' || payment_id, sha256(payment_id::text::bytea), 'refund'::oncepay_operation, 'POST',
        '/payments/' || payment_id || '/refund', 200, payment_id::text, refunded_at,
        refunded_at + interval '1 day'
   FROM payments WHERE refunded_at IS NOT NULL
 UNION ALL
-SELECT tenant_id, idempotency_key, sha256(idempotency_key::bytea), 'POST',
+SELECT tenant_id, idempotency_key, sha256(idempotency_key::bytea), 'deposit'::oncepay_operation, 'POST',
        '/accounts/' || account_id || '/deposits', 201, deposit_id::text, created_at,
        created_at + interval '1 day'
   FROM deposits;

@@ -28,6 +28,9 @@ pub struct Settings {
     /// HTTP worker threads; defaults to the number of cores.
     pub workers: usize,
     pub log_json: bool,
+    /// Finished results kept in memory to answer replays (`ONCEPAY_REPLAY_CACHE_ENTRIES`);
+    /// 0 turns the cache off.
+    pub replay_cache_entries: u64,
 }
 
 impl Settings {
@@ -61,6 +64,9 @@ impl Settings {
             purge_batch_size: number("ONCEPAY_PURGE_BATCH_SIZE", 5_000)?,
             workers: number("ONCEPAY_WORKERS", cores)?,
             log_json: var("ONCEPAY_LOG_FORMAT").is_some_and(|f| f.eq_ignore_ascii_case("json")),
+            // About 0.5 KB an entry: 100,000 entries hold a day of keys at ~1 key/s per
+            // replica, or the last few minutes of a busy one, in ~50 MB.
+            replay_cache_entries: number("ONCEPAY_REPLAY_CACHE_ENTRIES", 100_000)?,
         };
         settings.validate()?;
         Ok(settings)
@@ -107,6 +113,7 @@ impl std::fmt::Debug for Settings {
             purge_batch_size,
             workers,
             log_json,
+            replay_cache_entries,
         } = self;
         f.debug_struct("Settings")
             .field("database_url", &redacted_url(database_url))
@@ -124,6 +131,7 @@ impl std::fmt::Debug for Settings {
             .field("purge_batch_size", purge_batch_size)
             .field("workers", workers)
             .field("log_json", log_json)
+            .field("replay_cache_entries", replay_cache_entries)
             .finish()
     }
 }

@@ -1,4 +1,5 @@
-//! The PostgreSQL side: connection pool, migrations, schema check and error classes.
+//! The PostgreSQL side: connection pool, migrations, schema check, and [`DbError`], the
+//! classes of database failure the layers above decide on (the edge maps them to HTTP).
 
 use std::str::FromStr;
 
@@ -8,7 +9,6 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{PgPool, Postgres};
 
 use crate::config::Settings;
-use crate::error::ApiError;
 
 mod embedded {
     refinery::embed_migrations!("migrations");
@@ -20,16 +20,15 @@ pub const APPLICATION_NAME: &str = "oncepay";
 /// Advisory lock key serialising `oncepay migrate` runs ("oncepay" in ASCII).
 const MIGRATION_LOCK: i64 = 0x006f_6e63_6570_6179;
 
-/// Builds the pool. Connections carry their timeouts from the start-up packet, so no request
-/// pays a round trip for a `SET`; there is no ping on acquire (a broken connection is closed
-/// when its error surfaces, see [`Conn::discard_if_broken`]).
+/// Builds the pool. Connections carry their statement timeout from the start-up packet, so no
+/// request pays a round trip for a `SET` (the in-flight wait is set inside each claim, for its
+/// transaction only); there is no ping on acquire (a broken connection is closed when its
+/// error surfaces, see [`Conn::discard_if_broken`]).
 pub fn pool(settings: &Settings) -> anyhow::Result<PgPool> {
     let options = PgConnectOptions::from_str(&settings.database_url)
         .context("DATABASE_URL is not a valid PostgreSQL URL")?
         .application_name(APPLICATION_NAME)
         .options([
-            // Bounds a duplicate's wait on an in-flight key (SQLSTATE 55P03 => 409).
-            ("lock_timeout", format!("{}ms", settings.inflight_wait.as_millis())),
             (
                 "statement_timeout",
                 format!("{}ms", settings.statement_timeout.as_millis()),
@@ -49,13 +48,13 @@ pub fn pool(settings: &Settings) -> anyhow::Result<PgPool> {
 pub struct Conn(PoolConnection<Postgres>);
 
 impl Conn {
-    pub fn discard_if_broken<T>(&mut self, result: Result<T, sqlx::Error>) -> Result<T, sqlx::Error> {
+    pub fn discard_if_broken<T>(&mut self, result: Result<T, sqlx::Error>) -> Result<T, DbError> {
         if let Err(err) = &result {
             if is_connection_broken(err) {
                 self.0.close_on_drop();
             }
         }
-        result
+        result.map_err(DbError::from)
     }
 }
 
@@ -72,15 +71,46 @@ impl std::ops::DerefMut for Conn {
     }
 }
 
-/// Takes a connection from the pool. A full pool answers 429 `overloaded`; a pool that
-/// cannot open any connection (database down) answers 503.
-pub async fn acquire(pool: &PgPool) -> Result<Conn, ApiError> {
+/// A database failure, classified for the layers above.
+#[derive(Debug, thiserror::Error)]
+pub enum DbError {
+    /// SQLSTATE 55P03: a duplicate waited `ONCEPAY_INFLIGHT_WAIT_MS` for the key's original
+    /// transaction, which is still running.
+    #[error("the key's original request is still in flight")]
+    InProgress,
+    /// Every pooled connection is busy: the process is at capacity.
+    #[error("every database connection is busy")]
+    Saturated,
+    /// The same request may succeed later: nothing was committed, or (the connection broke
+    /// during the commit) it was and a retry with the same key replays it.
+    #[error("transient database failure: {0}")]
+    Transient(#[source] sqlx::Error),
+    /// Anything else: a bug or a broken invariant.
+    #[error(transparent)]
+    Other(sqlx::Error),
+}
+
+impl From<sqlx::Error> for DbError {
+    fn from(err: sqlx::Error) -> Self {
+        if is_in_progress(&err) {
+            Self::InProgress
+        } else if is_transient(&err) {
+            Self::Transient(err)
+        } else {
+            Self::Other(err)
+        }
+    }
+}
+
+/// Takes a connection from the pool: [`DbError::Saturated`] when every connection stayed
+/// busy, [`DbError::Transient`] when none can be opened (database down).
+pub async fn acquire(pool: &PgPool) -> Result<Conn, DbError> {
     match pool.acquire().await {
         Ok(conn) => Ok(Conn(conn)),
-        Err(sqlx::Error::PoolTimedOut) if pool.size() as usize > pool.num_idle() => Err(ApiError::Overloaded),
+        Err(sqlx::Error::PoolTimedOut) if pool.size() as usize > pool.num_idle() => Err(DbError::Saturated),
         Err(err) => {
             tracing::warn!(error = %err, "no database connection");
-            Err(ApiError::Unavailable)
+            Err(DbError::Transient(err))
         }
     }
 }
@@ -93,7 +123,7 @@ fn sqlstate(err: &sqlx::Error) -> Option<String> {
 }
 
 /// SQLSTATE 55P03: the key's original transaction outlived `lock_timeout`.
-pub fn is_in_progress(err: &sqlx::Error) -> bool {
+fn is_in_progress(err: &sqlx::Error) -> bool {
     sqlstate(err).as_deref() == Some("55P03")
 }
 
@@ -107,7 +137,7 @@ fn is_connection_broken(err: &sqlx::Error) -> bool {
 
 /// Failures after which the same request may succeed later. Nothing was committed, except
 /// when the connection broke during the commit itself: then a retry with the key replays it.
-pub fn is_transient(err: &sqlx::Error) -> bool {
+fn is_transient(err: &sqlx::Error) -> bool {
     if is_connection_broken(err) {
         return true;
     }

@@ -5,7 +5,8 @@ use actix_web::http::{header, StatusCode};
 use actix_web::{HttpResponse, ResponseError};
 use serde::Serialize;
 
-use crate::ledger::Decline;
+use crate::db::DbError;
+use crate::operation::Decline;
 
 /// Seconds a client is told to wait (`Retry-After`) on 409 in progress, 429 and 503.
 pub const RETRY_AFTER_SECS: u64 = 1;
@@ -192,15 +193,29 @@ impl ResponseError for ApiError {
     }
 }
 
+/// The edge decides what each class of database failure means to a client.
+impl From<DbError> for ApiError {
+    fn from(err: DbError) -> Self {
+        match err {
+            DbError::InProgress => Self::InProgress,
+            DbError::Saturated => Self::Overloaded,
+            DbError::Transient(err) => {
+                tracing::warn!(error = %err, "transient database failure, nothing committed");
+                Self::Unavailable
+            }
+            DbError::Other(err) => Self::Internal(err.into()),
+        }
+    }
+}
+
 impl From<sqlx::Error> for ApiError {
     fn from(err: sqlx::Error) -> Self {
-        if crate::db::is_in_progress(&err) {
-            Self::InProgress
-        } else if crate::db::is_transient(&err) {
-            tracing::warn!(error = %err, "transient database failure, nothing committed");
-            Self::Unavailable
-        } else {
-            Self::Internal(err.into())
-        }
+        DbError::from(err).into()
+    }
+}
+
+impl From<crate::idempotency::MissingKey> for ApiError {
+    fn from(_: crate::idempotency::MissingKey) -> Self {
+        Self::MissingIdempotencyKey
     }
 }

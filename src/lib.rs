@@ -1,8 +1,14 @@
 //! oncepay: a payment API whose retried requests never charge twice.
 //!
-//! Layers, from the edge in: `routes` (HTTP) -> `idempotency` (the protocol) and `ledger`
-//! (money movements) -> PostgreSQL (`db`, `migrations/`). Only `routes`, `auth`, `error`
-//! and `telemetry` know HTTP.
+//! Layers, from the bottom up (each module depends only on those below it; ARCHITECTURE.md
+//! has the map):
+//! 1. values: `domain`, `json`, `config`, `operation` (the operation table);
+//! 2. the protocol: `idempotency`;
+//! 3. the database: `db` (pool, migrations, its own error type);
+//! 4. effects on it: `ledger`, `tenants`, `purge`, `audit`;
+//! 5. the edge, the only layer that knows HTTP: `metrics`, `error`, `auth`, `telemetry`,
+//!    `state`, `routes`, `startup` (which only composes).
+//!
 //! `client` is the other side: a Rust client (and the CLI's client commands) that retries safely.
 
 pub mod audit;
@@ -18,8 +24,10 @@ pub mod idempotency;
 pub mod json;
 pub mod ledger;
 pub mod metrics;
+pub mod operation;
 pub mod purge;
 pub mod routes;
 pub mod startup;
+pub mod state;
 pub mod telemetry;
 pub mod tenants;

@@ -158,8 +158,7 @@ async fn run(command: ServerCommand) -> anyhow::Result<()> {
             missing_key_policy,
             main_balance,
         }) => {
-            let main_balance = OpeningBalance::parse("main_balance", &main_balance.into())
-                .map_err(|e| anyhow::anyhow!("--main-balance: {e}"))?;
+            let main_balance = OpeningBalance::new(main_balance).map_err(|e| anyhow::anyhow!("--main-balance: {e}"))?;
             let pool = db::pool(&settings)?;
             db::check_schema(&pool).await?;
             let created = tenants::create(&pool, &name, missing_key_policy.into(), main_balance)

@@ -20,6 +20,11 @@ pub struct Metrics {
     pool_connections: IntGaugeVec,
     /// Requests waiting for a pooled connection right now.
     pub pool_waiting: IntGauge,
+    /// Replays answered from this process's memory, and keyed requests it had to ask the
+    /// database about; entries held.
+    pub replay_cache_hits: IntCounter,
+    pub replay_cache_misses: IntCounter,
+    pub replay_cache_entries: IntGauge,
 }
 
 impl Metrics {
@@ -61,6 +66,21 @@ impl Metrics {
         .expect("valid metric");
         let pool_waiting = IntGauge::new("oncepay_db_pool_waiting", "Requests waiting for a database connection")
             .expect("valid metric");
+        let replay_cache_hits = IntCounter::new(
+            "oncepay_replay_cache_hits_total",
+            "Keyed requests answered from this process's replay cache (replays and reused keys)",
+        )
+        .expect("valid metric");
+        let replay_cache_misses = IntCounter::new(
+            "oncepay_replay_cache_misses_total",
+            "Keyed requests the replay cache did not know (asked the database)",
+        )
+        .expect("valid metric");
+        let replay_cache_entries = IntGauge::new(
+            "oncepay_replay_cache_entries",
+            "Finished results held in this process's replay cache",
+        )
+        .expect("valid metric");
         for collector in [
             Box::new(requests.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(duration.clone()),
@@ -70,6 +90,9 @@ impl Metrics {
             Box::new(purge_runs.clone()),
             Box::new(pool_connections.clone()),
             Box::new(pool_waiting.clone()),
+            Box::new(replay_cache_hits.clone()),
+            Box::new(replay_cache_misses.clone()),
+            Box::new(replay_cache_entries.clone()),
         ] {
             registry.register(collector).expect("metric registered once");
         }
@@ -83,7 +106,16 @@ impl Metrics {
             purge_runs,
             pool_connections,
             pool_waiting,
+            replay_cache_hits,
+            replay_cache_misses,
+            replay_cache_entries,
         }
+    }
+
+    /// Counts one purge run and the keys it deleted.
+    pub fn record_purge(&self, deleted: u64) {
+        self.purged_keys.inc_by(deleted);
+        self.purge_runs.inc();
     }
 
     /// The text exposition, with the pool gauges read at scrape time.

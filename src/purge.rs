@@ -7,12 +7,9 @@
 //! no transaction holds more than one batch of row locks or WAL. Payments, accounts and
 //! balances are never touched.
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use sqlx::PgPool;
-
-use crate::startup::AppState;
 
 /// Advisory lock key held by the one replica running the in-process schedule ("purge").
 const SCHEDULE_LOCK: i64 = 0x0070_7572_6765;
@@ -56,33 +53,39 @@ pub async fn purge(pool: &PgPool, retention: Duration, batch: i64) -> Result<u64
     Ok(deleted)
 }
 
+/// What the in-process schedule needs: the pool and two settings.
+#[derive(Clone, Debug)]
+pub struct Schedule {
+    pub pool: PgPool,
+    pub retention: Duration,
+    pub batch: i64,
+    pub every: Duration,
+}
+
 /// The opt-in in-process schedule (`ONCEPAY_PURGE_INTERVAL_SECS`): every replica wakes up,
-/// only the one holding the advisory lock purges.
-pub async fn schedule(state: Arc<AppState>, every: Duration) {
-    let mut ticker = tokio::time::interval(every);
+/// only the one holding the advisory lock purges; `on_purged` hears each run's count.
+pub async fn schedule(schedule: Schedule, on_purged: impl Fn(u64)) {
+    let mut ticker = tokio::time::interval(schedule.every);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         ticker.tick().await;
-        match run_if_leader(&state).await {
-            Ok(Some(deleted)) => {
-                state.metrics.purged_keys.inc_by(deleted);
-                state.metrics.purge_runs.inc();
-            }
+        match run_if_leader(&schedule).await {
+            Ok(Some(deleted)) => on_purged(deleted),
             Ok(None) => tracing::debug!("another replica holds the purge lock; skipped"),
             Err(err) => tracing::warn!(error = %err, "scheduled purge failed; will try again"),
         }
     }
 }
 
-async fn run_if_leader(state: &AppState) -> Result<Option<u64>, sqlx::Error> {
-    let mut lock_conn = state.pool.acquire().await?;
+async fn run_if_leader(schedule: &Schedule) -> Result<Option<u64>, sqlx::Error> {
+    let mut lock_conn = schedule.pool.acquire().await?;
     let leader: bool = sqlx::query_scalar!(r#"SELECT pg_try_advisory_lock($1) AS "locked!""#, SCHEDULE_LOCK)
         .fetch_one(&mut *lock_conn)
         .await?;
     if !leader {
         return Ok(None);
     }
-    let result = purge(&state.pool, state.settings.retention, state.settings.purge_batch_size).await;
+    let result = purge(&schedule.pool, schedule.retention, schedule.batch).await;
     let unlocked = sqlx::query_scalar!("SELECT pg_advisory_unlock($1)", SCHEDULE_LOCK)
         .fetch_one(&mut *lock_conn)
         .await;

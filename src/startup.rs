@@ -7,40 +7,14 @@ use std::time::Duration;
 use actix_web::dev::Server;
 use actix_web::{middleware, web, App, HttpServer};
 use anyhow::Context;
-use sqlx::PgPool;
 
 use crate::auth::TenantCache;
 use crate::config::Settings;
-use crate::db::{self, Conn};
-use crate::error::ApiError;
-use crate::idempotency::Windows;
+use crate::db;
+use crate::idempotency::cache::ReplayCache;
 use crate::metrics::Metrics;
+use crate::state::AppState;
 use crate::{purge, routes, telemetry};
-
-/// What every handler shares.
-pub struct AppState {
-    pub pool: PgPool,
-    pub settings: Settings,
-    pub tenants: TenantCache,
-    pub metrics: Metrics,
-}
-
-impl AppState {
-    /// A pooled connection, counted in `oncepay_db_pool_waiting` while it is awaited.
-    pub async fn conn(&self) -> Result<Conn, ApiError> {
-        self.metrics.pool_waiting.inc();
-        let conn = db::acquire(&self.pool).await;
-        self.metrics.pool_waiting.dec();
-        conn
-    }
-
-    pub fn windows(&self) -> Windows {
-        Windows {
-            replay: self.settings.replay_window,
-            fingerprint: self.settings.fingerprint_window,
-        }
-    }
-}
 
 /// A bound, not yet running, server.
 pub struct Application {
@@ -57,11 +31,13 @@ impl Application {
         let listener = TcpListener::bind(&settings.bind).with_context(|| format!("cannot bind {}", settings.bind))?;
         let port = listener.local_addr()?.port();
         let workers = settings.workers;
+        let replays = ReplayCache::new(settings.replay_cache_entries);
         let state = web::Data::new(AppState {
             pool,
             settings,
             tenants: TenantCache::new(),
             metrics: Metrics::new(),
+            replays,
         });
         let app_state = state.clone();
         let server = HttpServer::new(move || {
@@ -87,11 +63,16 @@ impl Application {
 
     /// Runs until the server stops (SIGINT/SIGTERM: graceful shutdown).
     pub async fn run_until_stopped(self) -> std::io::Result<()> {
-        let purger = self
-            .state
-            .settings
-            .purge_interval
-            .map(|every| tokio::spawn(purge::schedule(self.state.clone().into_inner(), every)));
+        let purger = self.state.settings.purge_interval.map(|every| {
+            let state = self.state.clone();
+            let schedule = purge::Schedule {
+                pool: state.pool.clone(),
+                retention: state.settings.retention,
+                batch: state.settings.purge_batch_size,
+                every,
+            };
+            tokio::spawn(async move { purge::schedule(schedule, |deleted| state.metrics.record_purge(deleted)).await })
+        });
         let result = self.server.await;
         if let Some(purger) = purger {
             purger.abort();

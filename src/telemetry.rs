@@ -11,7 +11,7 @@ use actix_web::{web, HttpMessage};
 use tracing_subscriber::EnvFilter;
 
 use crate::error::ApiError;
-use crate::startup::AppState;
+use crate::state::AppState;
 use crate::tenants::Tenant;
 
 /// The outcome of a successful request (errors carry theirs), for logs and metrics.

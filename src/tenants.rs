@@ -6,9 +6,8 @@ use rand::RngCore;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 use sqlx::{PgConnection, PgPool};
-use uuid::Uuid;
 
-use crate::domain::{AccountId, MissingKeyPolicy, OpeningBalance};
+use crate::domain::{AccountId, MissingKeyPolicy, OpeningBalance, TenantId};
 
 pub const API_KEY_PREFIX: &str = "opk_";
 
@@ -21,14 +20,14 @@ pub fn hash_api_key(api_key: &str) -> ApiKeyHash {
 /// What an authenticated request knows about its tenant.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Tenant {
-    pub id: Uuid,
+    pub id: TenantId,
     pub policy: MissingKeyPolicy,
 }
 
 /// The answer to a tenant's creation: the only time its API key is shown.
 #[derive(Clone, Debug, Serialize, utoipa::ToSchema)]
 pub struct CreatedTenant {
-    pub tenant_id: Uuid,
+    pub tenant_id: TenantId,
     pub name: String,
     pub api_key: String,
     pub missing_key_policy: MissingKeyPolicy,
@@ -36,7 +35,7 @@ pub struct CreatedTenant {
 
 #[derive(Clone, Debug, Serialize, utoipa::ToSchema)]
 pub struct TenantView {
-    pub tenant_id: Uuid,
+    pub tenant_id: TenantId,
     pub name: String,
     pub missing_key_policy: MissingKeyPolicy,
 }
@@ -51,11 +50,11 @@ pub async fn create(
     let mut secret = [0u8; 32];
     rand::rngs::OsRng.fill_bytes(&mut secret);
     let api_key = format!("{API_KEY_PREFIX}{}", hex::encode(secret));
-    let tenant_id = Uuid::new_v4();
+    let tenant_id = TenantId::new_random();
     let mut tx = pool.begin().await?;
     sqlx::query!(
         "INSERT INTO tenants (tenant_id, name, api_key_hash, missing_key_policy) VALUES ($1, $2, $3, $4)",
-        tenant_id,
+        tenant_id.get(),
         name,
         &hash_api_key(&api_key)[..],
         policy.as_str(),
@@ -64,7 +63,7 @@ pub async fn create(
     .await?;
     sqlx::query!(
         "INSERT INTO accounts (tenant_id, account_id, balance, opening_balance) VALUES ($1, $2, $3, $3)",
-        tenant_id,
+        tenant_id.get(),
         AccountId::MAIN,
         main_balance.get(),
     )
@@ -81,12 +80,12 @@ pub async fn create(
 
 pub async fn set_policy(
     pool: &PgPool,
-    tenant_id: Uuid,
+    tenant_id: TenantId,
     policy: MissingKeyPolicy,
 ) -> Result<Option<TenantView>, sqlx::Error> {
     let row = sqlx::query!(
         "UPDATE tenants SET missing_key_policy = $2 WHERE tenant_id = $1 RETURNING name",
-        tenant_id,
+        tenant_id.get(),
         policy.as_str(),
     )
     .fetch_optional(pool)
@@ -108,7 +107,7 @@ pub async fn find_by_key_hash(conn: &mut PgConnection, hash: &ApiKeyHash) -> Res
     row.map(|r| {
         let policy = MissingKeyPolicy::parse(&r.missing_key_policy).map_err(|e| sqlx::Error::Decode(e.into()))?;
         Ok(Tenant {
-            id: r.tenant_id,
+            id: TenantId::from_uuid(r.tenant_id),
             policy,
         })
     })

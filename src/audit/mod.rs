@@ -3,16 +3,19 @@
 //! Every check is one set-based statement (hash joins and aggregates, no per-row lookups),
 //! and all of them read one REPEATABLE READ snapshot, so an audit of a live database is
 //! consistent with itself. Invariants (any finding fails the audit):
-//! - per account: opening balance + deposits - payments + refunds = balance;
+//! - per account: opening balance + deposits - payments + refunds + transfers in - transfers
+//!   out = balance;
 //! - every stored success (key row with status 200/201) names an existing resource: the
-//!   payment made under that key, the refunded payment, the deposit made under that key, the
-//!   account;
-//! - every keyed payment or deposit younger than the key retention has its key row, naming
+//!   payment made under that key, the refunded payment, the deposit or transfer made under
+//!   that key, the account (the key row names its operation);
+//! - every keyed payment, deposit or transfer younger than the key retention has its key row, naming
 //!   it. Older key rows are purged, so older effects are not checked. A derived key (`fp:`,
 //!   policy `fingerprint`) is renewed in place after its window and names only its latest
 //!   effect; an older effect under it needs a row at least as recent as itself;
 //! - no two effects under one key closer than the key allows: a client key can only be
-//!   processed again after its row is purged (the retention), a derived key after its window.
+//!   processed again after its row is purged (the retention), a derived key after the window
+//!   stored in its own row (`expires_at - created_at`), so replicas started with different
+//!   windows raise no false alarm.
 //!
 //! Warning only: keyless payments (policy `allow`) of the same tenant, account and amount
 //! within a few seconds. Without a key nothing tells a retry from a second purchase, so
@@ -93,6 +96,7 @@ async fn checked(
                   (SELECT count(*) FROM accounts WHERE $1::uuid IS NULL OR tenant_id = $1) AS "accounts!",
                   (SELECT count(*) FROM payments WHERE $1::uuid IS NULL OR tenant_id = $1) AS "payments!",
                   (SELECT count(*) FROM deposits WHERE $1::uuid IS NULL OR tenant_id = $1) AS "deposits!",
+                  (SELECT count(*) FROM transfers WHERE $1::uuid IS NULL OR tenant_id = $1) AS "transfers!",
                   (SELECT count(*) FROM idempotency_keys WHERE $1::uuid IS NULL OR tenant_id = $1) AS "key_rows!""#,
         tenant,
     )
@@ -105,6 +109,7 @@ async fn checked(
             accounts: row.accounts,
             payments: row.payments,
             deposits: row.deposits,
+            transfers: row.transfers,
             key_rows: row.key_rows,
         },
     ))
@@ -122,21 +127,31 @@ async fn balances(conn: &mut PgConnection, o: &Options) -> Result<Findings<Balan
                SELECT tenant_id, account_id, sum(amount) AS deposited
                  FROM deposits WHERE $1::uuid IS NULL OR tenant_id = $1
                 GROUP BY tenant_id, account_id),
+           transferred AS (
+               SELECT tenant_id, account_id, sum(net) AS net
+                 FROM (SELECT tenant_id, to_account_id AS account_id, amount AS net FROM transfers
+                        WHERE $1::uuid IS NULL OR tenant_id = $1
+                       UNION ALL
+                       SELECT tenant_id, from_account_id, -amount FROM transfers
+                        WHERE $1::uuid IS NULL OR tenant_id = $1) legs
+                GROUP BY tenant_id, account_id),
            expected AS (
                SELECT a.tenant_id, a.account_id, a.opening_balance, a.balance,
                       coalesce(d.deposited, 0) AS deposited, coalesce(p.paid, 0) AS paid,
-                      coalesce(p.refunded, 0) AS refunded
+                      coalesce(p.refunded, 0) AS refunded, coalesce(t.net, 0) AS transferred_net
                  FROM accounts a
                  LEFT JOIN paid p USING (tenant_id, account_id)
                  LEFT JOIN deposited d USING (tenant_id, account_id)
+                 LEFT JOIN transferred t USING (tenant_id, account_id)
                 WHERE $1::uuid IS NULL OR a.tenant_id = $1)
            SELECT tenant_id AS "tenant_id!", account_id AS "account_id!",
                   opening_balance AS "opening_balance!", deposited::bigint AS "deposited!",
                   paid::bigint AS "paid!", refunded::bigint AS "refunded!",
-                  (opening_balance + deposited - paid + refunded)::bigint AS "expected!",
+                  transferred_net::bigint AS "transferred_net!",
+                  (opening_balance + deposited - paid + refunded + transferred_net)::bigint AS "expected!",
                   balance AS "balance!", count(*) OVER () AS "total!"
              FROM expected
-            WHERE opening_balance + deposited - paid + refunded <> balance
+            WHERE opening_balance + deposited - paid + refunded + transferred_net <> balance
             ORDER BY tenant_id, account_id
             LIMIT $2"#,
         o.tenant_id,
@@ -148,32 +163,38 @@ async fn balances(conn: &mut PgConnection, o: &Options) -> Result<Findings<Balan
 }
 
 async fn dangling_keys(conn: &mut PgConnection, o: &Options) -> Result<Findings<DanglingKey>, sqlx::Error> {
-    // One pass over the key rows with hash joins to each kind of resource. Resource ids are
-    // text: account ids on `/accounts`, UUIDs written by the server everywhere else.
+    // One pass over the stored successes with hash joins to each kind of resource, chosen by
+    // the operation the key row names. Resource ids are text: account ids for `open_account`,
+    // UUIDs written by the server everywhere else.
     let rows = sqlx::query_as!(
         DanglingKey,
         r#"WITH k AS (
-               SELECT tenant_id, key, path, status, resource_id,
-                      CASE WHEN path <> '/accounts' AND length(resource_id) = 36
+               SELECT tenant_id, key, operation, path, status, resource_id,
+                      CASE WHEN operation <> 'open_account' AND length(resource_id) = 36
                            THEN resource_id::uuid END AS resource_uuid
                  FROM idempotency_keys
-                WHERE status IN (200, 201) AND ($1::uuid IS NULL OR tenant_id = $1)),
+                WHERE error_code IS NULL AND ($1::uuid IS NULL OR tenant_id = $1)),
            found AS MATERIALIZED (
                SELECT k.tenant_id, k.key, k.path, k.status, k.resource_id,
-                      CASE WHEN k.path = '/payments' THEN
+                      CASE k.operation
+                           WHEN 'pay' THEN
                                 CASE WHEN p.idempotency_key IS DISTINCT FROM k.key
                                      THEN 'names no payment made with this key' END
-                           WHEN k.path LIKE '/payments/%/refund' THEN
+                           WHEN 'refund' THEN
                                 CASE WHEN p.refunded_at IS NULL THEN 'names no refunded payment' END
-                           WHEN k.path LIKE '/accounts/%/deposits' THEN
+                           WHEN 'deposit' THEN
                                 CASE WHEN d.idempotency_key IS DISTINCT FROM k.key
                                      THEN 'names no deposit made with this key' END
-                           WHEN k.path = '/accounts' THEN
+                           WHEN 'transfer' THEN
+                                CASE WHEN t.idempotency_key IS DISTINCT FROM k.key
+                                     THEN 'names no transfer made with this key' END
+                           WHEN 'open_account' THEN
                                 CASE WHEN a.account_id IS NULL THEN 'names no account' END
-                           ELSE 'has a path no operation writes' END AS problem
+                      END AS problem
                  FROM k
                  LEFT JOIN payments p ON p.tenant_id = k.tenant_id AND p.payment_id = k.resource_uuid
                  LEFT JOIN deposits d ON d.tenant_id = k.tenant_id AND d.deposit_id = k.resource_uuid
+                 LEFT JOIN transfers t ON t.tenant_id = k.tenant_id AND t.transfer_id = k.resource_uuid
                  LEFT JOIN accounts a ON a.tenant_id = k.tenant_id AND a.account_id = k.resource_id)
            SELECT tenant_id AS "tenant_id!", key AS "key!", path AS "path!", status AS "status!",
                   resource_id, problem AS "problem!", count(*) OVER () AS "total!"
@@ -200,6 +221,11 @@ async fn missing_keys(conn: &mut PgConnection, o: &Options) -> Result<Findings<M
                UNION ALL
                SELECT 'deposit', tenant_id, deposit_id, idempotency_key, created_at
                  FROM deposits
+                WHERE idempotency_key IS NOT NULL AND created_at > now() - make_interval(secs => $2)
+                  AND ($1::uuid IS NULL OR tenant_id = $1)
+               UNION ALL
+               SELECT 'transfer', tenant_id, transfer_id, idempotency_key, created_at
+                 FROM transfers
                 WHERE idempotency_key IS NOT NULL AND created_at > now() - make_interval(secs => $2)
                   AND ($1::uuid IS NULL OR tenant_id = $1)),
            found AS MATERIALIZED (
@@ -233,13 +259,18 @@ async fn double_charges(conn: &mut PgConnection, o: &Options) -> Result<Findings
                  FROM payments WHERE idempotency_key IS NOT NULL AND ($1::uuid IS NULL OR tenant_id = $1)
                UNION ALL
                SELECT 'deposit', tenant_id, deposit_id, idempotency_key, created_at
-                 FROM deposits WHERE idempotency_key IS NOT NULL AND ($1::uuid IS NULL OR tenant_id = $1)),
+                 FROM deposits WHERE idempotency_key IS NOT NULL AND ($1::uuid IS NULL OR tenant_id = $1)
+               UNION ALL
+               SELECT 'transfer', tenant_id, transfer_id, idempotency_key, created_at
+                 FROM transfers WHERE idempotency_key IS NOT NULL AND ($1::uuid IS NULL OR tenant_id = $1)),
            repeated AS (
                SELECT tenant_id, key FROM keyed GROUP BY tenant_id, key HAVING count(*) > 1),
            ordered AS (
                SELECT e.kind, e.tenant_id, e.key, e.id, e.created_at,
-                      lag(e.id) OVER w AS earlier_id, lag(e.created_at) OVER w AS earlier_at
+                      lag(e.id) OVER w AS earlier_id, lag(e.created_at) OVER w AS earlier_at,
+                      k.expires_at - k.created_at AS own_window
                  FROM keyed e JOIN repeated r USING (tenant_id, key)
+                 LEFT JOIN idempotency_keys k ON k.tenant_id = e.tenant_id AND k.key = e.key
                WINDOW w AS (PARTITION BY e.tenant_id, e.key ORDER BY e.created_at, e.id))
            SELECT kind AS "kind!", tenant_id AS "tenant_id!", key AS "key!", id AS "id!",
                   earlier_id AS "earlier_id!",
@@ -247,7 +278,8 @@ async fn double_charges(conn: &mut PgConnection, o: &Options) -> Result<Findings
                   count(*) OVER () AS "total!"
              FROM ordered
             WHERE earlier_id IS NOT NULL
-              AND created_at - earlier_at < CASE WHEN key LIKE 'fp:%' THEN make_interval(secs => $2)
+              AND created_at - earlier_at < CASE WHEN key LIKE 'fp:%'
+                                                 THEN coalesce(own_window, make_interval(secs => $2))
                                                  ELSE make_interval(secs => $3) END
             ORDER BY tenant_id, key, created_at
             LIMIT $4"#,

@@ -36,16 +36,17 @@ pub struct Checked {
     pub accounts: i64,
     pub payments: i64,
     pub deposits: i64,
+    pub transfers: i64,
     pub key_rows: i64,
 }
 
 #[derive(Debug, Serialize)]
 pub struct Invariants {
-    /// Accounts whose balance is not opening + deposits - payments + refunds.
+    /// Accounts whose balance is not opening + deposits - payments + refunds + transfers in - transfers out.
     pub balances: Findings<BalanceMismatch>,
     /// Stored successes (200/201 key rows) that name no existing resource.
     pub dangling_keys: Findings<DanglingKey>,
-    /// Keyed payments and deposits younger than the retention without the key row naming them.
+    /// Keyed payments, deposits and transfers younger than the retention without the key row naming them.
     pub missing_keys: Findings<MissingKey>,
     /// Two effects under one key closer together than that key could legitimately allow.
     pub double_charges: Findings<DoubleCharge>,
@@ -80,6 +81,8 @@ pub struct BalanceMismatch {
     pub deposited: i64,
     pub paid: i64,
     pub refunded: i64,
+    /// Transfers into the account minus transfers out of it.
+    pub transferred_net: i64,
     pub expected: i64,
     pub balance: i64,
     #[serde(skip)]
@@ -170,26 +173,35 @@ impl fmt::Display for Report {
             .map_or_else(|| "every tenant".to_owned(), |t| format!("tenant {t}"));
         writeln!(
             out,
-            "oncepay audit of {tenant} at {} ({} ms): {} tenants, {} accounts, {} payments, {} deposits, {} key rows",
+            "oncepay audit of {tenant} at {} ({} ms): {} tenants, {} accounts, {} payments, {} deposits, {} transfers, {} key rows",
             self.snapshot_at.format("%Y-%m-%d %H:%M:%S%.3f UTC"),
             self.elapsed_ms,
             c.tenants,
             c.accounts,
             c.payments,
             c.deposits,
+            c.transfers,
             c.key_rows
         )?;
         let inv = &self.invariants;
         status_line(
             &mut out,
             &inv.balances,
-            "accounts where opening + deposits - payments + refunds != balance",
+            "accounts where opening + deposits - payments + refunds + transfers != balance",
             "BROKEN",
         )?;
         samples(&mut out, &inv.balances, |b| {
             format!(
-                "tenant {} account {}: {} + {} - {} + {} = {}, balance {}",
-                b.tenant_id, b.account_id, b.opening_balance, b.deposited, b.paid, b.refunded, b.expected, b.balance
+                "tenant {} account {}: {} + {} - {} + {} + {} = {}, balance {}",
+                b.tenant_id,
+                b.account_id,
+                b.opening_balance,
+                b.deposited,
+                b.paid,
+                b.refunded,
+                b.transferred_net,
+                b.expected,
+                b.balance
             )
         })?;
         status_line(
@@ -213,7 +225,7 @@ impl fmt::Display for Report {
             &mut out,
             &inv.missing_keys,
             &format!(
-                "keyed payments/deposits of the last {} s (the key retention) without their key row",
+                "keyed payments/deposits/transfers of the last {} s (the key retention) without their key row",
                 s.retention_secs
             ),
             "BROKEN",

@@ -10,17 +10,21 @@
 //!    `reject` (400), `allow` (no key, no protection) or `fingerprint` (a derived key
 //!    `fp:<hex>` with a short window);
 //! 3. parse and validate the body (400): nothing is claimed for a malformed request;
-//! 4. call the operation's SQL function (migrations/V2), **one statement, one round trip, one
-//!    transaction**:
-//!    - `INSERT` the key row, before any account row is locked. A concurrent duplicate's
-//!      insert blocks on the unique index `(tenant_id, key)` until the first transaction ends,
-//!      then reads the committed row. The wait is bounded by the connection's `lock_timeout`
-//!      (`ONCEPAY_INFLIGHT_WAIT_MS`); its expiry is SQLSTATE 55P03, answered 409
+//! 4. a key this process saw finish, inside its window, is answered from memory
+//!    ([`cache`]): the stored result, or 422 for another fingerprint;
+//! 5. call the operation's SQL function (migrations/V4), **one statement, one round trip, one
+//!    transaction**, whose claim (`oncepay_claim`, shared by every operation):
+//!    - reads the key row first: a finished key answers without any write: expired (422),
+//!      another fingerprint (422), or the stored result, rebuilt from the resource it names
+//!      (a replay);
+//!    - otherwise `INSERT`s the key row, before any account row is locked. A concurrent
+//!      duplicate's insert blocks on the unique index `(tenant_id, key)` until the first
+//!      transaction ends, then reads the committed row. The wait is bounded by a
+//!      `lock_timeout` of `ONCEPAY_INFLIGHT_WAIT_MS` set for this transaction only (so it
+//!      holds through a transaction-mode pooler); its expiry is SQLSTATE 55P03, answered 409
 //!      `request_in_progress`. Once the key is claimed the timeout is lifted for the rest of
-//!      the transaction (the `statement_timeout` still bounds it).
-//!    - an existing row answers without processing: expired (422), another fingerprint
-//!      (422), or the stored result, rebuilt from the resource it names (a replay);
-//!    - otherwise the effect runs (debit, refund, deposit, account) and a deterministic
+//!      the transaction (the `statement_timeout` still bounds it);
+//!    - then the effect runs (debit, refund, deposit, account, transfer) and a deterministic
 //!      decline (402, 404, 409) rewrites the key row to the stored failure.
 //!
 //! What is locked and for how long: the key's index entry and the account row, from the
@@ -30,6 +34,7 @@
 //! rolls back both, so the key is free again and the retry runs for real (503 with
 //! `Retry-After` when the server lives to answer).
 
+pub mod cache;
 pub mod fingerprint;
 pub mod key;
 
@@ -39,7 +44,6 @@ pub use fingerprint::{fingerprint, Fingerprint};
 pub use key::IdempotencyKey;
 
 use crate::domain::MissingKeyPolicy;
-use crate::error::ApiError;
 
 /// Prefix of the keys the server derives for keyless requests under policy `fingerprint`.
 pub const DERIVED_KEY_PREFIX: &str = "fp:";
@@ -60,13 +64,17 @@ impl Claim {
     }
 }
 
+/// A keyless request refused by the tenant's policy `reject`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MissingKey;
+
 /// Step 2: the client's key, or the tenant's decision for a keyless request.
 pub fn key_or_policy(
     key: Option<IdempotencyKey>,
     policy: MissingKeyPolicy,
-) -> Result<Option<IdempotencyKey>, ApiError> {
+) -> Result<Option<IdempotencyKey>, MissingKey> {
     match (key, policy) {
-        (None, MissingKeyPolicy::Reject) => Err(ApiError::MissingIdempotencyKey),
+        (None, MissingKeyPolicy::Reject) => Err(MissingKey),
         (key, _) => Ok(key),
     }
 }

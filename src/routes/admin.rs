@@ -1,18 +1,18 @@
 //! `POST /admin/tenants`, `PATCH /admin/tenants/{id}`, `POST /admin/purge`.
 
 use actix_web::{web, HttpRequest, HttpResponse};
-use serde_json::Value;
+use serde::de::DeserializeOwned;
+use serde::Deserialize;
 use utoipa::ToSchema;
-use uuid::Uuid;
 
-use super::intake::read_body;
+use super::intake::{parse_body, read_body, EmptyBody};
 use super::schemas::{
-    AdminDisabled, BadRequest, BodyTooLarge, NotFound, Overloaded, RequestTimeout, TenantIn, TenantPatchIn,
-    Unauthorized, Unavailable, UnsupportedMediaType,
+    AdminDisabled, BadRequest, BodyTooLarge, NotFound, Overloaded, RequestTimeout, Unauthorized, Unavailable,
+    UnsupportedMediaType,
 };
-use crate::domain::{object_fields, required, MissingKeyPolicy, OpeningBalance};
+use crate::domain::{MissingKeyPolicy, OpeningBalance, TenantId};
 use crate::error::ApiError;
-use crate::startup::AppState;
+use crate::state::AppState;
 use crate::{auth, purge, tenants};
 
 pub fn configure(cfg: &mut web::ServiceConfig) {
@@ -21,20 +21,42 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
         .route("/admin/purge", web::post().to(run_purge));
 }
 
-/// Admin bodies: the same size and type rules as tenant bodies, no idempotency key (a
-/// repeated tenant creation creates another tenant, as the operator asked).
-async fn admin_body(req: &HttpRequest, payload: web::Payload, state: &AppState) -> Result<Value, ApiError> {
-    auth::admin(req, state.settings.admin_token.as_deref())?;
-    let body = read_body(req, payload, state.settings.max_body_bytes).await?;
-    crate::json::parse_strict(&body).map_err(|e| ApiError::InvalidJson(e.to_string()))
+/// Body of `POST /admin/tenants`.
+#[derive(Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct TenantIn {
+    /// Not blank, at most 200 bytes of UTF-8, no control characters.
+    #[schema(
+        min_length = 1,
+        max_length = 200,
+        pattern = r"^[^\x00-\x1f\x7f-\x9f]*[^\s\x00-\x1f\x7f-\x9f][^\x00-\x1f\x7f-\x9f]*$"
+    )]
+    pub name: String,
+    /// `reject` when absent.
+    #[schema(nullable = false)]
+    pub missing_key_policy: Option<MissingKeyPolicy>,
+    /// The opening balance of the tenant's `main` account; 0 when absent.
+    #[schema(nullable = false)]
+    pub main_balance: Option<OpeningBalance>,
 }
 
-fn policy_field(value: &Value) -> Result<MissingKeyPolicy, ApiError> {
-    value
-        .as_str()
-        .ok_or_else(|| "`missing_key_policy` must be a string".to_owned())
-        .and_then(MissingKeyPolicy::parse)
-        .map_err(ApiError::InvalidRequest)
+/// Body of `PATCH /admin/tenants/{tenant_id}`.
+#[derive(Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct TenantPatchIn {
+    pub missing_key_policy: MissingKeyPolicy,
+}
+
+/// Admin bodies: the same size and type rules as tenant bodies, no idempotency key (a
+/// repeated tenant creation creates another tenant, as the operator asked).
+async fn admin_body<T: DeserializeOwned>(
+    req: &HttpRequest,
+    payload: web::Payload,
+    state: &AppState,
+) -> Result<T, ApiError> {
+    auth::admin(req, state.settings.admin_token.as_deref())?;
+    let bytes = read_body(req, payload, state.settings.max_body_bytes).await?;
+    parse_body(&bytes, EmptyBody::Refused).map(|(_, body)| body)
 }
 
 /// Creates a tenant with its `main` account; the answer is the only time its API key is shown.
@@ -54,30 +76,16 @@ pub(super) async fn create_tenant(
     payload: web::Payload,
     state: web::Data<AppState>,
 ) -> Result<HttpResponse, ApiError> {
-    let body = admin_body(&req, payload, &state).await?;
-    let fields =
-        object_fields(&body, &["name", "missing_key_policy", "main_balance"]).map_err(ApiError::InvalidRequest)?;
-    let name = required(fields, "name")
-        .map_err(ApiError::InvalidRequest)?
-        .as_str()
-        // PostgreSQL refuses NUL in text (a 500 if it got there): no control character passes.
-        .filter(|n| !n.trim().is_empty() && n.len() <= 200 && !n.chars().any(char::is_control))
-        .ok_or_else(|| {
-            ApiError::InvalidRequest(
-                "`name` must be a non-blank string of at most 200 bytes without control characters".to_owned(),
-            )
-        })?;
-    let policy = fields
-        .get("missing_key_policy")
-        .map(policy_field)
-        .transpose()?
-        .unwrap_or(MissingKeyPolicy::Reject);
-    let main_balance = fields
-        .get("main_balance")
-        .map(|b| OpeningBalance::parse("main_balance", b))
-        .transpose()
-        .map_err(ApiError::InvalidRequest)?
-        .unwrap_or_default();
+    let body: TenantIn = admin_body(&req, payload, &state).await?;
+    let name = body.name.as_str();
+    // PostgreSQL refuses NUL in text (a 500 if it got there): no control character passes.
+    if name.trim().is_empty() || name.len() > 200 || name.chars().any(char::is_control) {
+        return Err(ApiError::InvalidRequest(
+            "`name` must be a non-blank string of at most 200 bytes without control characters".to_owned(),
+        ));
+    }
+    let policy = body.missing_key_policy.unwrap_or(MissingKeyPolicy::Reject);
+    let main_balance = body.main_balance.unwrap_or_default();
     let created = tenants::create(&state.pool, name, policy, main_balance).await?;
     Ok(HttpResponse::Created().json(created))
 }
@@ -86,7 +94,7 @@ pub(super) async fn create_tenant(
 #[utoipa::path(
     patch, path = "/admin/tenants/{tenant_id}", tag = "admin", operation_id = "update_tenant",
     request_body = TenantPatchIn, security(("admin_token" = [])),
-    params(("tenant_id" = Uuid, Path, description = "The tenant's id.")),
+    params(("tenant_id" = TenantId, Path, description = "The tenant's id.")),
     responses(
         (status = 200, description = "The tenant.", body = tenants::TenantView),
         (status = 400, response = BadRequest), (status = 401, response = Unauthorized),
@@ -100,15 +108,13 @@ pub(super) async fn update_tenant(
     payload: web::Payload,
     state: web::Data<AppState>,
 ) -> Result<HttpResponse, ApiError> {
-    let body = admin_body(&req, payload, &state).await?;
-    let fields = object_fields(&body, &["missing_key_policy"]).map_err(ApiError::InvalidRequest)?;
-    let policy = policy_field(required(fields, "missing_key_policy").map_err(ApiError::InvalidRequest)?)?;
+    let body: TenantPatchIn = admin_body(&req, payload, &state).await?;
     let id = req
         .match_info()
         .get("id")
-        .and_then(|id| Uuid::parse_str(id).ok())
+        .and_then(TenantId::parse)
         .ok_or(ApiError::NotFound)?;
-    let tenant = tenants::set_policy(&state.pool, id, policy)
+    let tenant = tenants::set_policy(&state.pool, id, body.missing_key_policy)
         .await?
         .ok_or(ApiError::NotFound)?;
     Ok(HttpResponse::Ok().json(tenant))
@@ -133,7 +139,6 @@ struct PurgedOut {
 pub(super) async fn run_purge(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     auth::admin(&req, state.settings.admin_token.as_deref())?;
     let deleted = purge::purge(&state.pool, state.settings.retention, state.settings.purge_batch_size).await?;
-    state.metrics.purged_keys.inc_by(deleted);
-    state.metrics.purge_runs.inc();
+    state.metrics.record_purge(deleted);
     Ok(HttpResponse::Ok().json(PurgedOut { deleted }))
 }

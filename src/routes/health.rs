@@ -5,7 +5,7 @@ use utoipa::ToSchema;
 
 use super::schemas::Unavailable;
 use crate::error::ApiError;
-use crate::startup::AppState;
+use crate::state::AppState;
 
 pub fn configure(cfg: &mut web::ServiceConfig) {
     cfg.route("/healthz", web::get().to(healthz))

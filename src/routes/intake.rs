@@ -1,5 +1,5 @@
-//! Steps 1 to 3 of every tenant POST (see `crate::idempotency`): authentication, body size
-//! and type, the key, the JSON body and its fingerprint, in the contract's order.
+//! Reading a body: within the size limit and time (413, 408), of a JSON type (415), parsed
+//! strictly into its documented type (400).
 
 use std::time::Duration;
 
@@ -7,17 +7,9 @@ use actix_web::http::header;
 use actix_web::{web, HttpMessage, HttpRequest};
 use serde_json::Value;
 
-use crate::error::ApiError;
-use crate::idempotency::{self, Claim, IdempotencyKey};
-use crate::startup::AppState;
-use crate::tenants::Tenant;
+use serde::de::DeserializeOwned;
 
-pub struct Intake {
-    pub tenant: Tenant,
-    pub body: Value,
-    /// `None` for a keyless request under policy `allow`.
-    pub claim: Option<Claim>,
-}
+use crate::error::ApiError;
 
 /// Which body a route expects.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -28,30 +20,25 @@ pub enum EmptyBody {
     MeansEmptyObject,
 }
 
-/// Authenticates a tenant POST and reads its body, key and fingerprint. `fingerprint_path`
-/// is the path the fingerprint covers (`/pay` is fingerprinted as `/payments`).
-pub async fn intake(
-    req: &HttpRequest,
-    payload: web::Payload,
-    state: &AppState,
-    fingerprint_path: &str,
-    empty: EmptyBody,
-) -> Result<Intake, ApiError> {
-    let tenant = crate::auth::tenant(req, &state.pool, &state.tenants).await?;
-    let bytes = read_body(req, payload, state.settings.max_body_bytes).await?;
-    let key = IdempotencyKey::from_headers(req.headers()).map_err(ApiError::InvalidIdempotencyKey)?;
-    let key = idempotency::key_or_policy(key, tenant.policy)?;
-    let body = if bytes.iter().all(u8::is_ascii_whitespace) && empty == EmptyBody::MeansEmptyObject {
+/// Parses a body strictly (400 `invalid_json`) and then into its documented type (400
+/// `invalid_request`, naming the field). The JSON value is kept: it is what the fingerprint
+/// covers, so that bodies equal as JSON values have equal fingerprints.
+pub fn parse_body<T: DeserializeOwned>(bytes: &[u8], empty: EmptyBody) -> Result<(Value, T), ApiError> {
+    let value = if empty == EmptyBody::MeansEmptyObject && bytes.iter().all(u8::is_ascii_whitespace) {
         Value::Object(Default::default())
     } else {
-        crate::json::parse_strict(&bytes).map_err(|e| ApiError::InvalidJson(e.to_string()))?
+        crate::json::parse_strict(bytes).map_err(|e| ApiError::InvalidJson(e.to_string()))?
     };
-    let fingerprint = idempotency::fingerprint("POST", fingerprint_path, &body);
-    let claim = idempotency::claim_for(key, tenant.policy, fingerprint, state.windows());
-    if claim.is_none() {
-        tracing::warn!(tenant = %tenant.id, path = req.path(), "keyless request processed without idempotency protection (policy allow)");
-    }
-    Ok(Intake { tenant, body, claim })
+    let parsed = serde_path_to_error::deserialize(&value).map_err(|err| {
+        let path = err.path().to_string();
+        let inner = err.into_inner();
+        ApiError::InvalidRequest(if path == "." {
+            inner.to_string()
+        } else {
+            format!("`{path}`: {inner}")
+        })
+    })?;
+    Ok((value, parsed))
 }
 
 /// How long a whole body may take to arrive. actix's `client_request_timeout` bounds only

@@ -1,20 +1,27 @@
-//! The OpenAPI document of the whole API, generated from the handlers' annotations and
-//! served at `GET /openapi.json`. `oncepay openapi` prints it; `docs/openapi.json` is the
+//! The OpenAPI document of the whole API, served at `GET /openapi.json`: the idempotent
+//! operations are generated from the operation table and their `Endpoint` types
+//! ([`document_operation`]), the other routes from their handlers' annotations. `oncepay openapi` prints it; `docs/openapi.json` is the
 //! committed copy (a test fails when they differ: regenerate with `make openapi`).
 
 use std::sync::LazyLock;
 
 use actix_web::{web, HttpResponse};
-use utoipa::openapi::path::HttpMethod;
-use utoipa::openapi::security::{Http, HttpAuthScheme, SecurityScheme};
-use utoipa::openapi::{RefOr, Required};
-use utoipa::{Modify, OpenApi};
+use utoipa::openapi::content::ContentBuilder;
+use utoipa::openapi::header::HeaderBuilder;
+use utoipa::openapi::path::{HttpMethod, OperationBuilder, ParameterBuilder, ParameterIn};
+use utoipa::openapi::request_body::RequestBodyBuilder;
+use utoipa::openapi::schema::{ObjectBuilder, Type};
+use utoipa::openapi::security::{Http, HttpAuthScheme, SecurityRequirement, SecurityScheme};
+use utoipa::openapi::{Ref, Required, ResponseBuilder};
+use utoipa::{IntoParams, Modify, OpenApi, PartialSchema, ToSchema};
 
+use super::intake::EmptyBody;
+use super::pipeline::{self, Endpoint};
 use super::schemas::{
-    AdminDisabled, BadRequest, BodyTooLarge, Conflict, InsufficientFunds, KeyRefused, NotFound, Overloaded, Problem,
-    RequestTimeout, Unauthorized, Unavailable, UnsupportedMediaType,
+    AdminDisabled, BadRequest, BodyTooLarge, Conflict, IdempotencyKeyHeader, InsufficientFunds, KeyRefused, NotFound,
+    Overloaded, Problem, RequestTimeout, Unauthorized, Unavailable, UnsupportedMediaType,
 };
-use super::{accounts, admin, health, payments};
+use super::{accounts, admin, health, payments, transfers};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -25,8 +32,7 @@ use super::{accounts, admin, health, payments};
         license(name = "MIT", identifier = "MIT"),
     ),
     paths(
-        payments::create, payments::show, payments::refund,
-        accounts::create, accounts::show, accounts::deposit,
+        payments::show, accounts::show, transfers::show,
         admin::create_tenant, admin::update_tenant, admin::run_purge,
         health::healthz, health::readyz, health::metrics, openapi_json,
     ),
@@ -37,10 +43,11 @@ use super::{accounts, admin, health, payments};
             UnsupportedMediaType, KeyRefused, Overloaded, Unavailable,
         ),
     ),
-    modifiers(&BearerSchemes, &PayAlias, &OptionalBodies),
+    modifiers(&BearerSchemes, &Operations),
     tags(
         (name = "payments", description = "Charges and refunds."),
         (name = "accounts", description = "Accounts and deposits."),
+        (name = "transfers", description = "Transfers between two accounts of a tenant."),
         (name = "admin", description = "Operators: `Authorization: Bearer <ONCEPAY_ADMIN_TOKEN>`."),
         (name = "operations", description = "Probes, metrics and this document."),
     )
@@ -69,42 +76,128 @@ impl Modify for BearerSchemes {
     }
 }
 
-/// `POST /pay` is routed to the same handler as `POST /payments`: document it as the same
-/// operation under its own id.
-struct PayAlias;
+/// The idempotent operations, each documented from its table entry and its `Endpoint`.
+struct Operations;
 
-impl Modify for PayAlias {
+impl Modify for Operations {
     fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
-        let mut operation = openapi
-            .paths
-            .get_path_operation("/payments", HttpMethod::Post)
-            .expect("POST /payments is documented")
-            .clone();
-        operation.operation_id = Some("pay".to_owned());
-        operation.summary = Some("Alias of `POST /payments` (same operation, same fingerprint path).".to_owned());
-        openapi
-            .paths
-            .add_path_operation("/pay", vec![HttpMethod::Post], operation);
+        document_operation::<payments::CreatePayment>(openapi);
+        document_operation::<payments::RefundPayment>(openapi);
+        document_operation::<accounts::OpenAccount>(openapi);
+        document_operation::<accounts::CreateDeposit>(openapi);
+        document_operation::<transfers::CreateTransfer>(openapi);
     }
 }
 
-/// A refund's body may be empty: utoipa marks a body optional only through `Option<T>`,
-/// which would also document a JSON `null` body (answered 400).
-struct OptionalBodies;
+/// Documents one operation: its path (and aliases), body, answer, and every status it can
+/// answer: the common ones of a keyed POST plus the statuses of its declines.
+fn document_operation<E: Endpoint>(openapi: &mut utoipa::openapi::OpenApi) {
+    let spec = pipeline::spec::<E>();
+    let components = openapi.components.get_or_insert_with(Default::default);
+    let mut schemas = vec![
+        (E::In::name().into_owned(), E::In::schema()),
+        (E::Out::name().into_owned(), E::Out::schema()),
+    ];
+    E::In::schemas(&mut schemas);
+    E::Out::schemas(&mut schemas);
+    components.schemas.extend(schemas);
 
-impl Modify for OptionalBodies {
-    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
-        let refund = openapi
-            .paths
-            .paths
-            .get_mut("/payments/{id}/refund")
-            .and_then(|item| item.post.as_mut())
-            .and_then(|operation| operation.request_body.as_mut());
-        match refund {
-            Some(RefOr::T(body)) => body.required = Some(Required::False),
-            _ => panic!("the refund's body is documented inline"),
-        }
+    let replayed = HeaderBuilder::new()
+        .schema(Some(ObjectBuilder::new().schema_type(Type::String)))
+        .description(Some(
+            "`true` on a replay, `false` on a first answer; absent without a key",
+        ))
+        .build();
+    let mut success = ResponseBuilder::new()
+        .description("Done (or the replay of the first answer).")
+        .header("Idempotency-Replayed", replayed)
+        .content(
+            "application/json",
+            ContentBuilder::new()
+                .schema(Some(Ref::from_schema_name(E::Out::name())))
+                .build(),
+        );
+    if spec.operation == crate::operation::Operation::Pay || spec.operation == crate::operation::Operation::Transfer {
+        success = success.header(
+            "Location",
+            HeaderBuilder::new()
+                .schema(Some(ObjectBuilder::new().schema_type(Type::String)))
+                .description(Some("The created resource, whose current state `GET` answers."))
+                .build(),
+        );
     }
+    let mut statuses: Vec<(u16, &str)> = vec![
+        (400, "BadRequest"),
+        (401, "Unauthorized"),
+        (408, "RequestTimeout"),
+        (409, "Conflict"),
+        (413, "BodyTooLarge"),
+        (415, "UnsupportedMediaType"),
+        (422, "KeyRefused"),
+        (429, "Overloaded"),
+        (503, "Unavailable"),
+    ];
+    for decline in spec.declines {
+        let response = match decline.status() {
+            402 => "InsufficientFunds",
+            404 => "NotFound",
+            _ => "Conflict",
+        };
+        statuses.push((decline.status(), response));
+    }
+    statuses.sort_unstable();
+    statuses.dedup();
+
+    let body_required = match E::EMPTY_BODY {
+        EmptyBody::Refused => Required::True,
+        EmptyBody::MeansEmptyObject => Required::False,
+    };
+    let mut operation = OperationBuilder::new()
+        .operation_id(Some(spec.name))
+        .summary(Some(spec.summary))
+        .tag(spec.tag)
+        .request_body(Some(
+            RequestBodyBuilder::new()
+                .content(
+                    "application/json",
+                    ContentBuilder::new()
+                        .schema(Some(Ref::from_schema_name(E::In::name())))
+                        .build(),
+                )
+                .required(Some(body_required))
+                .build(),
+        ))
+        .parameters(Some(IdempotencyKeyHeader::into_params(|| None)))
+        .securities(Some([SecurityRequirement::new("api_key", Vec::<String>::new())]))
+        .response(spec.success_status.to_string(), success.build());
+    if spec.path.contains("{id}") {
+        operation = operation.parameter(
+            ParameterBuilder::new()
+                .name("id")
+                .parameter_in(ParameterIn::Path)
+                .required(Required::True)
+                .schema(Some(ObjectBuilder::new().schema_type(Type::String)))
+                .description(Some("The resource's id; another tenant's answers 404.")),
+        );
+    }
+    for (status, response) in statuses {
+        operation = operation.response(status.to_string(), Ref::from_response_name(response));
+    }
+    let operation = operation.build();
+    for alias in spec.aliases {
+        let mut alias_operation = operation.clone();
+        alias_operation.operation_id = Some(alias.trim_start_matches('/').to_owned());
+        alias_operation.summary = Some(format!(
+            "Alias of `{} {}` (same operation, same fingerprint path).",
+            spec.method, spec.path
+        ));
+        openapi
+            .paths
+            .add_path_operation(alias, vec![HttpMethod::Post], alias_operation);
+    }
+    openapi
+        .paths
+        .add_path_operation(spec.path, vec![HttpMethod::Post], operation);
 }
 
 /// The document as pretty JSON with a final newline, exactly as committed in `docs/openapi.json`.
@@ -163,6 +256,7 @@ mod tests {
                 "GET /openapi.json",
                 "GET /payments/{id}",
                 "GET /readyz",
+                "GET /transfers/{id}",
                 "PATCH /admin/tenants/{tenant_id}",
                 "POST /accounts",
                 "POST /accounts/{id}/deposits",
@@ -171,6 +265,7 @@ mod tests {
                 "POST /pay",
                 "POST /payments",
                 "POST /payments/{id}/refund",
+                "POST /transfers",
             ]
         );
     }

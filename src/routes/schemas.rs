@@ -1,8 +1,6 @@
-//! Schemas of the OpenAPI document that the handlers' types cannot derive: the request
-//! bodies (the handlers parse them by hand from a `serde_json::Value`, to answer each
-//! mistake with its precise problem code, and accept exactly these shapes), the values
-//! parsed at the edge (their limits come from the same constants as the parsers), and the
-//! problem responses of contract section 6.
+//! Schemas of the OpenAPI document that the handlers' types cannot derive: the values parsed
+//! at the edge (their limits come from the same constants as the parsers), the key header,
+//! and the problem responses of contract section 6.
 
 use utoipa::openapi::header::{Header, HeaderBuilder};
 use utoipa::openapi::path::{Parameter, ParameterBuilder, ParameterIn};
@@ -10,68 +8,9 @@ use utoipa::openapi::schema::{KnownFormat, ObjectBuilder, SchemaFormat, Type};
 use utoipa::openapi::{RefOr, Required, Response, ResponseBuilder, Schema};
 use utoipa::{IntoParams, PartialSchema, ToResponse, ToSchema};
 
-use crate::domain::{AccountId, Amount, MissingKeyPolicy, OpeningBalance, MAX_AMOUNT};
+use crate::domain::{AccountId, Amount, OpeningBalance, MAX_AMOUNT};
 use crate::error::RETRY_AFTER_SECS;
 use crate::idempotency::key::{HEADER as KEY_HEADER, MAX_LEN as KEY_MAX_LEN};
-
-/// Body of `POST /payments` and `POST /pay`.
-#[derive(ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct PaymentIn {
-    pub amount: Amount,
-    /// The account to charge; `main` when absent.
-    #[schema(nullable = false)]
-    pub account: Option<AccountId>,
-}
-
-/// Body of `POST /accounts`.
-#[derive(ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct AccountIn {
-    pub id: AccountId,
-    /// The opening balance; 0 when absent.
-    #[schema(nullable = false)]
-    pub balance: Option<OpeningBalance>,
-}
-
-/// Body of `POST /accounts/{id}/deposits`.
-#[derive(ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct DepositIn {
-    pub amount: Amount,
-}
-
-/// Body of `POST /payments/{id}/refund`: empty, or an empty object (a refund returns the
-/// whole payment).
-#[derive(ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct RefundIn {}
-
-/// Body of `POST /admin/tenants`.
-#[derive(ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct TenantIn {
-    /// Not blank, at most 200 bytes of UTF-8, no control characters.
-    #[schema(
-        min_length = 1,
-        max_length = 200,
-        pattern = r"^[^\x00-\x1f\x7f-\x9f]*[^\s\x00-\x1f\x7f-\x9f][^\x00-\x1f\x7f-\x9f]*$"
-    )]
-    pub name: String,
-    /// `reject` when absent.
-    #[schema(nullable = false)]
-    pub missing_key_policy: Option<MissingKeyPolicy>,
-    /// The opening balance of the tenant's `main` account; 0 when absent.
-    #[schema(nullable = false)]
-    pub main_balance: Option<OpeningBalance>,
-}
-
-/// Body of `PATCH /admin/tenants/{tenant_id}`.
-#[derive(ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct TenantPatchIn {
-    pub missing_key_policy: MissingKeyPolicy,
-}
 
 fn integer(min: i64, description: &str) -> RefOr<Schema> {
     ObjectBuilder::new()

@@ -101,8 +101,8 @@ async fn the_audit_reports_each_broken_invariant_and_exits_non_zero() {
     .await
     .unwrap();
     // A stored success whose payment does not exist.
-    run("INSERT INTO idempotency_keys (tenant_id, key, fingerprint, method, path, status, resource_id, created_at, expires_at)
-         VALUES ($1, 'dangling', '\\x00', 'POST', '/payments', 201, gen_random_uuid()::text, now(), now() + interval '1 day')")
+    run("INSERT INTO idempotency_keys (tenant_id, key, fingerprint, operation, method, path, status, resource_id, created_at, expires_at)
+         VALUES ($1, 'dangling', sha256('dangling'), 'pay'::oncepay_operation, 'POST', '/payments', 201, gen_random_uuid()::text, now(), now() + interval '1 day')")
     .execute(&app.pool)
     .await
     .unwrap();

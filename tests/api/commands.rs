@@ -92,8 +92,8 @@ async fn purge_prints_deleted_n() {
     assert_eq!(oncepay(&["migrate"], &url).await.status, 0);
     let pool = sqlx::PgPool::connect(&url).await.unwrap();
     sqlx::query(
-        "INSERT INTO idempotency_keys (tenant_id, key, fingerprint, method, path, status, created_at, expires_at)
-         SELECT gen_random_uuid(), 'k' || i, '\\x00', 'POST', '/payments', 201, now() - interval '8 days', now() - interval '7 days'
+        "INSERT INTO idempotency_keys (tenant_id, key, fingerprint, operation, method, path, status, resource_id, created_at, expires_at)
+         SELECT gen_random_uuid(), 'k' || i, sha256(i::text::bytea), 'pay'::oncepay_operation, 'POST', '/payments', 201, gen_random_uuid()::text, now() - interval '8 days', now() - interval '7 days'
            FROM generate_series(1, 42) i",
     )
     .execute(&pool)

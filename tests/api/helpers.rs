@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use oncepay::config::Settings;
 use oncepay::domain::{MissingKeyPolicy, OpeningBalance};
-use oncepay::startup::{AppState, Application};
+use oncepay::startup::Application;
+use oncepay::state::AppState;
 use reqwest::{Method, Response};
 use serde_json::Value;
 use sqlx::{Connection, Executor, PgPool};
@@ -152,11 +153,11 @@ pub fn client() -> reqwest::Client {
 }
 
 pub async fn new_tenant(pool: &PgPool, policy: MissingKeyPolicy) -> (Uuid, String) {
-    let balance = OpeningBalance::parse("b", &MAIN_BALANCE.into()).unwrap();
+    let balance = OpeningBalance::new(MAIN_BALANCE).unwrap();
     let created = oncepay::tenants::create(pool, "test", policy, balance)
         .await
         .expect("tenant created");
-    (created.tenant_id, created.api_key)
+    (created.tenant_id.get(), created.api_key)
 }
 
 /// A JSON answer: status, headers and parsed body.
@@ -230,6 +231,29 @@ impl TestApp {
     pub async fn pay(&self, key: Option<&str>, amount: i64) -> Answer {
         self.post("/payments", key, &serde_json::json!({ "amount": amount }))
             .await
+    }
+
+    pub async fn refund(&self, key: Option<&str>, payment_id: &str) -> Answer {
+        self.post(&format!("/payments/{payment_id}/refund"), key, &serde_json::json!({}))
+            .await
+    }
+
+    pub async fn deposit(&self, key: Option<&str>, account: &str, amount: i64) -> Answer {
+        self.post(
+            &format!("/accounts/{account}/deposits"),
+            key,
+            &serde_json::json!({ "amount": amount }),
+        )
+        .await
+    }
+
+    pub async fn transfer(&self, key: Option<&str>, from: &str, to: &str, amount: i64) -> Answer {
+        self.post(
+            "/transfers",
+            key,
+            &serde_json::json!({ "from": from, "to": to, "amount": amount }),
+        )
+        .await
     }
 
     /// The Prometheus exposition of this instance.

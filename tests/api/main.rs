@@ -23,6 +23,8 @@ mod operations;
 mod payments;
 mod policy;
 mod purge;
+mod replay_cache;
 mod security;
 mod tcp_relay;
 mod tenancy;
+mod transfers;

@@ -42,8 +42,8 @@ async fn own_database(hint: &str) -> (String, PgPool) {
 /// `n` key rows created `age` ago (and `young` rows created now), written directly.
 async fn fill_keys(pool: &PgPool, n: i64, age: &str, young: i64) {
     sqlx::query(&format!(
-        "INSERT INTO idempotency_keys (tenant_id, key, fingerprint, method, path, status, resource_id, created_at, expires_at)
-         SELECT gen_random_uuid(), 'k' || i, sha256(i::text::bytea), 'POST', '/payments', 201, gen_random_uuid()::text,
+        "INSERT INTO idempotency_keys (tenant_id, key, fingerprint, operation, method, path, status, resource_id, created_at, expires_at)
+         SELECT gen_random_uuid(), 'k' || i, sha256(i::text::bytea), 'pay'::oncepay_operation, 'POST', '/payments', 201, gen_random_uuid()::text,
                 CASE WHEN i <= $1 THEN now() - interval '{age}' ELSE now() END,
                 CASE WHEN i <= $1 THEN now() - interval '{age}' ELSE now() END + interval '1 day'
            FROM generate_series(1, $1 + $2) i"
@@ -152,6 +152,8 @@ async fn the_in_process_schedule_purges_everything_once_across_replicas() {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    // A few more ticks of both schedules: nothing is counted twice.
+    tokio::time::sleep(Duration::from_millis(500)).await;
 
     assert_eq!(
         purged(),

@@ -45,12 +45,12 @@ pub struct Tenant {
 /// A tenant whose `main` account can pay for everything a test sends.
 pub async fn tenant(pool: &PgPool) -> Tenant {
     let opening = oncepay::domain::MAX_AMOUNT;
-    let balance = OpeningBalance::parse("main_balance", &opening.into()).unwrap();
+    let balance = OpeningBalance::new(opening).unwrap();
     let created = oncepay::tenants::create(pool, "chaos", MissingKeyPolicy::Reject, balance)
         .await
         .expect("tenant created");
     Tenant {
-        id: created.tenant_id,
+        id: created.tenant_id.get(),
         api_key: created.api_key,
         opening,
     }

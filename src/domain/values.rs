@@ -1,6 +1,9 @@
 //! Values parsed at the edge: past it, an `Amount` or an `AccountId` is valid by type.
 
-use serde_json::Value;
+use std::fmt;
+
+use serde::de::{self, Deserializer, Visitor};
+use serde::Deserialize;
 
 /// The largest amount or balance the API accepts, in minor units.
 pub const MAX_AMOUNT: i64 = 1_000_000_000_000;
@@ -10,9 +13,8 @@ pub const MAX_AMOUNT: i64 = 1_000_000_000_000;
 pub struct Amount(i64);
 
 impl Amount {
-    /// Parses a JSON value: an integer (no fraction, no exponent) within 1 ..= 10^12.
-    pub fn parse(field: &str, value: &Value) -> Result<Self, String> {
-        parse_integer(field, value, 1).map(Self)
+    pub fn new(minor_units: i64) -> Result<Self, String> {
+        in_range(minor_units, 1).map(Self)
     }
 
     pub fn get(self) -> i64 {
@@ -25,8 +27,8 @@ impl Amount {
 pub struct OpeningBalance(i64);
 
 impl OpeningBalance {
-    pub fn parse(field: &str, value: &Value) -> Result<Self, String> {
-        parse_integer(field, value, 0).map(Self)
+    pub fn new(minor_units: i64) -> Result<Self, String> {
+        in_range(minor_units, 0).map(Self)
     }
 
     pub fn get(self) -> i64 {
@@ -34,16 +36,56 @@ impl OpeningBalance {
     }
 }
 
-fn parse_integer(field: &str, value: &Value, min: i64) -> Result<i64, String> {
-    // serde_json keeps `100` as an integer and `100.0` or `1e2` as a float, so a number that
-    // is not an i64 here was written with a fraction, an exponent, or is out of range.
-    match value.as_i64() {
-        Some(n) if (min..=MAX_AMOUNT).contains(&n) => Ok(n),
-        Some(_) => Err(format!("`{field}` must be between {min} and {MAX_AMOUNT}")),
-        None if value.is_number() => Err(format!(
-            "`{field}` must be an integer in minor units (no fraction or exponent), between {min} and {MAX_AMOUNT}"
-        )),
-        None => Err(format!("`{field}` must be an integer")),
+fn in_range(n: i64, min: i64) -> Result<i64, String> {
+    if (min..=MAX_AMOUNT).contains(&n) {
+        Ok(n)
+    } else {
+        Err(format!("must be between {min} and {MAX_AMOUNT}"))
+    }
+}
+
+/// Reads a JSON integer in minor units. The strict parser keeps `100` an integer and `100.0`
+/// or `1e2` a float, so a float here was written with a fraction or an exponent: refused.
+struct MinorUnits {
+    min: i64,
+}
+
+impl Visitor<'_> for MinorUnits {
+    type Value = i64;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "an integer in minor units (no fraction or exponent), between {} and {MAX_AMOUNT}",
+            self.min
+        )
+    }
+
+    fn visit_i64<E: de::Error>(self, n: i64) -> Result<i64, E> {
+        in_range(n, self.min).map_err(E::custom)
+    }
+
+    fn visit_u64<E: de::Error>(self, n: u64) -> Result<i64, E> {
+        self.visit_i64(i64::try_from(n).unwrap_or(i64::MAX))
+    }
+
+    fn visit_f64<E: de::Error>(self, _: f64) -> Result<i64, E> {
+        Err(E::custom(format!(
+            "must be an integer in minor units (no fraction or exponent), between {} and {MAX_AMOUNT}",
+            self.min
+        )))
+    }
+}
+
+impl<'de> Deserialize<'de> for Amount {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_i64(MinorUnits { min: 1 }).map(Self)
+    }
+}
+
+impl<'de> Deserialize<'de> for OpeningBalance {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_i64(MinorUnits { min: 0 }).map(Self)
     }
 }
 
@@ -66,13 +108,9 @@ impl AccountId {
         }
     }
 
-    /// Parses an optional JSON field, defaulting to `main`.
-    pub fn parse_field(field: &str, value: Option<&Value>) -> Result<Self, String> {
-        match value {
-            None => Ok(Self(Self::MAIN.to_owned())),
-            Some(Value::String(s)) => Self::parse(s),
-            Some(_) => Err(format!("`{field}` must be a string")),
-        }
+    /// The account every tenant gets at creation, and the default of a payment.
+    pub fn main() -> Self {
+        Self(Self::MAIN.to_owned())
     }
 
     pub fn as_str(&self) -> &str {
@@ -108,33 +146,35 @@ impl MissingKeyPolicy {
     }
 }
 
-/// Reads a JSON object body into its fields, refusing unknown ones.
-pub fn object_fields<'a>(body: &'a Value, known: &[&str]) -> Result<&'a serde_json::Map<String, Value>, String> {
-    let object = body.as_object().ok_or("the body must be a JSON object")?;
-    if let Some(unknown) = object.keys().find(|k| !known.contains(&k.as_str())) {
-        return Err(format!(
-            "unknown field `{unknown}`; expected one of: {}",
-            known.join(", ")
-        ));
+impl<'de> Deserialize<'de> for AccountId {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let raw = String::deserialize(deserializer)?;
+        Self::parse(&raw).map_err(de::Error::custom)
     }
-    Ok(object)
 }
 
-/// A required field of an object body.
-pub fn required<'a>(object: &'a serde_json::Map<String, Value>, field: &str) -> Result<&'a Value, String> {
-    object.get(field).ok_or_else(|| format!("missing field `{field}`"))
+impl serde::Serialize for AccountId {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(&self.0)
+    }
+}
+
+impl std::fmt::Display for AccountId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
-    use serde_json::json;
+    use serde_json::{json, Value};
 
     #[test]
     fn amounts_must_be_plain_integers_in_range() {
-        assert_eq!(Amount::parse("amount", &json!(1)).unwrap().get(), 1);
-        assert_eq!(Amount::parse("amount", &json!(MAX_AMOUNT)).unwrap().get(), MAX_AMOUNT);
+        assert_eq!(Amount::deserialize(&json!(1)).unwrap().get(), 1);
+        assert_eq!(Amount::deserialize(&json!(MAX_AMOUNT)).unwrap().get(), MAX_AMOUNT);
         for bad in [
             json!(0),
             json!(-5),
@@ -143,13 +183,13 @@ mod tests {
             json!("100"),
             json!(null),
         ] {
-            assert!(Amount::parse("amount", &bad).is_err(), "{bad} accepted");
+            assert!(Amount::deserialize(&bad).is_err(), "{bad} accepted");
         }
         let float: Value = serde_json::from_str("100.0").unwrap();
         let exponent: Value = serde_json::from_str("1e2").unwrap();
-        assert!(Amount::parse("amount", &float).is_err());
-        assert!(Amount::parse("amount", &exponent).is_err());
-        assert_eq!(OpeningBalance::parse("balance", &json!(0)).unwrap().get(), 0);
+        assert!(Amount::deserialize(&float).is_err());
+        assert!(Amount::deserialize(&exponent).is_err());
+        assert_eq!(OpeningBalance::deserialize(&json!(0)).unwrap().get(), 0);
     }
 
     proptest! {
@@ -171,7 +211,7 @@ mod tests {
 
         #[test]
         fn every_integer_in_range_is_an_amount(n in 1i64..=MAX_AMOUNT) {
-            prop_assert_eq!(Amount::parse("amount", &json!(n)).unwrap().get(), n);
+            prop_assert_eq!(Amount::deserialize(&json!(n)).unwrap().get(), n);
         }
 
         /// Only the plain integer spelling is an amount: the same number with a fraction, an
@@ -179,17 +219,17 @@ mod tests {
         #[test]
         fn only_the_plain_spelling_of_an_amount_is_accepted(n in 1i64..=MAX_AMOUNT) {
             let plain: Value = serde_json::from_str(&n.to_string()).unwrap();
-            prop_assert_eq!(Amount::parse("amount", &plain).unwrap().get(), n);
+            prop_assert_eq!(Amount::deserialize(&plain).unwrap().get(), n);
             for spelling in [format!("{n}.0"), format!("{n}e0"), format!("{n}0e-1"), format!("{n}.000"), format!("\"{n}\"")] {
                 let value: Value = serde_json::from_str(&spelling).unwrap();
-                prop_assert!(Amount::parse("amount", &value).is_err(), "{} accepted", spelling);
-                prop_assert!(OpeningBalance::parse("balance", &value).is_err(), "{} accepted", spelling);
+                prop_assert!(Amount::deserialize(&value).is_err(), "{} accepted", spelling);
+                prop_assert!(OpeningBalance::deserialize(&value).is_err(), "{} accepted", spelling);
             }
         }
 
         #[test]
         fn integers_out_of_range_are_refused(n in prop_oneof![i64::MIN..=0i64, (MAX_AMOUNT + 1)..=i64::MAX]) {
-            prop_assert!(Amount::parse("amount", &json!(n)).is_err());
+            prop_assert!(Amount::deserialize(&json!(n)).is_err());
         }
     }
 }

@@ -1,0 +1,8 @@
+//! Values parsed at the edge: past it, an `Amount`, an `AccountId` or a `TenantId` is valid
+//! by type. The bottom layer: it knows neither HTTP nor the database layer.
+
+mod ids;
+mod values;
+
+pub use ids::{DepositId, PaymentId, TenantId, TransferId};
+pub use values::{AccountId, Amount, MissingKeyPolicy, OpeningBalance, MAX_AMOUNT};

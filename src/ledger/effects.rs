@@ -1,0 +1,199 @@
+//! One [`Effect`] per operation: its input, its SQL function, the row it answers with.
+
+use std::future::Future;
+
+use sqlx::PgConnection;
+
+use super::rows::{AccountRow, DepositRow, PaymentRow, TransferRow};
+use super::{settle, ClaimArgs, Outcome};
+use crate::domain::{AccountId, Amount, OpeningBalance, PaymentId, TenantId};
+use crate::operation::{ClaimOutcome, Decline, Operation};
+
+/// An operation's effect: one call of its SQL function, which claims the key, applies the
+/// effect and answers with the resource's row, in one transaction.
+pub trait Effect: Send + Sync {
+    const OPERATION: Operation;
+    /// The row the answer is rebuilt from.
+    type Row: Send;
+
+    fn run(
+        &self,
+        conn: &mut PgConnection,
+        tenant: TenantId,
+        claim: &ClaimArgs,
+    ) -> impl Future<Output = Result<Outcome<Self::Row>, sqlx::Error>> + Send;
+}
+
+/// Charges `amount` to `account`.
+#[derive(Clone, Debug)]
+pub struct Pay {
+    pub account: AccountId,
+    pub amount: Amount,
+}
+
+impl Effect for Pay {
+    const OPERATION: Operation = Operation::Pay;
+    type Row = PaymentRow;
+
+    async fn run(
+        &self,
+        conn: &mut PgConnection,
+        tenant: TenantId,
+        claim: &ClaimArgs,
+    ) -> Result<Outcome<PaymentRow>, sqlx::Error> {
+        let r = sqlx::query!(
+            r#"SELECT outcome AS "outcome!: ClaimOutcome", decline AS "decline: Decline", expires_at,
+                      resource AS "resource: PaymentRow"
+               FROM oncepay_pay($1, $2, $3, $4)"#,
+            tenant.get(),
+            claim as _,
+            self.account.as_str(),
+            self.amount.get(),
+        )
+        .fetch_one(conn)
+        .await?;
+        settle(r.outcome, r.decline, r.expires_at, r.resource)
+    }
+}
+
+/// Refunds a whole payment.
+#[derive(Clone, Debug)]
+pub struct Refund {
+    pub payment: PaymentId,
+}
+
+impl Effect for Refund {
+    const OPERATION: Operation = Operation::Refund;
+    type Row = PaymentRow;
+
+    async fn run(
+        &self,
+        conn: &mut PgConnection,
+        tenant: TenantId,
+        claim: &ClaimArgs,
+    ) -> Result<Outcome<PaymentRow>, sqlx::Error> {
+        let r = sqlx::query!(
+            r#"SELECT outcome AS "outcome!: ClaimOutcome", decline AS "decline: Decline", expires_at,
+                      resource AS "resource: PaymentRow"
+               FROM oncepay_refund($1, $2, $3)"#,
+            tenant.get(),
+            claim as _,
+            self.payment.get(),
+        )
+        .fetch_one(conn)
+        .await?;
+        settle(r.outcome, r.decline, r.expires_at, r.resource)
+    }
+}
+
+/// Credits `amount` to `account`.
+#[derive(Clone, Debug)]
+pub struct Deposit {
+    pub account: AccountId,
+    pub amount: Amount,
+}
+
+impl Effect for Deposit {
+    const OPERATION: Operation = Operation::Deposit;
+    type Row = DepositRow;
+
+    async fn run(
+        &self,
+        conn: &mut PgConnection,
+        tenant: TenantId,
+        claim: &ClaimArgs,
+    ) -> Result<Outcome<DepositRow>, sqlx::Error> {
+        let r = sqlx::query!(
+            r#"SELECT outcome AS "outcome!: ClaimOutcome", decline AS "decline: Decline", expires_at,
+                      resource AS "resource: DepositRow"
+               FROM oncepay_deposit($1, $2, $3, $4)"#,
+            tenant.get(),
+            claim as _,
+            self.account.as_str(),
+            self.amount.get(),
+        )
+        .fetch_one(conn)
+        .await?;
+        settle(r.outcome, r.decline, r.expires_at, r.resource)
+    }
+}
+
+/// Opens `account` with an opening balance.
+#[derive(Clone, Debug)]
+pub struct OpenAccount {
+    pub account: AccountId,
+    pub balance: OpeningBalance,
+}
+
+impl Effect for OpenAccount {
+    const OPERATION: Operation = Operation::OpenAccount;
+    type Row = AccountRow;
+
+    async fn run(
+        &self,
+        conn: &mut PgConnection,
+        tenant: TenantId,
+        claim: &ClaimArgs,
+    ) -> Result<Outcome<AccountRow>, sqlx::Error> {
+        let r = sqlx::query!(
+            r#"SELECT outcome AS "outcome!: ClaimOutcome", decline AS "decline: Decline", expires_at,
+                      resource AS "resource: AccountRow"
+               FROM oncepay_open_account($1, $2, $3, $4)"#,
+            tenant.get(),
+            claim as _,
+            self.account.as_str(),
+            self.balance.get(),
+        )
+        .fetch_one(conn)
+        .await?;
+        settle(r.outcome, r.decline, r.expires_at, r.resource)
+    }
+}
+
+/// Moves `amount` from one account of the tenant to another; built only with two different
+/// accounts.
+#[derive(Clone, Debug)]
+pub struct Transfer {
+    from: AccountId,
+    to: AccountId,
+    amount: Amount,
+}
+
+/// A transfer from an account to itself.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SameAccount;
+
+impl Transfer {
+    pub fn new(from: AccountId, to: AccountId, amount: Amount) -> Result<Self, SameAccount> {
+        if from == to {
+            return Err(SameAccount);
+        }
+        Ok(Self { from, to, amount })
+    }
+}
+
+impl Effect for Transfer {
+    const OPERATION: Operation = Operation::Transfer;
+    type Row = TransferRow;
+
+    async fn run(
+        &self,
+        conn: &mut PgConnection,
+        tenant: TenantId,
+        claim: &ClaimArgs,
+    ) -> Result<Outcome<TransferRow>, sqlx::Error> {
+        let r = sqlx::query!(
+            r#"SELECT outcome AS "outcome!: ClaimOutcome", decline AS "decline: Decline", expires_at,
+                      resource AS "resource: TransferRow"
+               FROM oncepay_transfer($1, $2, $3, $4, $5)"#,
+            tenant.get(),
+            claim as _,
+            self.from.as_str(),
+            self.to.as_str(),
+            self.amount.get(),
+        )
+        .fetch_one(conn)
+        .await?;
+        settle(r.outcome, r.decline, r.expires_at, r.resource)
+    }
+}

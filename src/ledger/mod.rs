@@ -1,0 +1,113 @@
+//! Money movements: each operation is one call of its SQL function (migrations/V4), which
+//! claims the idempotency key and applies the effect in one transaction, and answers with the
+//! resource's row. SQL over `&mut PgConnection`, no HTTP types.
+//!
+//! [`ClaimArgs`] carries what Rust owns (the operation table's entry, the key, the windows);
+//! [`settle`] is the one place a function's `(outcome, decline, resource)` becomes an
+//! [`Outcome`], for every operation.
+
+mod effects;
+mod reads;
+mod rows;
+
+use chrono::{DateTime, Utc};
+
+pub use effects::{Deposit, Effect, OpenAccount, Pay, Refund, SameAccount, Transfer};
+pub use reads::{balance, payment_state, transfer};
+pub use rows::{AccountRow, DepositRow, PaymentRow, TransferRow};
+
+use crate::idempotency::Claim;
+use crate::operation::{ClaimOutcome, Decline, Spec};
+
+/// What the claim of one request tells its SQL function (PostgreSQL `oncepay_claim_args`).
+#[derive(Debug, sqlx::Type)]
+#[sqlx(type_name = "oncepay_claim_args")]
+pub struct ClaimArgs {
+    key: Option<String>,
+    derived: bool,
+    fingerprint: Option<Vec<u8>>,
+    operation: crate::operation::Operation,
+    method: String,
+    path: String,
+    window_secs: i32,
+    inflight_wait_ms: i32,
+    success_status: i16,
+    decline_statuses: serde_json::Value,
+}
+
+impl ClaimArgs {
+    /// `claim` is `None` for a keyless request under policy `allow`; `path` is the canonical
+    /// path with its parameters filled in.
+    pub fn new(spec: &Spec, path: String, claim: Option<&Claim>, inflight_wait: std::time::Duration) -> Self {
+        Self {
+            key: claim.map(|c| c.key.clone()),
+            derived: claim.is_some_and(|c| c.derived),
+            fingerprint: claim.map(|c| c.fingerprint.to_vec()),
+            operation: spec.operation,
+            method: spec.method.to_owned(),
+            path,
+            window_secs: claim.map_or(0, Claim::window_secs),
+            inflight_wait_ms: i32::try_from(inflight_wait.as_millis()).unwrap_or(i32::MAX),
+            success_status: i16::try_from(spec.success_status).unwrap_or(i16::MAX),
+            decline_statuses: spec.decline_statuses(),
+        }
+    }
+}
+
+/// The answer of an operation that was not refused.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Reply<T> {
+    /// Processed by this request.
+    New(T),
+    /// The stored result of an earlier request with the same key.
+    Replayed(T),
+}
+
+/// Why an operation produced no resource.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    Declined { decline: Decline, replayed: bool },
+    KeyReused,
+    KeyExpired,
+}
+
+/// A reply, with the moment its key stops replaying (`None` without a key).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Outcome<T> {
+    pub result: Result<Reply<T>, Refusal>,
+    pub expires_at: Option<DateTime<Utc>>,
+}
+
+/// Turns a function's `(outcome, decline, resource)` into an [`Outcome`]; a combination the
+/// SQL never produces is a decode error (a bug), not an answer.
+pub fn settle<R>(
+    outcome: ClaimOutcome,
+    decline: Option<Decline>,
+    expires_at: Option<DateTime<Utc>>,
+    resource: Option<R>,
+) -> Result<Outcome<R>, sqlx::Error> {
+    let result = match (outcome, decline, resource) {
+        (ClaimOutcome::Created, None, Some(r)) => Ok(Reply::New(r)),
+        (ClaimOutcome::Replayed, None, Some(r)) => Ok(Reply::Replayed(r)),
+        (ClaimOutcome::Replayed, Some(decline), None) => Err(Refusal::Declined {
+            decline,
+            replayed: true,
+        }),
+        (ClaimOutcome::Declined, Some(decline), None) => Err(Refusal::Declined {
+            decline,
+            replayed: false,
+        }),
+        (ClaimOutcome::KeyReused, None, None) => Err(Refusal::KeyReused),
+        (ClaimOutcome::Expired, None, None) => Err(Refusal::KeyExpired),
+        (outcome, decline, resource) => {
+            return Err(sqlx::Error::Decode(
+                format!(
+                    "impossible result: {outcome:?}, decline {decline:?}, resource present: {}",
+                    resource.is_some()
+                )
+                .into(),
+            ))
+        }
+    };
+    Ok(Outcome { result, expires_at })
+}

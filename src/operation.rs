@@ -1,0 +1,248 @@
+//! The operation table: every idempotent operation of the API, described once.
+//!
+//! An entry is the single source of an operation's identity (method, canonical path, success
+//! status) and of the deterministic failures it can store and replay (its declines, each with
+//! its status and problem code). The SQL functions receive these values as parameters
+//! (`ledger::ClaimArgs`); the HTTP pipeline (`routes::pipeline`), the OpenAPI document, the
+//! audit and the tests all read them from here. The enum types below are PostgreSQL enums
+//! (migrations/V4) mapped with `sqlx::Type`; a test checks both sides name the same labels.
+//!
+//! Adding an operation: a variant and its [`Spec`] here, its SQL function, a
+//! `ledger::Effect` and a `routes::pipeline::Endpoint` (ARCHITECTURE.md walks through it).
+
+/// An idempotent operation (PostgreSQL `oncepay_operation`, stored with each key).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, sqlx::Type)]
+#[sqlx(type_name = "oncepay_operation", rename_all = "snake_case")]
+pub enum Operation {
+    Pay,
+    Refund,
+    Deposit,
+    OpenAccount,
+    Transfer,
+}
+
+/// A deterministic failure (PostgreSQL `oncepay_decline`): stored with the key and replayed
+/// like a success. Its label is its problem `code`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, sqlx::Type)]
+#[sqlx(type_name = "oncepay_decline", rename_all = "snake_case")]
+pub enum Decline {
+    InsufficientFunds,
+    AccountNotFound,
+    NotFound,
+    AlreadyRefunded,
+    AccountExists,
+}
+
+/// What a claim found (PostgreSQL `oncepay_outcome`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, sqlx::Type)]
+#[sqlx(type_name = "oncepay_outcome", rename_all = "snake_case")]
+pub enum ClaimOutcome {
+    /// The key was new (or absent under policy `allow`): the effect ran.
+    Created,
+    /// The key was finished: the stored result answers.
+    Replayed,
+    /// The key was new and the effect declined: the decline is stored.
+    Declined,
+    /// The key was used with another fingerprint.
+    KeyReused,
+    /// The key's replay window has passed.
+    Expired,
+}
+
+/// One row of the operation table.
+#[derive(Debug)]
+pub struct Spec {
+    pub operation: Operation,
+    /// Stable name of the operation in the OpenAPI document and logs.
+    pub name: &'static str,
+    pub method: &'static str,
+    /// The canonical path (a route template: `{id}` is a path parameter). Fingerprints and
+    /// key rows use it with the parameters filled in.
+    pub path: &'static str,
+    /// Other paths serving the same operation (fingerprinted as `path`).
+    pub aliases: &'static [&'static str],
+    pub success_status: u16,
+    /// The declines the operation can store, in the order its SQL tries them.
+    pub declines: &'static [Decline],
+    pub summary: &'static str,
+    pub tag: &'static str,
+}
+
+const PAY: Spec = Spec {
+    operation: Operation::Pay,
+    name: "create_payment",
+    method: "POST",
+    path: "/payments",
+    aliases: &["/pay"],
+    success_status: 201,
+    declines: &[Decline::InsufficientFunds, Decline::AccountNotFound],
+    summary: "Charges an account, at most once per `Idempotency-Key` (`POST /pay` is an alias).",
+    tag: "payments",
+};
+
+const REFUND: Spec = Spec {
+    operation: Operation::Refund,
+    name: "refund_payment",
+    method: "POST",
+    path: "/payments/{id}/refund",
+    aliases: &[],
+    success_status: 200,
+    declines: &[Decline::NotFound, Decline::AlreadyRefunded],
+    summary: "Refunds a whole payment, at most once.",
+    tag: "payments",
+};
+
+const DEPOSIT: Spec = Spec {
+    operation: Operation::Deposit,
+    name: "create_deposit",
+    method: "POST",
+    path: "/accounts/{id}/deposits",
+    aliases: &[],
+    success_status: 201,
+    declines: &[Decline::AccountNotFound],
+    summary: "Credits an account, at most once per `Idempotency-Key`.",
+    tag: "accounts",
+};
+
+const OPEN_ACCOUNT: Spec = Spec {
+    operation: Operation::OpenAccount,
+    name: "create_account",
+    method: "POST",
+    path: "/accounts",
+    aliases: &[],
+    success_status: 201,
+    declines: &[Decline::AccountExists],
+    summary: "Opens an account, at most once per `Idempotency-Key`.",
+    tag: "accounts",
+};
+
+const TRANSFER: Spec = Spec {
+    operation: Operation::Transfer,
+    name: "create_transfer",
+    method: "POST",
+    path: "/transfers",
+    aliases: &[],
+    success_status: 201,
+    declines: &[Decline::InsufficientFunds, Decline::AccountNotFound],
+    summary: "Moves an amount between two accounts of the tenant, atomically, at most once per `Idempotency-Key`.",
+    tag: "transfers",
+};
+
+impl Operation {
+    pub const ALL: [Self; 5] = [
+        Self::Pay,
+        Self::Refund,
+        Self::Deposit,
+        Self::OpenAccount,
+        Self::Transfer,
+    ];
+
+    pub const fn spec(self) -> &'static Spec {
+        match self {
+            Self::Pay => &PAY,
+            Self::Refund => &REFUND,
+            Self::Deposit => &DEPOSIT,
+            Self::OpenAccount => &OPEN_ACCOUNT,
+            Self::Transfer => &TRANSFER,
+        }
+    }
+}
+
+impl Decline {
+    pub const ALL: [Self; 5] = [
+        Self::InsufficientFunds,
+        Self::AccountNotFound,
+        Self::NotFound,
+        Self::AlreadyRefunded,
+        Self::AccountExists,
+    ];
+
+    /// The problem `code`, which is also the PostgreSQL enum label.
+    pub const fn code(self) -> &'static str {
+        match self {
+            Self::InsufficientFunds => "insufficient_funds",
+            Self::AccountNotFound => "account_not_found",
+            Self::NotFound => "not_found",
+            Self::AlreadyRefunded => "already_refunded",
+            Self::AccountExists => "account_exists",
+        }
+    }
+
+    /// The HTTP status this decline is answered with (stored with the key).
+    pub const fn status(self) -> u16 {
+        match self {
+            Self::InsufficientFunds => 402,
+            Self::AccountNotFound | Self::NotFound => 404,
+            Self::AlreadyRefunded | Self::AccountExists => 409,
+        }
+    }
+
+    pub const fn title(self) -> &'static str {
+        match self {
+            Self::InsufficientFunds => "Insufficient funds",
+            Self::AccountNotFound => "Account not found",
+            Self::NotFound => "Not found",
+            Self::AlreadyRefunded => "Already refunded",
+            Self::AccountExists => "Account exists",
+        }
+    }
+
+    pub const fn detail(self) -> &'static str {
+        match self {
+            Self::InsufficientFunds => "the account's balance is lower than the amount",
+            Self::AccountNotFound => "no such account",
+            Self::NotFound => "no such payment",
+            Self::AlreadyRefunded => "the payment was already refunded",
+            Self::AccountExists => "an account with this id already exists",
+        }
+    }
+}
+
+impl Spec {
+    /// `{"<decline code>": <status>}` for this operation's declines, as the SQL reads it.
+    pub fn decline_statuses(&self) -> serde_json::Value {
+        self.declines
+            .iter()
+            .map(|d| (d.code().to_owned(), serde_json::Value::from(d.status())))
+            .collect::<serde_json::Map<_, _>>()
+            .into()
+    }
+
+    /// The canonical path with its `{id}` filled in.
+    pub fn path_with(&self, id: &str) -> String {
+        self.path.replace("{id}", id)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_operation_is_described_by_its_own_entry() {
+        for op in Operation::ALL {
+            assert_eq!(op.spec().operation, op);
+        }
+        let mut names: Vec<_> = Operation::ALL.iter().map(|op| op.spec().name).collect();
+        names.dedup();
+        assert_eq!(names.len(), Operation::ALL.len());
+    }
+
+    #[test]
+    fn declines_are_client_errors_with_their_statuses_in_the_sql_map() {
+        for op in Operation::ALL {
+            let map = op.spec().decline_statuses();
+            for d in op.spec().declines {
+                assert!((400..500).contains(&d.status()));
+                assert_eq!(map[d.code()], d.status());
+            }
+            assert_eq!(map.as_object().unwrap().len(), op.spec().declines.len());
+        }
+    }
+
+    #[test]
+    fn path_templates_are_filled_in() {
+        assert_eq!(Operation::Refund.spec().path_with("abc"), "/payments/abc/refund");
+        assert_eq!(Operation::Pay.spec().path_with("abc"), "/payments");
+    }
+}

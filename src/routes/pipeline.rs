@@ -1,0 +1,188 @@
+//! The one pipeline of every idempotent operation (see `crate::idempotency` for the
+//! protocol): intake (authentication, body size and type, the key, the body), claim and
+//! effect (one SQL call), respond. An operation plugs in as an [`Endpoint`]: its body and
+//! answer types, how it builds its effect, how it renders the row it gets back. Everything
+//! else (method, path, statuses, declines) comes from its entry in `crate::operation`.
+
+use actix_web::http::{header, StatusCode};
+use actix_web::web::Bytes;
+use actix_web::{web, HttpRequest, HttpResponse};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use utoipa::ToSchema;
+
+use super::intake::{parse_body, read_body, EmptyBody};
+use crate::error::{ApiError, REPLAYED_HEADER};
+use crate::idempotency::cache::{Finished, Lookup};
+use crate::idempotency::{self, Claim, IdempotencyKey};
+use crate::ledger::{ClaimArgs, Effect, Outcome, Refusal, Reply};
+use crate::operation::Spec;
+use crate::state::{AppState, CachedAnswer};
+use crate::telemetry::RequestOutcome;
+use crate::tenants::Tenant;
+
+/// An operation as the HTTP edge sees it.
+pub trait Endpoint: 'static {
+    type Effect: Effect;
+    /// The request body, exactly as documented (deserialised after the strict JSON parse).
+    type In: DeserializeOwned + ToSchema;
+    /// The answer's body.
+    type Out: Serialize + ToSchema;
+    /// Whether an empty body means `{}`.
+    const EMPTY_BODY: EmptyBody = EmptyBody::Refused;
+
+    /// Builds the effect from the path and the body, and gives the value of the canonical
+    /// path's `{id}`, if it has one.
+    fn effect(req: &HttpRequest, body: Self::In) -> Result<(Self::Effect, Option<String>), ApiError>;
+
+    /// Rebuilds the answer from the row the SQL function returned.
+    fn render(row: <Self::Effect as Effect>::Row) -> Result<Self::Out, ApiError>;
+
+    /// The `Location` of the created resource, if the operation creates one.
+    fn location(_out: &Self::Out) -> Option<String> {
+        None
+    }
+}
+
+pub fn spec<E: Endpoint>() -> &'static Spec {
+    <E::Effect as Effect>::OPERATION.spec()
+}
+
+/// Registers the operation's canonical path and its aliases.
+pub fn route<E: Endpoint>(cfg: &mut web::ServiceConfig) {
+    let spec = spec::<E>();
+    for path in std::iter::once(&spec.path).chain(spec.aliases) {
+        cfg.route(
+            path,
+            web::method(spec.method.parse().expect("a valid method")).to(handle::<E>),
+        );
+    }
+}
+
+async fn handle<E: Endpoint>(
+    req: HttpRequest,
+    payload: web::Payload,
+    state: web::Data<AppState>,
+) -> Result<HttpResponse, ApiError> {
+    let spec = spec::<E>();
+    let tenant = crate::auth::tenant(&req, &state.pool, &state.tenants).await?;
+    let bytes = read_body(&req, payload, state.settings.max_body_bytes).await?;
+    let key = IdempotencyKey::from_headers(req.headers()).map_err(ApiError::InvalidIdempotencyKey)?;
+    let key = idempotency::key_or_policy(key, tenant.policy)?;
+    let (body, input) = parse_body::<E::In>(&bytes, E::EMPTY_BODY)?;
+    let (effect, id) = E::effect(&req, input)?;
+
+    let path = id.map_or_else(|| spec.path.to_owned(), |id| spec.path_with(&id));
+    let fingerprint = idempotency::fingerprint(spec.method, &path, &body);
+    let claim = idempotency::claim_for(key, tenant.policy, fingerprint, state.windows());
+    if claim.is_none() {
+        tracing::warn!(tenant = %tenant.id, path, "keyless request processed without idempotency protection (policy allow)");
+    }
+    if let Some(claim) = &claim {
+        if let Some(answer) = cached(&state, &tenant, claim) {
+            return answer;
+        }
+    }
+    let args = ClaimArgs::new(spec, path, claim.as_ref(), state.settings.inflight_wait);
+
+    let mut conn = state.conn().await?;
+    let result = effect.run(&mut conn, tenant.id, &args).await;
+    let outcome = conn.discard_if_broken(result)?;
+    let expires_at = outcome.expires_at;
+    let (answer, finished) = respond::<E>(spec, outcome, claim.is_some())?;
+    if let (Some(claim), Some(expires_at), Some(value)) = (&claim, expires_at, finished) {
+        let finished = Finished {
+            fingerprint: claim.fingerprint,
+            expires_at,
+            value,
+        };
+        state.replays.insert(tenant.id, &claim.key, finished);
+        state.metrics.replay_cache_entries.set(state.replays.len() as i64);
+    }
+    answer
+}
+
+/// The answer from this process's replay cache, if it knows the key (`None`: ask the
+/// database).
+fn cached(state: &AppState, tenant: &Tenant, claim: &Claim) -> Option<Result<HttpResponse, ApiError>> {
+    let hit = match state.replays.lookup(tenant.id, &claim.key, &claim.fingerprint) {
+        Lookup::Miss => {
+            state.metrics.replay_cache_misses.inc();
+            return None;
+        }
+        Lookup::Reused => Err(ApiError::KeyReused),
+        Lookup::Replay(finished) => match &finished.value {
+            CachedAnswer::Declined(decline) => Err(ApiError::Declined {
+                decline: *decline,
+                replayed: true,
+            }),
+            CachedAnswer::Success { status, body, location } => {
+                let mut response = HttpResponse::build(*status);
+                response.insert_header((REPLAYED_HEADER, "true"));
+                if let Some(location) = location {
+                    response.insert_header((header::LOCATION, location.as_str()));
+                }
+                let mut response = response.content_type(mime::APPLICATION_JSON).body(body.clone());
+                response.extensions_mut().insert(RequestOutcome("replayed"));
+                Ok(response)
+            }
+        },
+    };
+    state.metrics.replay_cache_hits.inc();
+    Some(hit)
+}
+
+/// Answers an outcome: the success status and body, marked as a replay when it is one;
+/// `keyed` tells a keyless (`allow`) request apart in logs and metrics. Also gives what the
+/// replay cache may keep of it (a finished result: a success or a stored decline).
+fn respond<E: Endpoint>(
+    spec: &Spec,
+    outcome: Outcome<<E::Effect as Effect>::Row>,
+    keyed: bool,
+) -> Result<(Result<HttpResponse, ApiError>, Option<CachedAnswer>), ApiError> {
+    let (row, replayed) = match outcome.result {
+        Ok(Reply::New(row)) => (row, false),
+        Ok(Reply::Replayed(row)) => (row, true),
+        Err(Refusal::Declined { decline, replayed }) => {
+            return Ok((
+                Err(ApiError::Declined { decline, replayed }),
+                Some(CachedAnswer::Declined(decline)),
+            ))
+        }
+        Err(refusal) => return Ok((Err(refusal.into()), None)),
+    };
+    let out = E::render(row)?;
+    let status = StatusCode::from_u16(spec.success_status).expect("the table holds valid statuses");
+    let location = E::location(&out);
+    let body = Bytes::from(serde_json::to_vec(&out).map_err(|e| ApiError::Internal(e.into()))?);
+    let mut response = HttpResponse::build(status);
+    if keyed {
+        response.insert_header((REPLAYED_HEADER, if replayed { "true" } else { "false" }));
+    }
+    if let Some(location) = &location {
+        response.insert_header((header::LOCATION, location.as_str()));
+    }
+    let mut response = response.content_type(mime::APPLICATION_JSON).body(body.clone());
+    let label = match (replayed, keyed) {
+        (true, _) => "replayed",
+        (false, true) => "created",
+        (false, false) => "keyless",
+    };
+    response.extensions_mut().insert(RequestOutcome(label));
+    Ok((Ok(response), Some(CachedAnswer::Success { status, body, location })))
+}
+
+impl From<Refusal> for ApiError {
+    fn from(refusal: Refusal) -> Self {
+        match refusal {
+            Refusal::Declined { decline, replayed } => ApiError::Declined { decline, replayed },
+            Refusal::KeyReused => ApiError::KeyReused,
+            Refusal::KeyExpired => ApiError::KeyExpired,
+        }
+    }
+}
+
+/// A row that contradicts its operation's answer (a bug, logged once as a 500).
+pub fn corrupt(what: &str) -> ApiError {
+    ApiError::Internal(anyhow::anyhow!("corrupt row: {what}"))
+}

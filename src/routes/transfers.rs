@@ -1,0 +1,110 @@
+//! `POST /transfers`, `GET /transfers/{id}`.
+
+use actix_web::{web, HttpRequest, HttpResponse};
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+use super::pipeline::{route, Endpoint};
+use super::schemas::{NotFound, Overloaded, Unauthorized, Unavailable};
+use crate::domain::{AccountId, Amount, TransferId};
+use crate::error::ApiError;
+use crate::ledger::{self, TransferRow};
+use crate::state::AppState;
+
+pub fn configure(cfg: &mut web::ServiceConfig) {
+    route::<CreateTransfer>(cfg);
+    cfg.route("/transfers/{id}", web::get().to(show));
+}
+
+/// Body of `POST /transfers`: two different accounts of the tenant.
+#[derive(Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct TransferIn {
+    pub from: AccountId,
+    pub to: AccountId,
+    pub amount: Amount,
+}
+
+/// A new transfer, as of its creation (a replay answers the same values).
+#[derive(Serialize, ToSchema)]
+pub struct TransferOut {
+    id: TransferId,
+    from: String,
+    to: String,
+    amount: i64,
+    /// The balance of `from` right after this transfer.
+    from_balance: i64,
+    /// The balance of `to` right after this transfer.
+    to_balance: i64,
+    created_at: DateTime<Utc>,
+}
+
+/// A transfer (transfers never change).
+#[derive(Serialize, ToSchema)]
+struct TransferStateOut {
+    id: TransferId,
+    from: String,
+    to: String,
+    amount: i64,
+    created_at: DateTime<Utc>,
+}
+
+pub struct CreateTransfer;
+
+impl Endpoint for CreateTransfer {
+    type Effect = ledger::Transfer;
+    type In = TransferIn;
+    type Out = TransferOut;
+
+    fn effect(_: &HttpRequest, body: TransferIn) -> Result<(ledger::Transfer, Option<String>), ApiError> {
+        let transfer = ledger::Transfer::new(body.from, body.to, body.amount)
+            .map_err(|_| ApiError::InvalidRequest("`from` and `to` must be different accounts".to_owned()))?;
+        Ok((transfer, None))
+    }
+
+    fn render(t: TransferRow) -> Result<TransferOut, ApiError> {
+        Ok(TransferOut {
+            id: TransferId::from_uuid(t.transfer_id),
+            from: t.from_account_id,
+            to: t.to_account_id,
+            amount: t.amount,
+            from_balance: t.from_balance_after,
+            to_balance: t.to_balance_after,
+            created_at: t.created_at,
+        })
+    }
+
+    fn location(out: &TransferOut) -> Option<String> {
+        Some(format!("/transfers/{}", out.id))
+    }
+}
+
+/// A transfer.
+#[utoipa::path(
+    get, path = "/transfers/{id}", tag = "transfers", operation_id = "get_transfer", security(("api_key" = [])),
+    params(("id" = TransferId, Path, description = "The transfer's id; another tenant's answers 404.")),
+    responses(
+        (status = 200, description = "The transfer.", body = TransferStateOut),
+        (status = 401, response = Unauthorized), (status = 404, response = NotFound),
+        (status = 429, response = Overloaded), (status = 503, response = Unavailable),
+    )
+)]
+pub(super) async fn show(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+    let tenant = crate::auth::tenant(&req, &state.pool, &state.tenants).await?;
+    let id = req
+        .match_info()
+        .get("id")
+        .and_then(TransferId::parse)
+        .ok_or(ApiError::NotFound)?;
+    let mut conn = state.conn().await?;
+    let result = ledger::transfer(&mut conn, tenant.id, id).await;
+    let t = conn.discard_if_broken(result)?.ok_or(ApiError::NotFound)?;
+    Ok(HttpResponse::Ok().json(TransferStateOut {
+        id,
+        from: t.from_account_id,
+        to: t.to_account_id,
+        amount: t.amount,
+        created_at: t.created_at,
+    }))
+}

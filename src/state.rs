@@ -1,0 +1,81 @@
+//! What every handler shares: the pool, the settings, the tenant cache and the metrics.
+
+use actix_web::http::StatusCode;
+use actix_web::web::Bytes;
+use prometheus::IntGauge;
+use sqlx::PgPool;
+
+use crate::auth::TenantCache;
+use crate::config::Settings;
+use crate::db::{self, Conn, DbError};
+use crate::idempotency::cache::ReplayCache;
+use crate::idempotency::Windows;
+use crate::metrics::Metrics;
+use crate::operation::Decline;
+
+pub struct AppState {
+    pub pool: PgPool,
+    pub settings: Settings,
+    pub tenants: TenantCache,
+    pub metrics: Metrics,
+    /// Finished results this process answers replays from (`ONCEPAY_REPLAY_CACHE_ENTRIES`).
+    pub replays: ReplayCache<CachedAnswer>,
+}
+
+/// A finished result as the replay cache keeps it: the answer, as the database's replay
+/// would rebuild it.
+#[derive(Debug)]
+pub enum CachedAnswer {
+    Success {
+        status: StatusCode,
+        body: Bytes,
+        location: Option<String>,
+    },
+    Declined(Decline),
+}
+
+impl AppState {
+    /// A pooled connection, counted in `oncepay_db_pool_waiting` while it is awaited (also
+    /// when the waiting handler is cancelled: the count is held by a guard).
+    pub async fn conn(&self) -> Result<Conn, DbError> {
+        let _waiting = Waiting::new(&self.metrics.pool_waiting);
+        db::acquire(&self.pool).await
+    }
+
+    pub fn windows(&self) -> Windows {
+        Windows {
+            replay: self.settings.replay_window,
+            fingerprint: self.settings.fingerprint_window,
+        }
+    }
+}
+
+/// Counts one waiter in a gauge for as long as it lives.
+struct Waiting<'a>(&'a IntGauge);
+
+impl<'a> Waiting<'a> {
+    fn new(gauge: &'a IntGauge) -> Self {
+        gauge.inc();
+        Self(gauge)
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_dropped_waiter_is_uncounted() {
+        let gauge = IntGauge::new("waiting", "test").unwrap();
+        let waiter = Waiting::new(&gauge);
+        assert_eq!(gauge.get(), 1);
+        drop(waiter);
+        assert_eq!(gauge.get(), 0);
+    }
+}
