@@ -20,7 +20,7 @@ export SQLX_OFFLINE ?= true
 BIN := target/release/oncepay
 CARGO_TEST := $(shell cargo nextest --version >/dev/null 2>&1 && echo "cargo nextest run --no-fail-fast" || echo "cargo test --no-fail-fast")
 
-.PHONY: help run serve build db-up db-down migrate psql purge audit audit-bench test chaos check sqlx-check sqlx-prepare bench bench-quick clean-db openapi schemathesis
+.PHONY: help run serve build db-up db-down migrate psql purge audit audit-bench test chaos check sqlx-check sqlx-prepare bench bench-quick clean-db openapi schemathesis alerts-test
 
 help:
 	@echo "make run      local database if needed, migrate, demo tenant, serve on 127.0.0.1:8130"
@@ -28,6 +28,7 @@ help:
 	@echo "make chaos    fault tests (kill -9, PostgreSQL restart, ...) on their own PostgreSQL cluster"
 	@echo "make audit    reconcile balances, key rows and payments; non-zero exit if an invariant is broken"
 	@echo "make schemathesis   fuzz a live server from its OpenAPI document (docs/openapi.json)"
+	@echo "make alerts-test    check the Prometheus rules (ops/prometheus) and run their unit tests with promtool"
 	@echo "make check    fmt, clippy -D warnings (also --features bench) and the freshness of .sqlx/"
 	@echo "make migrate | purge | psql | db-up | db-down | bench | audit-bench | sqlx-prepare | sqlx-check | openapi"
 
@@ -76,6 +77,11 @@ ifdef LOCAL_DB
 	@psql -X -q "$(shell scripts/db.sh url postgres)" -c 'DROP DATABASE IF EXISTS oncepay_schemathesis WITH (FORCE)' -c 'CREATE DATABASE oncepay_schemathesis'
 endif
 	DATABASE_URL="$(SCHEMATHESIS_DATABASE_URL)" scripts/schemathesis.sh
+
+# The alerting and recording rules and their unit tests (docs/operations.md); promtool is
+# installed from Debian's prometheus package when missing. No database needed.
+alerts-test:
+	@scripts/alerts-test.sh
 
 # Regenerates the committed OpenAPI document (a unit test fails while it is stale).
 openapi:

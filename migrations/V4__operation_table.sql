@@ -115,6 +115,7 @@ LANGUAGE plpgsql AS $$
 DECLARE
     k idempotency_keys%ROWTYPE;
     r oncepay_claimed;
+    claimed boolean;
 BEGIN
     IF p.key IS NULL THEN
         r.outcome := 'created';
@@ -136,13 +137,14 @@ BEGIN
                     now() + make_interval(secs => p.window_secs))
             ON CONFLICT (tenant_id, key) DO NOTHING
             RETURNING i.expires_at INTO r.expires_at;
-            IF FOUND THEN
-                PERFORM set_config('lock_timeout', '0', true);
+            claimed := FOUND;  -- before PERFORM, which sets FOUND itself
+            PERFORM set_config('lock_timeout', '0', true);
+            IF claimed THEN
                 r.outcome := 'created';
                 r.resource_id := p_resource_id;
                 RETURN r;
             END IF;
-            CONTINUE;
+            CONTINUE;  -- lost to a concurrent original: read what it committed
         END IF;
 
         IF k.expires_at <= now() THEN
@@ -160,13 +162,14 @@ BEGIN
                    expires_at = now() + make_interval(secs => p.window_secs)
              WHERE i.tenant_id = p_tenant AND i.key = p.key AND i.expires_at <= now()
             RETURNING i.expires_at INTO r.expires_at;
-            IF FOUND THEN
-                PERFORM set_config('lock_timeout', '0', true);
+            claimed := FOUND;  -- before PERFORM, which sets FOUND itself
+            PERFORM set_config('lock_timeout', '0', true);
+            IF claimed THEN
                 r.outcome := 'created';
                 r.resource_id := p_resource_id;
                 RETURN r;
             END IF;
-            CONTINUE;
+            CONTINUE;  -- another replica renewed it first: replay what it committed
         END IF;
 
         IF k.fingerprint <> p.fingerprint THEN
@@ -329,11 +332,16 @@ RETURNS TABLE (outcome oncepay_outcome, decline oncepay_decline, expires_at time
 LANGUAGE plpgsql AS $$
 #variable_conflict use_column
 DECLARE
-    c oncepay_claimed := oncepay_claim(p_tenant, p, gen_random_uuid()::text);
+    c oncepay_claimed;
     v_locked int;
     v_from bigint;
     v_to bigint;
 BEGIN
+    -- Rust refuses this before calling (400); the SQL does not trust it to.
+    IF p_from = p_to THEN
+        RAISE EXCEPTION 'a transfer needs two different accounts' USING ERRCODE = 'check_violation';
+    END IF;
+    c := oncepay_claim(p_tenant, p, gen_random_uuid()::text);
     IF c.outcome = 'created' THEN
         SELECT count(*) INTO v_locked FROM (
             SELECT FROM accounts a

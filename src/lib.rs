@@ -7,7 +7,8 @@
 //! 3. the database: `db` (pool, migrations, its own error type);
 //! 4. effects on it: `ledger`, `tenants`, `purge`, `audit`;
 //! 5. the edge, the only layer that knows HTTP: `metrics`, `error`, `auth`, `telemetry`,
-//!    `state`, `routes`, `startup` (which only composes).
+//!    `state`, `routes`, `http1` (the HTTP/1.1 server and its framing errors), `startup`
+//!    (which only composes).
 //!
 //! `client` is the other side: a Rust client (and the CLI's client commands) that retries safely.
 
@@ -20,6 +21,7 @@ pub mod config;
 pub mod db;
 pub mod domain;
 pub mod error;
+pub mod http1;
 pub mod idempotency;
 pub mod json;
 pub mod ledger;

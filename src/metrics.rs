@@ -1,9 +1,19 @@
 //! Prometheus metrics (contract section 6b), one registry per app so that each instance
 //! (and each test's app) counts only its own requests.
+//!
+//! The alerts in `ops/prometheus/rules.yml` and the dashboard `ops/grafana/oncepay.json`
+//! read these series (docs/operations.md); the API test `tests/api/dashboards.rs` fails when
+//! one they name is no longer exported.
+
+use std::time::Duration;
 
 use prometheus::{
-    Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
+    Encoder, Gauge, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+    TextEncoder,
 };
+use sqlx::PgPool;
+
+use crate::db::DbError;
 
 pub struct Metrics {
     registry: Registry,
@@ -15,6 +25,11 @@ pub struct Metrics {
     /// send no key (a tenant's migration to keys, watched).
     pub replays_by_tenant: IntCounterVec,
     pub keyless_by_tenant: IntCounterVec,
+    /// 422 `idempotency_key_reused` per tenant: a client bug, and whom to call about it.
+    pub key_reused_by_tenant: IntCounterVec,
+    /// Error answers by problem `code`: tells 503 `temporarily_unavailable` from 429
+    /// `overloaded`, which share the outcome `transient_error`.
+    pub errors: IntCounterVec,
     pub purged_keys: IntCounter,
     pub purge_runs: IntCounter,
     pool_connections: IntGaugeVec,
@@ -25,6 +40,12 @@ pub struct Metrics {
     pub replay_cache_hits: IntCounter,
     pub replay_cache_misses: IntCounter,
     pub replay_cache_entries: IntGauge,
+    /// 1 when the database answered this scrape's probe (what `/readyz` checks), else 0.
+    ready: IntGauge,
+    /// Age of the oldest idempotency-key row, next to the retention it must stay under: a
+    /// purge that stopped or falls behind shows as the first exceeding the second.
+    oldest_key_age: Gauge,
+    retention: Gauge,
 }
 
 impl Metrics {
@@ -55,6 +76,19 @@ impl Metrics {
             &["tenant"],
         )
         .expect("valid metric");
+        let key_reused_by_tenant = IntCounterVec::new(
+            Opts::new(
+                "oncepay_key_reused_total",
+                "Requests refused with 422 idempotency_key_reused, by tenant",
+            ),
+            &["tenant"],
+        )
+        .expect("valid metric");
+        let errors = IntCounterVec::new(
+            Opts::new("oncepay_errors_total", "Error answers by problem code"),
+            &["code"],
+        )
+        .expect("valid metric");
         let purged_keys = IntCounter::new("oncepay_purged_keys_total", "Idempotency-key rows deleted by purges")
             .expect("valid metric");
         let purge_runs =
@@ -81,11 +115,30 @@ impl Metrics {
             "Finished results held in this process's replay cache",
         )
         .expect("valid metric");
+        let ready = IntGauge::new(
+            "oncepay_ready",
+            "1 when the database answered the scrape's probe (as /readyz), else 0",
+        )
+        .expect("valid metric");
+        // The server starts only after the database answered its schema check.
+        ready.set(1);
+        let oldest_key_age = Gauge::new(
+            "oncepay_idempotency_key_oldest_age_seconds",
+            "Age of the oldest idempotency-key row (0 when there is none)",
+        )
+        .expect("valid metric");
+        let retention = Gauge::new(
+            "oncepay_idempotency_key_retention_seconds",
+            "How long a key row is kept before purge (ONCEPAY_RETENTION_SECS)",
+        )
+        .expect("valid metric");
         for collector in [
             Box::new(requests.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(duration.clone()),
             Box::new(replays_by_tenant.clone()),
             Box::new(keyless_by_tenant.clone()),
+            Box::new(key_reused_by_tenant.clone()),
+            Box::new(errors.clone()),
             Box::new(purged_keys.clone()),
             Box::new(purge_runs.clone()),
             Box::new(pool_connections.clone()),
@@ -93,6 +146,9 @@ impl Metrics {
             Box::new(replay_cache_hits.clone()),
             Box::new(replay_cache_misses.clone()),
             Box::new(replay_cache_entries.clone()),
+            Box::new(ready.clone()),
+            Box::new(oldest_key_age.clone()),
+            Box::new(retention.clone()),
         ] {
             registry.register(collector).expect("metric registered once");
         }
@@ -102,6 +158,8 @@ impl Metrics {
             duration,
             replays_by_tenant,
             keyless_by_tenant,
+            key_reused_by_tenant,
+            errors,
             purged_keys,
             purge_runs,
             pool_connections,
@@ -109,6 +167,9 @@ impl Metrics {
             replay_cache_hits,
             replay_cache_misses,
             replay_cache_entries,
+            ready,
+            oldest_key_age,
+            retention,
         }
     }
 
@@ -118,8 +179,10 @@ impl Metrics {
         self.purge_runs.inc();
     }
 
-    /// The text exposition, with the pool gauges read at scrape time.
-    pub fn render(&self, pool: &sqlx::PgPool) -> String {
+    /// The text exposition, with the pool and database gauges read at scrape time.
+    pub async fn render(&self, pool: &PgPool, retention: Duration) -> String {
+        self.probe_database(pool).await;
+        self.retention.set(retention.as_secs_f64());
         let size = i64::from(pool.size());
         let idle = pool.num_idle() as i64;
         self.pool_connections.with_label_values(&["in_use"]).set(size - idle);
@@ -132,6 +195,41 @@ impl Metrics {
             .encode(&self.registry.gather(), &mut out)
             .expect("text encoding cannot fail");
         String::from_utf8(out).expect("the text format is UTF-8")
+    }
+}
+
+impl Metrics {
+    /// One cheap query (the minimum of the `created_at` index) answers both whether the
+    /// database is reachable and how far behind the purge is. When it fails, the key age
+    /// keeps its last value and `oncepay_ready` says why it is stale.
+    ///
+    /// A pool whose every connection is in use is busy, not cut off (those connections are
+    /// answering, or failing and being closed): the probe is skipped rather than holding the
+    /// scrape for a connection, and both gauges keep the last probe's values.
+    async fn probe_database(&self, pool: &PgPool) {
+        if pool.num_idle() == 0 && pool.size() >= pool.options().get_max_connections() {
+            return;
+        }
+        let mut conn = match crate::db::acquire(pool).await {
+            Ok(conn) => conn,
+            Err(DbError::Saturated) => return,
+            Err(_) => {
+                self.ready.set(0);
+                return;
+            }
+        };
+        let result = sqlx::query_scalar::<_, Option<f64>>(
+            "SELECT extract(epoch FROM now() - min(created_at))::float8 FROM idempotency_keys",
+        )
+        .fetch_one(&mut *conn)
+        .await;
+        match conn.discard_if_broken(result) {
+            Ok(age) => {
+                self.ready.set(1);
+                self.oldest_key_age.set(age.unwrap_or(0.0).max(0.0));
+            }
+            Err(_) => self.ready.set(0),
+        }
     }
 }
 

@@ -2,10 +2,9 @@
 
 use std::net::TcpListener;
 use std::sync::Arc;
-use std::time::Duration;
 
 use actix_web::dev::Server;
-use actix_web::{middleware, web, App, HttpServer};
+use actix_web::{middleware, web, App};
 use anyhow::Context;
 
 use crate::auth::TenantCache;
@@ -14,7 +13,7 @@ use crate::db;
 use crate::idempotency::cache::ReplayCache;
 use crate::metrics::Metrics;
 use crate::state::AppState;
-use crate::{purge, routes, telemetry};
+use crate::{http1, purge, routes, telemetry};
 
 /// A bound, not yet running, server.
 pub struct Application {
@@ -40,20 +39,12 @@ impl Application {
             replays,
         });
         let app_state = state.clone();
-        let server = HttpServer::new(move || {
+        let server = http1::serve(listener, workers, move || {
             App::new()
                 .app_data(app_state.clone())
                 .wrap(middleware::from_fn(telemetry::request_log))
                 .configure(routes::configure)
-        })
-        .workers(workers)
-        // Slow clients (slowloris) are dropped: headers within 5 s, idle keep-alive 30 s.
-        .client_request_timeout(Duration::from_secs(5))
-        .client_disconnect_timeout(Duration::from_secs(1))
-        .keep_alive(Duration::from_secs(30))
-        .shutdown_timeout(10)
-        .listen(listener)?
-        .run();
+        })?;
         Ok(Self { port, server, state })
     }
 

@@ -52,10 +52,9 @@ pub async fn request_log(
     let elapsed = started.elapsed();
     let route = res.request().match_pattern().unwrap_or_else(|| "unmatched".to_owned());
     let status = res.status().as_u16();
-    let outcome = res
-        .response()
-        .error()
-        .and_then(|e| e.as_error::<ApiError>())
+    let error = res.response().error().and_then(|e| e.as_error::<ApiError>());
+    let code = error.map(ApiError::code);
+    let outcome = error
         .map(ApiError::outcome)
         .or_else(|| res.response().extensions().get::<RequestOutcome>().map(|o| o.0))
         .unwrap_or(if status < 400 { "ok" } else { "error" });
@@ -67,10 +66,14 @@ pub async fn request_log(
             .duration
             .with_label_values(&[&route])
             .observe(elapsed.as_secs_f64());
+        if let Some(code) = code {
+            state.metrics.errors.with_label_values(&[code]).inc();
+        }
         if let Some(tenant) = &tenant {
             match outcome {
                 "replayed" => state.metrics.replays_by_tenant.with_label_values(&[tenant]).inc(),
                 "keyless" => state.metrics.keyless_by_tenant.with_label_values(&[tenant]).inc(),
+                "key_reused" => state.metrics.key_reused_by_tenant.with_label_values(&[tenant]).inc(),
                 _ => {}
             }
         }

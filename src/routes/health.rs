@@ -44,5 +44,5 @@ pub(super) async fn readyz(state: web::Data<AppState>) -> Result<HttpResponse, A
 pub(super) async fn metrics(state: web::Data<AppState>) -> HttpResponse {
     HttpResponse::Ok()
         .content_type("text/plain; version=0.0.4; charset=utf-8")
-        .body(state.metrics.render(&state.pool))
+        .body(state.metrics.render(&state.pool, state.settings.retention).await)
 }

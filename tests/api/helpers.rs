@@ -23,8 +23,9 @@ pub fn database_url() -> String {
     std::env::var("DATABASE_URL").expect("DATABASE_URL must name the test database (make test sets it)")
 }
 
-/// Settings for a test instance: a free port, a small pool, the admin API on.
-fn test_settings() -> Settings {
+/// Settings for a test instance: a free port, a small pool, the admin API on. Servers start
+/// from them through [`TestApp::builder`]; tests that need no server may use them directly.
+pub fn test_settings() -> Settings {
     let mut settings = Settings::from_env_with_database(database_url()).expect("valid settings");
     settings.bind = "127.0.0.1:0".to_owned();
     settings.admin_token = Some(ADMIN_TOKEN.to_owned());
