@@ -20,7 +20,7 @@ export SQLX_OFFLINE ?= true
 BIN := target/release/oncepay
 CARGO_TEST := $(shell cargo nextest --version >/dev/null 2>&1 && echo "cargo nextest run --workspace --no-fail-fast" || echo "cargo test --workspace --no-fail-fast")
 
-.PHONY: help run serve build db-up db-down migrate psql purge audit audit-bench test chaos check client-deps-check sqlx-prepare bench bench-quick clean-db openapi schemathesis alerts-test
+.PHONY: help run serve build db-up db-down migrate psql purge audit audit-bench test chaos check client-deps-check sqlx-check sqlx-prepare bench bench-quick clean-db openapi schemathesis alerts-test
 
 help:
 	@echo "make run      local database if needed, migrate, demo tenant, serve on 127.0.0.1:8130"
@@ -29,8 +29,8 @@ help:
 	@echo "make audit    reconcile balances, key rows and payments; non-zero exit if an invariant is broken"
 	@echo "make schemathesis   fuzz a live server from its OpenAPI document (docs/openapi.json)"
 	@echo "make alerts-test    check the Prometheus rules (ops/prometheus) and run their unit tests with promtool"
-	@echo "make check    fmt, clippy -D warnings over the workspace, client-deps-check"
-	@echo "make migrate | purge | psql | db-up | db-down | client-deps-check | bench | audit-bench | sqlx-prepare | openapi"
+	@echo "make check    fmt, clippy -D warnings over the workspace, the freshness of .sqlx/, client-deps-check"
+	@echo "make migrate | purge | psql | db-up | db-down | client-deps-check | bench | audit-bench | sqlx-prepare | sqlx-check | openapi"
 
 db-up:
 ifdef LOCAL_DB
@@ -104,7 +104,7 @@ chaos:
 		$(CHAOS_TEST) || status=$$?; \
 	$(CHAOS_DB) scripts/db.sh down; exit $$status
 
-check: client-deps-check
+check: sqlx-check client-deps-check
 	cargo fmt --all --check
 	cargo clippy --workspace --all-targets --locked -- -D warnings
 	cargo clippy --workspace --all-targets --locked --features oncepay/bench -- -D warnings
@@ -117,15 +117,41 @@ client-deps-check:
 	if [ -n "$$server" ]; then echo "oncepay-client depends on server crates:"; echo "$$server"; exit 1; fi; \
 	echo "oncepay-client: $$(sort -u <<<"$$deps" | wc -l) crates, no actix-web, sqlx or refinery"
 
-# Regenerates .sqlx/ from a scratch database with the migrations applied by psql (no
-# sqlx-cli needed: the macros write their cache to SQLX_OFFLINE_DIR while compiling online).
+# The query cache as the macros write it from a scratch database with the migrations applied
+# by psql (no sqlx-cli needed: compiling online, they write to SQLX_OFFLINE_DIR). Touching
+# src/lib.rs makes cargo expand them again while every dependency stays cached; its time is
+# put back afterwards, so that the next build does not redo the crate for an unchanged file.
+# $(1): the scratch database, $(2): the folder the cache goes to (emptied first).
+define sqlx_regenerate
+	@psql -X -q "$(shell scripts/db.sh url postgres)" -c 'SET client_min_messages = warning' -c 'DROP DATABASE IF EXISTS $(1) WITH (FORCE)' -c 'CREATE DATABASE $(1)'
+	@for f in $$(ls migrations/V*__*.sql | sort -t V -k2 -n); do psql -X -q -v ON_ERROR_STOP=1 "$(shell scripts/db.sh url $(1))" -f "$$f"; done
+	rm -rf "$(2)" && mkdir -p "$(2)"
+	touch -r src/lib.rs "$(2).lib-mtime" && touch src/lib.rs; status=0; \
+	DATABASE_URL="$(shell scripts/db.sh url $(1))" SQLX_OFFLINE=false SQLX_OFFLINE_DIR="$(2)" \
+		cargo check --all-targets --locked --quiet || status=$$?; \
+	touch -r "$(2).lib-mtime" src/lib.rs && rm "$(2).lib-mtime"; exit $$status
+	@psql -X -q "$(shell scripts/db.sh url postgres)" -c 'DROP DATABASE $(1) WITH (FORCE)'
+endef
+
+# Regenerates .sqlx/ (commit it after changing a query or a migration).
 sqlx-prepare: db-up
-	@psql -X -q "$(shell scripts/db.sh url postgres)" -c 'DROP DATABASE IF EXISTS oncepay_prepare WITH (FORCE)' -c 'CREATE DATABASE oncepay_prepare'
-	@for f in $$(ls migrations/V*__*.sql | sort -t V -k2 -n); do psql -X -q -v ON_ERROR_STOP=1 "$(shell scripts/db.sh url oncepay_prepare)" -f "$$f"; done
-	rm -rf .sqlx && mkdir -p .sqlx
-	touch src/lib.rs
-	DATABASE_URL="$(shell scripts/db.sh url oncepay_prepare)" SQLX_OFFLINE=false SQLX_OFFLINE_DIR="$(CURDIR)/.sqlx" cargo check --all-targets --quiet
+	$(call sqlx_regenerate,oncepay_prepare,$(CURDIR)/.sqlx)
 	@echo "query cache: $$(ls .sqlx | wc -l) files in .sqlx/"
+
+# Fails, naming the files, when the committed .sqlx/ is not what sqlx-prepare would write.
+SQLX_CHECK_DIR := $(CURDIR)/target/sqlx-check
+sqlx-check: db-up
+	$(call sqlx_regenerate,oncepay_sqlx_check,$(SQLX_CHECK_DIR))
+	@ls .sqlx > "$(SQLX_CHECK_DIR).committed"; ls "$(SQLX_CHECK_DIR)" > "$(SQLX_CHECK_DIR).expected"; \
+	missing=$$(comm -13 "$(SQLX_CHECK_DIR).committed" "$(SQLX_CHECK_DIR).expected"); \
+	extra=$$(comm -23 "$(SQLX_CHECK_DIR).committed" "$(SQLX_CHECK_DIR).expected"); \
+	stale=$$(for f in $$(comm -12 "$(SQLX_CHECK_DIR).committed" "$(SQLX_CHECK_DIR).expected"); do \
+		cmp -s ".sqlx/$$f" "$(SQLX_CHECK_DIR)/$$f" || echo "$$f"; done); \
+	for f in $$missing; do echo "sqlx-check: missing .sqlx/$$f (a query without its cache entry)"; done; \
+	for f in $$extra; do echo "sqlx-check: extra .sqlx/$$f (no query uses it)"; done; \
+	for f in $$stale; do echo "sqlx-check: stale .sqlx/$$f (the query or the schema changed)"; done; \
+	if [ -n "$$missing$$extra$$stale" ]; then echo "sqlx-check: .sqlx/ is stale: run make sqlx-prepare and commit .sqlx/" >&2; exit 1; fi; \
+	echo "sqlx-check: .sqlx/ is fresh ($$(wc -l < "$(SQLX_CHECK_DIR).expected") files)"
 
 bench: db-up
 	@scripts/bench.sh

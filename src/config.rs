@@ -5,8 +5,9 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 
-/// Everything `oncepay serve` (and the other commands) read from the environment.
-#[derive(Clone, Debug)]
+/// Everything `oncepay serve` (and the other commands) read from the environment. Its
+/// `Debug` hides the database password and the admin token.
+#[derive(Clone)]
 pub struct Settings {
     pub database_url: String,
     pub bind: String,
@@ -106,6 +107,76 @@ impl Settings {
     }
 }
 
+const REDACTED: &str = "<redacted>";
+
+impl std::fmt::Debug for Settings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Destructured, so that a new field cannot be left out (or shown) unnoticed.
+        let Self {
+            database_url,
+            bind,
+            admin_token,
+            replay_window,
+            retention,
+            inflight_wait,
+            fingerprint_window,
+            max_body_bytes,
+            db_pool_size,
+            db_acquire_timeout,
+            statement_timeout,
+            purge_interval,
+            purge_batch_size,
+            workers,
+            log_json,
+            replay_cache_entries,
+            tls_cert,
+            tls_key,
+        } = self;
+        f.debug_struct("Settings")
+            .field("database_url", &redacted_url(database_url))
+            .field("bind", bind)
+            .field("admin_token", &admin_token.as_ref().map(|_| REDACTED))
+            .field("replay_window", replay_window)
+            .field("retention", retention)
+            .field("inflight_wait", inflight_wait)
+            .field("fingerprint_window", fingerprint_window)
+            .field("max_body_bytes", max_body_bytes)
+            .field("db_pool_size", db_pool_size)
+            .field("db_acquire_timeout", db_acquire_timeout)
+            .field("statement_timeout", statement_timeout)
+            .field("purge_interval", purge_interval)
+            .field("purge_batch_size", purge_batch_size)
+            .field("workers", workers)
+            .field("log_json", log_json)
+            .field("replay_cache_entries", replay_cache_entries)
+            .field("tls_cert", tls_cert)
+            .field("tls_key", tls_key)
+            .finish()
+    }
+}
+
+/// The URL with its password (in the user part or as `?password=`) replaced; a URL that does
+/// not parse is not shown at all, since where its password sits is unknown.
+fn redacted_url(raw: &str) -> String {
+    let Ok(mut url) = reqwest::Url::parse(raw) else {
+        return REDACTED.to_owned();
+    };
+    if url.password().is_some() && url.set_password(Some(REDACTED)).is_err() {
+        return REDACTED.to_owned();
+    }
+    if url.query_pairs().any(|(name, _)| name == "password") {
+        let pairs: Vec<(String, String)> = url
+            .query_pairs()
+            .map(|(name, value)| {
+                let value = if name == "password" { REDACTED.into() } else { value };
+                (name.into_owned(), value.into_owned())
+            })
+            .collect();
+        url.query_pairs_mut().clear().extend_pairs(pairs);
+    }
+    url.to_string()
+}
+
 fn var(name: &str) -> Option<String> {
     std::env::var(name).ok()
 }
@@ -117,5 +188,62 @@ fn number<T: std::str::FromStr>(name: &str, default: T) -> anyhow::Result<T> {
             .trim()
             .parse()
             .map_err(|_| anyhow::anyhow!("{name}={raw:?} is not a valid non-negative number")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings(database_url: &str, admin_token: Option<&str>) -> Settings {
+        let mut settings = Settings::from_env_with_database(database_url.to_owned()).unwrap();
+        settings.admin_token = admin_token.map(str::to_owned);
+        settings
+    }
+
+    #[test]
+    fn debug_hides_the_database_password_and_the_admin_token() {
+        let shown = format!(
+            "{:?}",
+            settings(
+                "postgres://oncepay:s3cret-pw@db.internal:5432/oncepay?sslmode=require&password=other-pw",
+                Some("admin-t0ken")
+            )
+        );
+
+        for secret in ["s3cret-pw", "other-pw", "admin-t0ken"] {
+            assert!(!shown.contains(secret), "{secret} shown in {shown}");
+        }
+        assert!(
+            shown.contains(r#"database_url: "postgres://oncepay:%3Credacted%3E@db.internal:5432/oncepay?sslmode=require&password=%3Credacted%3E""#),
+            "{shown}"
+        );
+        assert!(shown.contains(r#"admin_token: Some("<redacted>")"#), "{shown}");
+    }
+
+    #[test]
+    fn debug_shows_what_is_not_secret() {
+        let plain = settings("postgres://oncepay@127.0.0.1:55130/oncepay", None);
+
+        let shown = format!("{plain:?}");
+
+        assert!(
+            shown.contains(r#"database_url: "postgres://oncepay@127.0.0.1:55130/oncepay""#),
+            "{shown}"
+        );
+        assert!(shown.contains("admin_token: None"), "{shown}");
+        for field in [
+            format!("bind: {:?}", plain.bind),
+            format!("replay_window: {:?}", plain.replay_window),
+        ] {
+            assert!(shown.contains(&field), "{field} not in {shown}");
+        }
+    }
+
+    #[test]
+    fn debug_shows_no_part_of_a_url_that_does_not_parse() {
+        let shown = format!("{:?}", settings("postgres://oncepay:pw@[bad/oncepay", None));
+
+        assert!(shown.contains(r#"database_url: "<redacted>""#), "{shown}");
     }
 }

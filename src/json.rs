@@ -29,7 +29,7 @@ struct StrictVisitor;
 impl<'de> Visitor<'de> for StrictVisitor {
     type Value = Strict;
 
-    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("a JSON value")
     }
 

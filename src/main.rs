@@ -1,3 +1,6 @@
+// Its results go to stdout and its one-line errors to stderr: the command line's interface.
+#![allow(clippy::print_stdout, clippy::print_stderr)]
+
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 

@@ -7,6 +7,9 @@
 //! the deadline or the budget): run the command again with the same `--key`; 5 the server's
 //! answer could not be read.
 
+// The answer and the notes on stdout and stderr are what these commands are for.
+#![allow(clippy::print_stdout, clippy::print_stderr)]
+
 use std::time::Duration;
 
 use clap::{Args, Subcommand};

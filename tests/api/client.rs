@@ -306,7 +306,15 @@ async fn every_tenant_endpoint_has_a_typed_call() {
         (200, 300, 750)
     );
     assert_eq!((state.value.status.as_str(), state.value.amount), ("refunded", 300));
-    assert!(state.value.refunded_at.is_some());
+    let (created_at, refunded_at) = crate::payments::stored_times(&app, payment.value.id).await;
+    assert_eq!(
+        (state.value.created_at, state.value.refunded_at),
+        (created_at, refunded_at)
+    );
+    assert!(
+        refunded_at.is_some_and(|at| at >= created_at),
+        "refunded after created: {refunded_at:?}"
+    );
     assert_eq!(account.value.balance, 750);
     assert_eq!(app.balance("u1").await, 750);
     let err = client.deposit("a/b", 1, &IdempotencyKey::generate()).await.unwrap_err();

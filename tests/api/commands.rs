@@ -1,7 +1,7 @@
 //! The server-side commands of the real `oncepay` binary: serve's schema check, tenant
 //! create, purge (contract section 1).
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::process::Command;
 
@@ -133,7 +133,9 @@ async fn serve_logs_one_json_line_per_request_without_keys_or_bodies() {
         .unwrap();
     let url = format!("http://127.0.0.1:{port}/payments");
     let mut answered = None;
+    let mut round_trip = Duration::ZERO;
     for _ in 0..100 {
+        let sent_at = Instant::now();
         let sent = app
             .client
             .post(&url)
@@ -144,6 +146,7 @@ async fn serve_logs_one_json_line_per_request_without_keys_or_bodies() {
             .send()
             .await;
         if let Ok(response) = sent {
+            round_trip = sent_at.elapsed();
             answered = Some(response.status().as_u16());
             break;
         }
@@ -180,7 +183,11 @@ async fn serve_logs_one_json_line_per_request_without_keys_or_bodies() {
     assert_eq!(first["status"], 201);
     assert_eq!(first["outcome"], "created");
     assert_eq!(first["replayed"], false);
-    assert!(first["latency_ms"].as_f64().is_some());
+    let latency_ms = first["latency_ms"].as_f64().expect("latency_ms is a number");
+    assert!(
+        (0.0..=round_trip.as_secs_f64() * 1e3).contains(&latency_ms),
+        "latency {latency_ms} ms, client's round trip {round_trip:?}"
+    );
     assert_eq!(requests[1]["outcome"], "replayed");
     assert_eq!(requests[1]["replayed"], true);
     assert!(!logs.contains(&app.api_key), "an API key was logged");

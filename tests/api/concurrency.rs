@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use futures_util::future::join_all;
+use serde_json::json;
 use sqlx::Connection;
 
 use crate::helpers::{database_url, new_key, spawn_app, spawn_app_with, spawn_instances, TestApp, MAIN_BALANCE};
@@ -15,11 +16,17 @@ async fn fifty_concurrent_requests_with_one_key_over_three_instances_charge_once
 
     let answers = join_all((0..50).map(|i| apps[i % 3].pay(Some(&key), 100))).await;
 
-    let created: Vec<_> = answers.iter().filter(|a| a.status == 201).collect();
-    assert!(!created.is_empty());
+    let original = answers
+        .iter()
+        .find(|a| a.status == 201 && !a.replayed())
+        .expect("one request was processed");
+    assert_eq!(
+        (&original.body["charged"], &original.body["balance"]),
+        (&json!(100), &json!(MAIN_BALANCE - 100))
+    );
     for answer in &answers {
         match answer.status {
-            201 => assert_eq!(answer.body, created[0].body, "every 201 has an equal body"),
+            201 => assert_eq!(answer.body, original.body, "every 201 has an equal body"),
             409 => answer.assert_problem(409, "request_in_progress"),
             other => panic!("unexpected {other}: {}", answer.body),
         }
@@ -227,15 +234,7 @@ async fn a_restarted_server_forgets_no_key() {
     let original = first.pay(Some(&key), 100).await;
     first.state.pool.close().await;
 
-    let (address, state) = crate::helpers::start_server(crate::helpers::test_settings()).await;
-    let second = TestApp {
-        address,
-        client: crate::helpers::client(),
-        pool: state.pool.clone(),
-        state,
-        tenant_id: first.tenant_id,
-        api_key: first.api_key.clone(),
-    };
+    let second = TestApp::builder().tenant_of(&first).spawn().await;
     let replay = second.pay(Some(&key), 100).await;
 
     assert!(replay.replayed());

@@ -331,7 +331,7 @@ async fn checks_run_in_the_contract_order() {
 #[tokio::test]
 async fn errors_never_leak_sql_or_internals() {
     let app = spawn_app().await;
-    let answers = vec![
+    let answers = [
         app.post(
             "/payments",
             Some(&new_key()),
@@ -346,7 +346,13 @@ async fn errors_never_leak_sql_or_internals() {
         .await,
         app.get("/payments/'%20OR%201=1").await,
     ];
-    for answer in answers {
+    let expected = [
+        (400, "invalid_request"),
+        (400, "invalid_idempotency_key"),
+        (404, "not_found"),
+    ];
+    for (answer, (status, code)) in answers.iter().zip(expected) {
+        answer.assert_problem(status, code);
         let text = answer.body.to_string().to_lowercase();
         for leak in [
             "select ", "sqlx", "postgres", "panicked", "stack", "sqlstate", "relation",

@@ -23,7 +23,8 @@ pub fn database_url() -> String {
     std::env::var("DATABASE_URL").expect("DATABASE_URL must name the test database (make test sets it)")
 }
 
-/// Settings for a test instance: a free port, a small pool, the admin API on.
+/// Settings for a test instance: a free port, a small pool, the admin API on. Servers start
+/// from them through [`TestApp::builder`]; tests that need no server may use them directly.
 pub fn test_settings() -> Settings {
     let mut settings = Settings::from_env_with_database(database_url()).expect("valid settings");
     settings.bind = "127.0.0.1:0".to_owned();
@@ -51,59 +52,97 @@ async fn migrate_once() {
         .await;
 }
 
-/// Starts a server with the given settings, sharing no state but the database.
-pub async fn start_server(settings: Settings) -> (String, Arc<AppState>) {
-    TRACING.call_once(|| {
-        if std::env::var("TEST_LOG").is_ok() {
-            oncepay::telemetry::init(false);
+/// The one way tests start a server: `TestApp::builder().settings(|s| ..).spawn()`.
+#[must_use]
+pub struct TestAppBuilder {
+    settings: Settings,
+    tenant: Option<(Uuid, String)>,
+}
+
+impl TestApp {
+    pub fn builder() -> TestAppBuilder {
+        TestAppBuilder {
+            settings: test_settings(),
+            tenant: None,
         }
-    });
-    migrate_once().await;
-    let app = Application::build(settings).await.expect("the app starts");
-    let address = format!("http://127.0.0.1:{}", app.port());
-    let state = app.state();
-    tokio::spawn(app.run_until_stopped());
-    (address, state)
-}
-
-pub async fn spawn_app() -> TestApp {
-    spawn_app_with(|_| {}).await
-}
-
-/// A server with adjusted settings and a fresh tenant (policy `reject`, main balance 10000).
-pub async fn spawn_app_with(adjust: impl FnOnce(&mut Settings)) -> TestApp {
-    let mut settings = test_settings();
-    adjust(&mut settings);
-    let (address, state) = start_server(settings).await;
-    let pool = state.pool.clone();
-    let tenant = new_tenant(&pool, MissingKeyPolicy::Reject).await;
-    TestApp {
-        address,
-        client: client(),
-        pool,
-        state,
-        tenant_id: tenant.0,
-        api_key: tenant.1,
     }
+}
+
+impl TestAppBuilder {
+    /// Adjusts the test settings (a free port, a small pool, the admin API on).
+    pub fn settings(mut self, adjust: impl FnOnce(&mut Settings)) -> Self {
+        adjust(&mut self.settings);
+        self
+    }
+
+    /// Serves `other`'s tenant instead of creating one: another replica of the same service.
+    pub fn tenant_of(mut self, other: &TestApp) -> Self {
+        self.tenant = Some((other.tenant_id, other.api_key.clone()));
+        self
+    }
+
+    /// Builds and starts the server, as `oncepay serve` does; `Err` where `serve` would refuse.
+    pub async fn try_spawn(self) -> anyhow::Result<TestApp> {
+        TRACING.call_once(|| {
+            if std::env::var("TEST_LOG").is_ok() {
+                oncepay::telemetry::init(false);
+            }
+        });
+        migrate_once().await;
+        let app = Application::build(self.settings).await?;
+        let address = format!("http://127.0.0.1:{}", app.port());
+        let state = app.state();
+        tokio::spawn(app.run_until_stopped());
+        let pool = state.pool.clone();
+        let (tenant_id, api_key) = match self.tenant {
+            Some(tenant) => tenant,
+            None => new_tenant(&pool, MissingKeyPolicy::Reject).await,
+        };
+        Ok(TestApp {
+            address,
+            client: client(),
+            pool,
+            state,
+            tenant_id,
+            api_key,
+        })
+    }
+
+    pub async fn spawn(self) -> TestApp {
+        self.try_spawn().await.expect("the app starts")
+    }
+
+    /// `n` servers with these settings (each its own pool and workers) on one database, all
+    /// for one tenant: replicas of one service.
+    pub async fn spawn_instances(self, n: usize) -> Vec<TestApp> {
+        let settings = self.settings.clone();
+        let first = self.spawn().await;
+        let mut apps = Vec::with_capacity(n);
+        for _ in 1..n {
+            let replica = TestAppBuilder {
+                settings: settings.clone(),
+                tenant: None,
+            };
+            apps.push(replica.tenant_of(&first).spawn().await);
+        }
+        apps.insert(0, first);
+        apps
+    }
+}
+
+/// A server with the test settings and a fresh tenant (policy `reject`, main balance 10000).
+pub async fn spawn_app() -> TestApp {
+    TestApp::builder().spawn().await
+}
+
+/// Like [`spawn_app`], with adjusted settings.
+pub async fn spawn_app_with(adjust: impl FnOnce(&mut Settings)) -> TestApp {
+    TestApp::builder().settings(adjust).spawn().await
 }
 
 /// `n` servers (each its own pool and workers) on one database, all for one tenant.
 pub async fn spawn_instances(n: usize) -> Vec<TestApp> {
-    let first = spawn_app().await;
-    let mut apps = Vec::with_capacity(n);
-    for _ in 1..n {
-        let (address, state) = start_server(test_settings()).await;
-        apps.push(TestApp {
-            address,
-            client: client(),
-            pool: state.pool.clone(),
-            state,
-            tenant_id: first.tenant_id,
-            api_key: first.api_key.clone(),
-        });
-    }
-    apps.insert(0, first);
-    apps
+    TestApp::builder().spawn_instances(n).await
 }
 
 pub fn client() -> reqwest::Client {
@@ -307,7 +346,7 @@ pub fn new_key() -> String {
 
 /// A new, empty database on the test cluster; returns its URL.
 pub async fn empty_database(name_hint: &str) -> String {
-    let name = format!("oncepay_{name_hint}_{}", uuid::Uuid::new_v4().simple());
+    let name = format!("oncepay_{name_hint}_{}", Uuid::new_v4().simple());
     let mut conn = sqlx::PgConnection::connect(&database_url()).await.unwrap();
     conn.execute(format!("CREATE DATABASE {name}").as_str()).await.unwrap();
     let (base, _) = database_url()

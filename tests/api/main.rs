@@ -1,5 +1,9 @@
 //! The API tests: a real server, a real PostgreSQL, real HTTP.
 
+// A failed unwrap is a failed test, and tests may print what they measured: the
+// lints against both are for the service's code.
+#![allow(clippy::unwrap_used, clippy::print_stdout, clippy::print_stderr)]
+
 mod audit;
 mod bench_sql;
 mod brownout;
@@ -27,6 +31,7 @@ mod replay_cache;
 mod security;
 mod sql_functions;
 mod tcp_cut;
+mod tcp_relay;
 mod tenancy;
 mod tls;
 mod transfers;

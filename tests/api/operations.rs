@@ -6,7 +6,8 @@ use std::time::Duration;
 use reqwest::Method;
 use serde_json::json;
 
-use crate::helpers::{drop_database, empty_database, new_key, spawn_app, Answer};
+use crate::helpers::{database_url, drop_database, empty_database, new_key, spawn_app, Answer, TestApp};
+use crate::tcp_relay::TcpRelay;
 
 #[tokio::test]
 async fn migrating_twice_and_from_two_processes_at_once_is_safe() {
@@ -25,10 +26,11 @@ async fn migrating_twice_and_from_two_processes_at_once_is_safe() {
 #[tokio::test]
 async fn serve_refuses_a_schema_that_is_behind_and_names_the_fix() {
     let url = empty_database("behind").await;
-    let mut settings = crate::helpers::test_settings();
-    settings.database_url = url.clone();
 
-    let refused = oncepay::startup::Application::build(settings).await;
+    let refused = TestApp::builder()
+        .settings(|s| s.database_url = url.clone())
+        .try_spawn()
+        .await;
 
     let message = format!("{:#}", refused.err().expect("serve must refuse"));
     assert!(message.contains("oncepay migrate"), "{message}");
@@ -68,16 +70,34 @@ async fn health_and_readiness_answer() {
 
 #[tokio::test]
 async fn readiness_is_503_when_the_database_is_unreachable() {
-    let mut settings = crate::helpers::test_settings();
-    let (address, state) = crate::helpers::start_server(settings.clone()).await;
-    drop(state);
-    // Same server code, pointed at a port where nothing listens.
-    settings.database_url = "postgres://oncepay@127.0.0.1:1/oncepay".to_owned();
-    settings.db_acquire_timeout = Duration::from_millis(300);
-    let pool = oncepay::db::pool(&settings).unwrap();
-    let unreachable = oncepay::db::acquire(&pool).await;
-    assert!(matches!(unreachable, Err(oncepay::db::DbError::Transient(_))));
-    assert_eq!(reqwest::get(format!("{address}/readyz")).await.unwrap().status(), 200);
+    // `serve` checks the schema at start, so the server is built while the database answers
+    // (through a relay) and the relay is cut afterwards.
+    let mut url = reqwest::Url::parse(&database_url()).expect("DATABASE_URL is a URL");
+    let upstream = format!("{}:{}", url.host_str().unwrap(), url.port().unwrap_or(5432));
+    let relay = TcpRelay::start(upstream).await;
+    url.set_host(Some("127.0.0.1")).unwrap();
+    url.set_port(Some(relay.port)).unwrap();
+    let app = TestApp::builder()
+        .settings(|s| {
+            s.database_url = url.to_string();
+            s.db_acquire_timeout = Duration::from_millis(500);
+        })
+        .spawn()
+        .await;
+    let readyz = || async { Answer::from(app.client.get(app.url("/readyz")).send().await.unwrap()).await };
+    let ready = readyz().await;
+    assert_eq!((ready.status, &ready.body), (200, &json!({ "status": "ready" })));
+
+    relay.cut().await;
+
+    // First on the pooled connection the cut closed, then on the closed port.
+    for attempt in 1..=2 {
+        let unready = readyz().await;
+        unready.assert_problem(503, "temporarily_unavailable");
+        assert_eq!(unready.header("retry-after"), Some("1"), "attempt {attempt}");
+    }
+    let alive = app.client.get(app.url("/healthz")).send().await.unwrap();
+    assert_eq!(alive.status(), 200, "the process still runs");
 }
 
 #[tokio::test]
@@ -97,36 +117,67 @@ async fn metrics_count_a_new_request_and_its_replay_apart() {
         text.contains(r#"oncepay_requests_total{outcome="replayed",route="/payments"} 1"#),
         "{text}"
     );
-    assert!(text.contains("oncepay_request_duration_seconds_bucket"));
-    let replays_of_tenant = format!(r#"oncepay_replays_total{{tenant="{}"}} 1"#, app.tenant_id);
-    assert!(text.contains(&replays_of_tenant), "{text}");
-    assert!(text.contains("oncepay_purged_keys_total"));
-    assert!(text.contains(r#"oncepay_db_pool_connections{state="in_use"}"#));
-    assert!(text.contains("oncepay_db_pool_waiting"));
+    let replays_of_tenant = format!(r#"oncepay_replays_total{{tenant="{}"}}"#, app.tenant_id);
+    // Both requests timed; nothing purged, no request waiting for a connection, the
+    // pool's size as configured (10 in the test settings).
+    for (series, value) in [
+        (r#"oncepay_request_duration_seconds_count{route="/payments"}"#, 2.0),
+        (replays_of_tenant.as_str(), 1.0),
+        ("oncepay_purged_keys_total", 0.0),
+        ("oncepay_db_pool_waiting", 0.0),
+        (r#"oncepay_db_pool_connections{state="max"}"#, 10.0),
+    ] {
+        assert!(
+            text.lines().any(|line| line.starts_with(series)),
+            "{series} is exposed:\n{text}"
+        );
+        assert_eq!(metric_value(&text, series), value, "{series}:\n{text}");
+    }
+}
+
+/// The value of one series (`name{labels}` as exposed) in a Prometheus text; 0 while absent.
+fn metric_value(exposition: &str, series: &str) -> f64 {
+    exposition
+        .lines()
+        .find_map(|line| line.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or(0.0)
 }
 
 #[tokio::test]
 async fn keyless_metrics_and_request_ids_are_reported() {
     let app = spawn_app().await;
+    app.set_policy("allow").await;
+    let by_tenant = format!(r#"oncepay_keyless_requests_total{{tenant="{}"}}"#, app.tenant_id);
+    let by_outcome = r#"oncepay_requests_total{outcome="keyless",route="/payments"}"#;
+    let before = app.metrics().await;
+
     let response = app
         .client
-        .get(app.url("/accounts/main"))
+        .post(app.url("/payments"))
         .bearer_auth(&app.api_key)
         .header("x-request-id", "trace-me-123")
+        .json(&json!({ "amount": 100 }))
         .send()
         .await
         .unwrap();
+
     assert_eq!(response.headers().get("x-request-id").unwrap(), "trace-me-123");
     let answer = Answer::from(response).await;
-    assert_eq!(answer.status, 200);
+    assert_eq!(answer.status, 201, "{}", answer.body);
+    let after = app.metrics().await;
+    for series in [by_tenant.as_str(), by_outcome] {
+        let increase = metric_value(&after, series) - metric_value(&before, series);
+        assert_eq!(increase, 1.0, "{series} after one keyless request:\n{after}");
+    }
 }
 
 #[tokio::test]
 async fn the_overview_view_tells_live_expired_and_due_for_purge_keys_apart() {
     let app = spawn_app().await;
     let keys: Vec<String> = (0..3).map(|_| new_key()).collect();
+    let mut payment_ids = Vec::new();
     for key in &keys {
-        app.pay(Some(key), 1).await;
+        payment_ids.push(app.pay(Some(key), 1).await.body["id"].as_str().unwrap().to_owned());
     }
     // Ages under the default retention, so that no parallel test's purge takes these rows;
     // the session's retention (which the view reads) makes the oldest one due for purge.
@@ -162,7 +213,7 @@ async fn the_overview_view_tells_live_expired_and_due_for_purge_keys_apart() {
     let state_of = |key: &String| rows.iter().find(|r| &r.0 == key).unwrap();
     assert_eq!(state_of(&keys[0]).1, "live");
     assert!(state_of(&keys[0]).3 > 86_000.0);
-    assert!(state_of(&keys[0]).2.is_some());
+    assert_eq!(state_of(&keys[0]).2.as_ref(), Some(&payment_ids[0]));
     assert_eq!(state_of(&keys[1]).1, "expired");
     assert_eq!(state_of(&keys[1]).3, 0.0);
     assert_eq!(state_of(&keys[2]).1, "due_for_purge");

@@ -72,13 +72,16 @@ async fn the_purge_deletes_old_keys_keeps_young_ones_and_never_touches_payments(
     let purged = app.admin(Method::POST, "/admin/purge", None).await;
 
     assert_eq!(purged.status, 200, "{}", purged.body);
-    assert!(purged.body["deleted"].as_u64().is_some());
+    // Parallel tests' old keys may go in the same purge: at least these five.
+    let deleted = purged.body["deleted"].as_u64().expect("`deleted` is a count");
+    assert!(deleted >= 5, "deleted {deleted}");
     assert_eq!(remaining_keys(&app, &old).await, 0);
     assert_eq!(remaining_keys(&app, &young).await, 3);
     assert_eq!(app.payment_count().await, 8, "payments untouched");
     assert_eq!(app.balance("main").await, MAIN_BALANCE - 80);
     let text = app.metrics().await;
     assert!(text.contains("oncepay_purge_runs_total 1"), "{text}");
+    assert!(text.contains(&format!("oncepay_purged_keys_total {deleted}")), "{text}");
 }
 
 #[tokio::test]
@@ -130,24 +133,19 @@ async fn the_in_process_schedule_purges_everything_once_across_replicas() {
     let (url, pool) = own_database("purgesched").await;
     fill_keys(&pool, 2_000, "9 days", 10).await;
 
-    let replicas = [
-        spawn_app_with(|s| {
+    let replicas = TestApp::builder()
+        .settings(|s| {
             s.database_url = url.clone();
             s.purge_interval = Some(Duration::from_millis(200));
             s.purge_batch_size = 100;
         })
-        .await,
-        spawn_app_with(|s| {
-            s.database_url = url.clone();
-            s.purge_interval = Some(Duration::from_millis(200));
-            s.purge_batch_size = 100;
-        })
-        .await,
-    ];
+        .spawn_instances(2)
+        .await;
+    // A run counts its deletions once it has finished, after its last batch committed:
+    // wait for the counters, not for the rows.
     let purged = || replicas.iter().map(|r| r.state.metrics.purged_keys.get()).sum::<u64>();
     let started = Instant::now();
-    // A run counts its rows once it has released the lock, a moment after they are gone.
-    while count(&pool, "SELECT count(*) FROM idempotency_keys").await > 10 || purged() < 2_000 {
+    while purged() < 2_000 {
         assert!(
             started.elapsed() < Duration::from_secs(20),
             "the schedule did not purge within 20 s"
@@ -157,13 +155,16 @@ async fn the_in_process_schedule_purges_everything_once_across_replicas() {
     // A few more ticks of both schedules: nothing is counted twice.
     tokio::time::sleep(Duration::from_millis(500)).await;
 
-    let purged = purged();
-    let runs: u64 = replicas.iter().map(|r| r.state.metrics.purge_runs.get()).sum();
     assert_eq!(
-        purged, 2_000,
+        purged(),
+        2_000,
         "each row deleted once, by whichever replica held the lock"
     );
-    assert!(runs >= 1);
+    assert_eq!(
+        count(&pool, "SELECT count(*) FROM idempotency_keys").await,
+        10,
+        "the young keys stay"
+    );
     for replica in &replicas {
         replica.state.pool.close().await;
     }

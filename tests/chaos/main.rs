@@ -4,6 +4,10 @@
 //! clean. They stop PostgreSQL, so they are ignored by `make test` and run by `make chaos`
 //! on a cluster of their own, one at a time. `--no-capture` shows their figures.
 
+// A failed unwrap is a failed test, and tests may print what they measured: the
+// lints against both are for the service's code.
+#![allow(clippy::unwrap_used, clippy::print_stdout, clippy::print_stderr)]
+
 mod harness;
 mod kill;
 mod ledger;

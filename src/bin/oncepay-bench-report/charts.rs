@@ -97,7 +97,7 @@ fn sides(groups: &Groups) -> Vec<String> {
     sides
 }
 
-fn render(chart: &Chart, path: &Path) -> anyhow::Result<()> {
+fn render(chart: &Chart<'_>, path: &Path) -> anyhow::Result<()> {
     let root = BitMapBackend::new(path, (900, 560)).into_drawing_area();
     root.fill(&WHITE)?;
     let top = chart

@@ -7,6 +7,8 @@
 //! in the generator. It runs on one thread so that it takes at most one of the machine's
 //! cores, as pgbench (`-j 1`) does on the other side.
 
+#![allow(clippy::print_stdout)] // its records on stdout are its output
+
 mod cpu;
 mod http;
 mod pgbench;
