@@ -20,7 +20,7 @@ export SQLX_OFFLINE ?= true
 BIN := target/release/oncepay
 CARGO_TEST := $(shell cargo nextest --version >/dev/null 2>&1 && echo "cargo nextest run --no-fail-fast" || echo "cargo test --no-fail-fast")
 
-.PHONY: help run serve build db-up db-down migrate psql purge audit audit-bench test chaos check sqlx-prepare bench bench-quick clean-db openapi schemathesis
+.PHONY: help run serve build db-up db-down migrate psql purge audit audit-bench test chaos check sqlx-prepare bench bench-quick bench-analyze callgrind clean-db openapi schemathesis
 
 help:
 	@echo "make run      local database if needed, migrate, demo tenant, serve on 127.0.0.1:8130"
@@ -28,7 +28,10 @@ help:
 	@echo "make chaos    fault tests (kill -9, PostgreSQL restart, ...) on their own PostgreSQL cluster"
 	@echo "make audit    reconcile balances, key rows and payments; non-zero exit if an invariant is broken"
 	@echo "make schemathesis   fuzz a live server from its OpenAPI document (docs/openapi.json)"
-	@echo "make migrate | purge | psql | db-up | db-down | check | bench | audit-bench | sqlx-prepare | openapi"
+	@echo "make bench | bench-quick   oncepay against pgbench and the yardstick, CPU per request, retry storm"
+	@echo "make bench-analyze   where PostgreSQL's CPU per payment goes (pg_stat_statements, auto_explain, perf)"
+	@echo "make callgrind       the server's instructions per new payment and per replay (valgrind)"
+	@echo "make migrate | purge | psql | db-up | db-down | check | audit-bench | sqlx-prepare | openapi"
 
 db-up:
 ifdef LOCAL_DB
@@ -117,3 +120,11 @@ bench: db-up
 
 bench-quick: db-up
 	@BENCH_QUICK=1 scripts/bench.sh
+
+# On a cluster of its own (port ONCEPAY_PG_PORT + 1), stopped afterwards: it preloads
+# pg_stat_statements and auto_explain, which the bench's cluster must not carry.
+bench-analyze:
+	@scripts/bench-analyze.sh
+
+callgrind: db-up
+	@scripts/bench-callgrind.sh
