@@ -86,7 +86,7 @@ phase() {
   [ -n "$dump" ] || { echo "callgrind: no dump named $name in $out" >&2; exit 1; }
   mv "$dump" "$out/$name.out"
   ir="$(sed -n 's/^summary: \([0-9]*\).*/\1/p; s/^totals: \([0-9]*\).*/\1/p' "$out/$name.out" | head -n 1)"
-  callgrind_annotate --inclusive=no "$out/$name.out" 2>/dev/null | head -n 40 >"$out/$name.top" || true
+  callgrind_annotate --threshold=100 --auto=no "$out/$name.out" 2>/dev/null | sed -n 20,80p >"$out/$name.top" || true
   echo "$name: $answered requests (errors: $(sed -n 's/.*"errors":\([0-9]*\).*/\1/p' <<<"$record")), $ir instructions, $((ir / answered)) instructions per request"
 }
 {

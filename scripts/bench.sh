@@ -107,33 +107,43 @@ psql -X -q -v ON_ERROR_STOP=1 -d "$yurl" \
         LATERAL pay_once(1, 'seed-' || i, sha256(('seed-' || i)::bytea), 'u' || (1 + i % $accounts), 1)" \
   -c "VACUUM ANALYZE" >/dev/null
 
+# start N [NAME=VALUE ...]: instance N on port + N, ready before it returns. Its port may be
+# held for a minute by a client connection's local end (ports above 32768 are also the kernel's
+# ephemeral ones): a failed bind is retried for up to a minute.
+start() {
+  local i="$1" u="http://127.0.0.1:$((port + $1))" pid
+  shift
+  for _ in $(seq 30); do
+    env RUST_LOG=warn ONCEPAY_BIND="127.0.0.1:$((port + i))" "$@" "$bin" serve 2>>target/bench-server.log &
+    pid=$!
+    for _ in $(seq 100); do
+      curl -sf "$u/readyz" >/dev/null && { pids+=("$pid"); return; }
+      kill -0 "$pid" 2>/dev/null || break
+      sleep 0.1
+    done
+    kill "$pid" 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
+    echo "bench: $u did not start ($(tail -n 1 target/bench-server.log)); retrying" >&2
+    sleep 2
+  done
+  echo "bench: $u never became ready" >&2
+  exit 1
+}
 urls=()
 for i in 0 1 2; do
-  RUST_LOG=warn ONCEPAY_BIND="127.0.0.1:$((port + i))" "$bin" serve 2>>target/bench-server.log &
-  pids+=("$!")
+  start "$i"
   urls+=("http://127.0.0.1:$((port + i))")
-done
-for u in "${urls[@]}"; do
-  for _ in $(seq 100); do curl -sf "$u/readyz" >/dev/null && break; sleep 0.1; done
-  curl -sf "$u/readyz" >/dev/null || { echo "bench: $u never became ready" >&2; exit 1; }
 done
 # A fourth instance differs only in its pool size: the pool decides how many commits reach
 # PostgreSQL at once (group commit), so the bench measures the default against a larger one.
 alt_pool="${BENCH_ALT_POOL:-64}"
-RUST_LOG=warn ONCEPAY_DB_POOL_SIZE="$alt_pool" ONCEPAY_BIND="127.0.0.1:$((port + 3))" "$bin" serve 2>>target/bench-server.log &
-pids+=("$!")
+start 3 ONCEPAY_DB_POOL_SIZE="$alt_pool"
 alt_url="http://127.0.0.1:$((port + 3))"
-for _ in $(seq 100); do curl -sf "$alt_url/readyz" >/dev/null && break; sleep 0.1; done
 # Three more with the replay cache off, for the retry storm's comparison.
 off_urls=()
 for i in 4 5 6; do
-  RUST_LOG=warn ONCEPAY_REPLAY_CACHE_ENTRIES=0 ONCEPAY_BIND="127.0.0.1:$((port + i))" "$bin" serve 2>>target/bench-server.log &
-  pids+=("$!")
+  start "$i" ONCEPAY_REPLAY_CACHE_ENTRIES=0
   off_urls+=("http://127.0.0.1:$((port + i))")
-done
-for u in "${off_urls[@]}"; do
-  for _ in $(seq 100); do curl -sf "$u/readyz" >/dev/null && break; sleep 0.1; done
-  curl -sf "$u/readyz" >/dev/null || { echo "bench: $u never became ready" >&2; exit 1; }
 done
 servers=("${pids[@]}")
 one="${urls[0]}"
