@@ -121,8 +121,8 @@ bench: db-up
 bench-quick: db-up
 	@BENCH_QUICK=1 scripts/bench.sh
 
-# On a cluster of its own (port ONCEPAY_PG_PORT + 1), stopped afterwards: it preloads
-# pg_stat_statements and auto_explain, which the bench's cluster must not carry.
+# On a cluster of its own (ANALYZE_PG_PORT, default ONCEPAY_PG_PORT + 2), stopped afterwards:
+# it preloads pg_stat_statements and auto_explain, which the bench's cluster must not carry.
 bench-analyze:
 	@scripts/bench-analyze.sh
 

@@ -12,8 +12,8 @@
 # and plans.txt: auto_explain's plans (ANALYZE, BUFFERS) of every nested statement of one call.
 # docs/bench/analysis.md reads them.
 #
-# The cluster listens on ANALYZE_PG_PORT (default ONCEPAY_PG_PORT + 1) with its data in a
-# folder of its own, and is stopped at the end.
+# The cluster listens on ANALYZE_PG_PORT (default ONCEPAY_PG_PORT + 2, as + 1 is the chaos
+# cluster's default) with its data in a folder of its own, and is stopped at the end.
 set -euo pipefail
 top="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$top"
@@ -24,7 +24,7 @@ yard="$(cd "$yard" && pwd)"
 secs="${ANALYZE_SECS:-10}"
 c="${ANALYZE_CONCURRENCY:-32}"
 out="${ANALYZE_OUT:-target/bench-analyze}"
-export ONCEPAY_PG_PORT="${ANALYZE_PG_PORT:-$((${ONCEPAY_PG_PORT:-55130} + 1))}"
+export ONCEPAY_PG_PORT="${ANALYZE_PG_PORT:-$((${ONCEPAY_PG_PORT:-55130} + 2))}"
 if [ "$(id -u)" = 0 ]; then
   export ONCEPAY_PGDATA="${ANALYZE_PGDATA:-/var/tmp/oncepay-analyze-pg-$(printf '%s' "$top" | sha256sum | cut -c1-12)}"
 else
