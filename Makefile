@@ -20,7 +20,7 @@ export SQLX_OFFLINE ?= true
 BIN := target/release/oncepay
 CARGO_TEST := $(shell cargo nextest --version >/dev/null 2>&1 && echo "cargo nextest run --workspace --no-fail-fast" || echo "cargo test --workspace --no-fail-fast")
 
-.PHONY: help run serve build db-up db-down migrate psql purge audit audit-bench test chaos check client-deps-check sqlx-check sqlx-prepare bench bench-quick clean-db openapi schemathesis alerts-test
+.PHONY: help run serve build db-up db-down migrate psql purge audit audit-bench test chaos check client-deps-check sqlx-check sqlx-prepare bench bench-quick bench-analyze callgrind clean-db openapi schemathesis alerts-test
 
 help:
 	@echo "make run      local database if needed, migrate, demo tenant, serve on 127.0.0.1:8130"
@@ -30,6 +30,9 @@ help:
 	@echo "make schemathesis   fuzz a live server from its OpenAPI document (docs/openapi.json)"
 	@echo "make alerts-test    check the Prometheus rules (ops/prometheus) and run their unit tests with promtool"
 	@echo "make check    fmt, clippy -D warnings over the workspace, the freshness of .sqlx/, client-deps-check"
+	@echo "make bench | bench-quick   oncepay against pgbench and the yardstick, CPU per request, retry storm"
+	@echo "make bench-analyze   where PostgreSQL's CPU per payment goes (pg_stat_statements, auto_explain, perf)"
+	@echo "make callgrind       the server's instructions per new payment and per replay (valgrind)"
 	@echo "make migrate | purge | psql | db-up | db-down | client-deps-check | bench | audit-bench | sqlx-prepare | sqlx-check | openapi"
 
 db-up:
@@ -158,3 +161,11 @@ bench: db-up
 
 bench-quick: db-up
 	@BENCH_QUICK=1 scripts/bench.sh
+
+# On a cluster of its own (ANALYZE_PG_PORT, default ONCEPAY_PG_PORT + 2), stopped afterwards:
+# it preloads pg_stat_statements and auto_explain, which the bench's cluster must not carry.
+bench-analyze:
+	@scripts/bench-analyze.sh
+
+callgrind: db-up
+	@scripts/bench-callgrind.sh

@@ -1,15 +1,31 @@
 #!/usr/bin/env bash
 # `make bench` (about 15 minutes) and `make bench-quick` (BENCH_QUICK=1, about 3): oncepay side
-# by side with its limit, pgbench running the very SQL oncepay issues (bench/sql/), in
-# alternation so that machine drift hits both sides alike. Writes results.jsonl, REPORT.md and
+# by side with two limits, in alternation so that machine drift hits all sides alike:
+#   - pgbench running the very SQL oncepay issues (bench/sql/), which moves when that SQL does;
+#   - the yardstick (../shared/bench/yardstick, issue 10): a fixed minimal payment transaction
+#     and replay SELECT, loaded into a database of its own on the same cluster.
+# Every step records the CPU per request of oncepay, of the whole PostgreSQL cluster and of
+# the load generator (oncepay-loadgen or pgbench). A retry storm replays 10,000 finished keys
+# over three instances with the replay cache on and off. Writes results.jsonl, REPORT.md and
 # PNG charts to $BENCH_OUT (docs/bench for the full run, target/bench-quick for the quick one).
 #
-# It builds in release mode, starts the local PostgreSQL if needed (scripts/db.sh), recreates
-# the database oncepay_bench, starts three oncepay instances (RUST_LOG=warn: the per-request
-# info line costs CPU that is not oncepay's protocol) and stops them by pid on exit.
+# It builds in release mode, starts the local PostgreSQL if needed (scripts/db.sh, port
+# ONCEPAY_PG_PORT), recreates the databases oncepay_bench and oncepay_yardstick, starts seven
+# oncepay instances on BENCH_PORT.. (RUST_LOG=warn: the per-request info line costs CPU that is
+# not oncepay's protocol) and stops them by pid on exit.
 set -euo pipefail
 top="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$top"
+
+yard="${BENCH_YARDSTICK:-../shared/bench/yardstick}"
+for f in schema.sql pay_one.sql replay.sql; do
+  if [ ! -f "$yard/$f" ]; then
+    echo "bench: the yardstick is missing: no $yard/$f (from the project root; it is shared/bench/yardstick" >&2
+    echo "bench: beside the repository, issue 10). Set BENCH_YARDSTICK to its folder." >&2
+    exit 1
+  fi
+done
+yard="$(cd "$yard" && pwd)"
 
 quick="${BENCH_QUICK:-0}"
 if [ "$quick" = 1 ]; then
@@ -19,8 +35,11 @@ else
 fi
 port="${BENCH_PORT:-18131}"
 db="${BENCH_DB:-oncepay_bench}"
+ydb="${BENCH_YARDSTICK_DB:-oncepay_yardstick}"
 replay_keys=10000
 accounts=10000
+# The retry storm replays each of its 10,000 keys this many times.
+storm_passes="$([ "$quick" = 1 ] && echo 2 || echo 5)"
 
 font=/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf
 if [ ! -f "$font" ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
@@ -30,7 +49,10 @@ fi
 scripts/db.sh up
 bindir="$(scripts/db.sh bindir)"
 url="$(scripts/db.sh url "$db")"
+yurl="$(scripts/db.sh url "$ydb")"
 admin_url="$(scripts/db.sh url postgres)"
+# The cluster's postmaster: the CPU of all its processes is charged to each step.
+pg_pid="$(head -n 1 "$(scripts/db.sh datadir)/postmaster.pid")"
 SQLX_OFFLINE=true cargo build --release --locked --features bench --quiet
 bin=target/release/oncepay
 lg=target/release/oncepay-loadgen
@@ -43,7 +65,8 @@ cleanup() {
   local pid
   for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
   for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
-  psql -X -q "$admin_url" -c "DROP DATABASE IF EXISTS $db WITH (FORCE)" >/dev/null 2>&1 || true
+  psql -X -q "$admin_url" -c "DROP DATABASE IF EXISTS $db WITH (FORCE)" -c "DROP DATABASE IF EXISTS $ydb WITH (FORCE)" \
+    >/dev/null 2>&1 || true
 }
 trap cleanup EXIT
 
@@ -58,6 +81,7 @@ say() { echo "bench: $(date +%T) $*" >&2; }
   echo "postgresql: $("$bindir/postgres" --version)"
   echo "load average at start: $(cut -d' ' -f1-3 /proc/loadavg)"
   echo "mode: $([ "$quick" = 1 ] && echo quick || echo full), ${secs} s per step, $rounds round(s)"
+  echo "yardstick: $(cat "$yard"/*.sql | sha256sum | cut -c1-12) (sha256 of its SQL files)"
   [ -n "${BENCH_NOTE:-}" ] && echo "note: $BENCH_NOTE"
 } >"$out/machine.txt"
 
@@ -71,32 +95,69 @@ api_key="$(sed -n 's/.*"api_key":"\([^"]*\)".*/\1/p' <<<"$tenant_json")"
 sql -c "INSERT INTO accounts (tenant_id, account_id, balance, opening_balance)
         SELECT '$tenant', g::text, 1000000000000, 1000000000000 FROM generate_series(0, $((accounts - 1))) g"
 
+say "yardstick database $ydb"
+psql -X -q "$admin_url" -c "DROP DATABASE IF EXISTS $ydb WITH (FORCE)" -c "CREATE DATABASE $ydb" >/dev/null
+psql -X -q -v ON_ERROR_STOP=1 -v accounts="$accounts" -v replay_keys=100 -d "$yurl" -f "$yard/schema.sql" >/dev/null
+# As many finished keys as oncepay's table gets from the seeding below, made by its own
+# pay_once, then analysed: with its 100 keys alone the planner sees a two-page key table and
+# may cache a sequential scan for pay_once's key UPDATE, whose cost then grows with every
+# payment of the step (seen in make bench-analyze: 35 buffers per call instead of 5).
+psql -X -q -v ON_ERROR_STOP=1 -d "$yurl" \
+  -c "SELECT count(*) FROM generate_series(1, $replay_keys) i,
+        LATERAL pay_once(1, 'seed-' || i, sha256(('seed-' || i)::bytea), 'u' || (1 + i % $accounts), 1)" \
+  -c "VACUUM ANALYZE" >/dev/null
+
+# start N [NAME=VALUE ...]: instance N on port + N, ready before it returns. Its port may be
+# held for a minute by a client connection's local end (ports above 32768 are also the kernel's
+# ephemeral ones): a failed bind is retried for up to a minute.
+start() {
+  local i="$1" u="http://127.0.0.1:$((port + $1))" pid
+  shift
+  for _ in $(seq 30); do
+    env RUST_LOG=warn ONCEPAY_BIND="127.0.0.1:$((port + i))" "$@" "$bin" serve 2>>target/bench-server.log &
+    pid=$!
+    for _ in $(seq 100); do
+      curl -sf "$u/readyz" >/dev/null && { pids+=("$pid"); return; }
+      kill -0 "$pid" 2>/dev/null || break
+      sleep 0.1
+    done
+    kill "$pid" 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
+    echo "bench: $u did not start ($(tail -n 1 target/bench-server.log)); retrying" >&2
+    sleep 2
+  done
+  echo "bench: $u never became ready" >&2
+  exit 1
+}
 urls=()
 for i in 0 1 2; do
-  RUST_LOG=warn ONCEPAY_BIND="127.0.0.1:$((port + i))" "$bin" serve 2>>target/bench-server.log &
-  pids+=("$!")
+  start "$i"
   urls+=("http://127.0.0.1:$((port + i))")
-done
-for u in "${urls[@]}"; do
-  for _ in $(seq 100); do curl -sf "$u/readyz" >/dev/null && break; sleep 0.1; done
-  curl -sf "$u/readyz" >/dev/null || { echo "bench: $u never became ready" >&2; exit 1; }
 done
 # A fourth instance differs only in its pool size: the pool decides how many commits reach
 # PostgreSQL at once (group commit), so the bench measures the default against a larger one.
 alt_pool="${BENCH_ALT_POOL:-64}"
-RUST_LOG=warn ONCEPAY_DB_POOL_SIZE="$alt_pool" ONCEPAY_BIND="127.0.0.1:$((port + 3))" "$bin" serve 2>>target/bench-server.log &
-pids+=("$!")
+start 3 ONCEPAY_DB_POOL_SIZE="$alt_pool"
 alt_url="http://127.0.0.1:$((port + 3))"
-for _ in $(seq 100); do curl -sf "$alt_url/readyz" >/dev/null && break; sleep 0.1; done
+# Three more with the replay cache off, for the retry storm's comparison.
+off_urls=()
+for i in 4 5 6; do
+  start "$i" ONCEPAY_REPLAY_CACHE_ENTRIES=0
+  off_urls+=("http://127.0.0.1:$((port + i))")
+done
+servers=("${pids[@]}")
 one="${urls[0]}"
 three="$(IFS=,; echo "${urls[*]}")"
-all_pids="$(IFS=,; echo "${pids[*]}")"
+three_pids="$(IFS=,; echo "${pids[*]:0:3}")"
+all_pids="$three_pids"
+three_off="$(IFS=,; echo "${off_urls[*]}")"
+three_off_pids="$(IFS=,; echo "${pids[*]:4:3}")"
 clk="$(getconf CLK_TCK)"
 
 http() { # scenario concurrency key_rows round [side urls pids] [extra loadgen args...]
   local scenario="$1" c="$2" rows="$3" round="$4" side="${5:-oncepay}" u="${6:-$one}" p="${7:-${pids[0]}}"
   shift 7 2>/dev/null || shift $#
-  "$lg" http --side "$side" --urls "$u" --pids "$p" --api-key "$api_key" --clock-ticks "$clk" \
+  "$lg" http --side "$side" --urls "$u" --pids "$p" --api-key "$api_key" --clock-ticks "$clk" --pg-pid "$pg_pid" \
     --scenario "$scenario" --concurrency "$c" --duration-secs "$secs" --key-rows "$rows" --round "$round" \
     --accounts "$accounts" --replay-keys "$replay_keys" "$@" >>"$results"
 }
@@ -108,7 +169,26 @@ pgb() { # script scenario concurrency key_rows round [-D name=value ...]
   shift 5
   "$lg" pgbench --pgbench "$bindir/pgbench" --pgoptions="$pgoptions" --database-url "$url" --script "bench/sql/$script.sql" \
     --scenario "$scenario" --concurrency "$c" --duration-secs "$secs" --key-rows "$rows" --round "$round" \
+    --clock-ticks "$clk" --pg-pid "$pg_pid" \
     -D "tenant=$tenant" -D derived=false -D "fp=\\x$fp" -D window=86400 -D amount=1 "$@" >>"$results"
+}
+# The yardstick as its README runs it: -M prepared -j 2, no session settings.
+yardstick() { # script scenario round [-D name=value ...]
+  local script="$1" scenario="$2" round="$3"
+  shift 3
+  "$lg" pgbench --side yardstick --threads 2 --pgbench "$bindir/pgbench" --pgoptions= --database-url "$yurl" \
+    --script "$yard/$script.sql" --scenario "$scenario" --concurrency 32 --duration-secs "$secs" --round "$round" \
+    --clock-ticks "$clk" --pg-pid "$pg_pid" "$@" >>"$results"
+}
+# The retry storm: fresh keys made by real payments over three instances, then every one of
+# them replayed storm_passes times by 32 clients, each on another instance than its maker.
+storm() { # round cache(on|off) urls pids
+  local round="$1" cache="$2" u="$3" p="$4" prefix="storm-$2-$1-"
+  "$lg" http --urls "$u" --api-key "$api_key" --scenario storm-seed --concurrency 32 --duration-secs 300 \
+    --replay-keys "$replay_keys" --accounts "$accounts" --key-prefix "$prefix" >/dev/null
+  "$lg" http --side "oncepay x3 cache $cache" --urls "$u" --pids "$p" --api-key "$api_key" --clock-ticks "$clk" \
+    --pg-pid "$pg_pid" --scenario storm --concurrency 32 --duration-secs 300 --round "$round" \
+    --replay-keys "$replay_keys" --accounts "$accounts" --passes "$storm_passes" --key-prefix "$prefix" >>"$results"
 }
 
 say "seeding $replay_keys keys for the replay scenarios"
@@ -117,17 +197,22 @@ say "seeding $replay_keys keys for the replay scenarios"
 fp="$(sql -c "SELECT encode(fingerprint, 'hex') FROM idempotency_keys WHERE tenant_id = '$tenant' AND key = '1000000000'")"
 [ -n "$fp" ] || { echo "bench: the seeded keys are missing" >&2; exit 1; }
 
-settle() { sql -c "VACUUM (ANALYZE) idempotency_keys" -c "VACUUM (ANALYZE) payments" -c "CHECKPOINT"; }
+settle() {
+  sql -c "VACUUM (ANALYZE) idempotency_keys" -c "VACUUM (ANALYZE) payments"
+  psql -X -q -v ON_ERROR_STOP=1 "$yurl" -c "VACUUM (ANALYZE)" -c "CHECKPOINT"
+}
 settle
 for round in $(seq "$rounds"); do
   for c in 1 8 32 64; do
     say "round $round: new payments at concurrency $c"
     pgb pay new "$c" 0 "$round" -D "accounts=$accounts"
+    if [ "$c" = 32 ]; then yardstick pay_one new "$round" -D "accounts=$accounts"; fi
     http new "$c" 0 "$round"
     if [ "$c" -ge 32 ]; then http new "$c" 0 "$round" "oncepay pool $alt_pool" "$alt_url" "${pids[3]}"; fi
   done
   say "round $round: replays, three instances, hot account, keyless, one key"
   pgb replay replay 32 0 "$round" -D "replay_keys=$replay_keys" -D account=0
+  yardstick replay replay "$round" -D replay_keys=100
   http replay 32 0 "$round"
   http new 32 0 "$round" "oncepay x3" "$three" "$all_pids"
   http replay 32 0 "$round" "oncepay x3" "$three" "$all_pids"
@@ -136,6 +221,9 @@ for round in $(seq "$rounds"); do
   http keyless 32 0 "$round"
   http one-key 50 0 "$round"
   http one-key 50 0 "$round" "oncepay x3" "$three" "$all_pids"
+  say "round $round: retry storm, $replay_keys keys x $storm_passes, cache on, then off"
+  storm "$round" on "$three" "$three_pids"
+  storm "$round" off "$three_off" "$three_off_pids"
 done
 
 growth() { # rows
@@ -158,11 +246,11 @@ purge_started=$(date +%s%N)
 "$bin" purge >"$out/purge.txt" 2>/dev/null &
 purge_pid=$!
 pids+=("$purge_pid")
-"$lg" http --urls "$one" --pids "${pids[0]}" --api-key "$api_key" --clock-ticks "$clk" --scenario new \
+"$lg" http --urls "$one" --pids "${pids[0]}" --api-key "$api_key" --clock-ticks "$clk" --pg-pid "$pg_pid" --scenario new \
   --concurrency 32 --duration-secs 300 --while-pid "$purge_pid" --key-rows "$small" \
   --accounts "$accounts" --note "purge of $small rows running" >>"$results"
 wait "$purge_pid"
-pids=("${pids[@]:0:4}")
+pids=("${servers[@]}")
 echo "milliseconds: $((($(date +%s%N) - purge_started) / 1000000))" >>"$out/purge.txt"
 
 say "filling $big key rows"

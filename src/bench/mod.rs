@@ -8,7 +8,8 @@ use serde::{Deserialize, Serialize};
 /// scenario, one concurrency, one key-table size, one round of the alternation.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Record {
-    /// `pgbench`, `oncepay` or `oncepay x3`.
+    /// `pgbench` (oncepay's own statement), `yardstick` (the fixed minimal transaction of
+    /// ../shared/bench/yardstick), `oncepay`, `oncepay x3`, ...
     pub side: String,
     pub scenario: String,
     pub concurrency: u32,
@@ -27,6 +28,20 @@ pub struct Record {
     /// User + system CPU seconds of the server process(es) per request; `None` for pgbench,
     /// whose server is PostgreSQL itself.
     pub cpu_secs_per_request: Option<f64>,
+    /// CPU seconds per request of the whole PostgreSQL cluster (every backend and auxiliary
+    /// process, exited ones included); `None` when the step was not given the postmaster.
+    #[serde(default)]
+    pub pg_cpu_secs_per_request: Option<f64>,
+    /// CPU seconds per request of the load generator: oncepay-loadgen itself on the HTTP side,
+    /// the pgbench process on the SQL side.
+    #[serde(default)]
+    pub client_cpu_secs_per_request: Option<f64>,
+    /// Replays answered from the instances' memory during the step, from their `/metrics`
+    /// (`oncepay_replay_cache_hits_total`); `None` where the servers do not export it.
+    #[serde(default)]
+    pub cache_hits: Option<u64>,
+    #[serde(default)]
+    pub cache_misses: Option<u64>,
     /// Free text, e.g. "purge running".
     #[serde(default)]
     pub note: String,

@@ -6,7 +6,7 @@ use std::path::Path;
 use plotters::prelude::*;
 use plotters::style::{register_font, FontStyle};
 
-use crate::summary::{key, sizes, Groups};
+use crate::summary::{cpu_groups, key, sizes, Groups};
 
 struct Chart<'a> {
     file: &'a str,
@@ -82,6 +82,62 @@ pub fn draw(groups: &Groups, out: &Path, font: &'static [u8]) -> anyhow::Result<
     for chart in &charts {
         render(chart, &out.join(chart.file))?;
     }
+    cpu_bars(groups, &out.join("cpu_per_request.png"))
+}
+
+/// Stacked bars: CPU ms per request of oncepay, PostgreSQL and the load generator, for each
+/// scenario and side at c=32 (the report's CPU table).
+fn cpu_bars(groups: &Groups, path: &Path) -> anyhow::Result<()> {
+    let bars: Vec<(String, [f64; 3])> = cpu_groups(groups)
+        .into_iter()
+        .filter_map(|(k, g)| {
+            Some((
+                format!("{}: {}", k.scenario, k.side.replace("oncepay x3 cache", "cache")),
+                g.cpu_split()?,
+            ))
+        })
+        .collect();
+    let root = BitMapBackend::new(path, (1400, 600)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let top = bars
+        .iter()
+        .map(|(_, p)| p.iter().sum::<f64>())
+        .fold(0.0f64, f64::max)
+        .max(1e-3)
+        * 1.2;
+    let n = bars.len().max(1);
+    let mut ctx = ChartBuilder::on(&root)
+        .caption("CPU per request, c=32 (ms): who spends the machine", ("sans-serif", 24))
+        .margin(16)
+        .x_label_area_size(70)
+        .y_label_area_size(72)
+        .build_cartesian_2d(-0.5f64..(n as f64 - 0.5), 0.0..top)?;
+    let labels: Vec<String> = bars.iter().map(|(l, _)| l.clone()).collect();
+    ctx.configure_mesh()
+        .disable_x_mesh()
+        .y_desc("CPU ms per request")
+        .x_labels(n)
+        .x_label_formatter(&|x| category(&labels, *x))
+        .label_style(("sans-serif", 12))
+        .draw()?;
+    let parts = ["oncepay", "PostgreSQL", "load generator"];
+    for (part, name) in parts.iter().enumerate() {
+        let color = Palette99::pick(part).to_rgba();
+        ctx.draw_series(bars.iter().enumerate().map(|(i, (_, split))| {
+            let below: f64 = split[..part].iter().sum();
+            let x = i as f64;
+            Rectangle::new([(x - 0.35, below), (x + 0.35, below + split[part])], color.filled())
+        }))?
+        .label(*name)
+        .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 14, y + 5)], color.filled()));
+    }
+    ctx.configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .label_font(("sans-serif", 15))
+        .draw()?;
+    root.present()?;
     Ok(())
 }
 
@@ -119,14 +175,7 @@ fn render(chart: &Chart<'_>, path: &Path) -> anyhow::Result<()> {
         .x_desc(chart.x_label)
         .y_desc(chart.y_label)
         .x_labels(n)
-        .x_label_formatter(&|x| {
-            let i = x.round();
-            if (x - i).abs() < 1e-6 && i >= 0.0 {
-                categories.get(i as usize).cloned().unwrap_or_default()
-            } else {
-                String::new()
-            }
-        })
+        .x_label_formatter(&|x| category(&categories, *x))
         .label_style(("sans-serif", 15))
         .draw()?;
     for (i, (name, points)) in chart.series.iter().enumerate() {
@@ -152,4 +201,14 @@ fn render(chart: &Chart<'_>, path: &Path) -> anyhow::Result<()> {
         .draw()?;
     root.present()?;
     Ok(())
+}
+
+/// The label of the category at x (the axis' whole numbers); nothing between them.
+fn category(labels: &[String], x: f64) -> String {
+    let i = x.round();
+    if (x - i).abs() < 1e-6 && i >= 0.0 {
+        labels.get(i as usize).cloned().unwrap_or_default()
+    } else {
+        String::new()
+    }
 }

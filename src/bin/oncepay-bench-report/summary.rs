@@ -1,4 +1,5 @@
-//! The figures: groups of rounds, ratios to the limit, the targets of issue 5, Markdown.
+//! The figures: groups of rounds, ratios to the limits (pgbench running oncepay's own statement,
+//! and the fixed yardstick), the targets of issues 5 and 10, who spends the CPU, Markdown.
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
@@ -24,6 +25,29 @@ pub struct Group {
     pub p99_ms: f64,
     pub p999_ms: f64,
     pub cpu_ms_per_request: Option<f64>,
+    /// The whole PostgreSQL cluster's CPU per request.
+    pub pg_cpu_ms_per_request: Option<f64>,
+    /// The load generator's (oncepay-loadgen or pgbench) CPU per request.
+    pub client_cpu_ms_per_request: Option<f64>,
+    /// Replay-cache hits and misses over all rounds, where the servers export them.
+    pub cache: Option<(u64, u64)>,
+    /// Answered requests over all rounds.
+    pub requests: u64,
+}
+
+impl Group {
+    /// The three CPU figures, where all are measured, and their sum (ms per request).
+    pub fn cpu_split(&self) -> Option<[f64; 3]> {
+        let pg = self.pg_cpu_ms_per_request?;
+        let client = self.client_cpu_ms_per_request?;
+        Some([self.cpu_ms_per_request.unwrap_or(0.0), pg, client])
+    }
+}
+
+/// The mean of the rounds that measured it, in ms.
+fn mean_ms(values: impl Iterator<Item = Option<f64>>) -> Option<f64> {
+    let v: Vec<f64> = values.flatten().collect();
+    (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64 * 1000.0)
 }
 
 pub type Groups = BTreeMap<Key, Group>;
@@ -54,7 +78,8 @@ pub fn group(records: &[Record]) -> Groups {
             let mean = |f: fn(&Record) -> f64| rs.iter().map(|r| f(r)).sum::<f64>() / n;
             let seconds: f64 = rs.iter().map(|r| r.duration_secs).sum();
             let requests: u64 = rs.iter().map(|r| r.requests).sum();
-            let cpu: Vec<f64> = rs.iter().filter_map(|r| r.cpu_secs_per_request).collect();
+            let hits: Option<u64> = rs.iter().map(|r| r.cache_hits).sum();
+            let misses: Option<u64> = rs.iter().map(|r| r.cache_misses).sum();
             let group = Group {
                 rounds: rs.len(),
                 errors: rs.iter().map(|r| r.errors).sum(),
@@ -62,7 +87,11 @@ pub fn group(records: &[Record]) -> Groups {
                 p50_ms: mean(|r| r.p50_ms),
                 p99_ms: mean(|r| r.p99_ms),
                 p999_ms: mean(|r| r.p999_ms),
-                cpu_ms_per_request: (!cpu.is_empty()).then(|| cpu.iter().sum::<f64>() / cpu.len() as f64 * 1000.0),
+                cpu_ms_per_request: mean_ms(rs.iter().map(|r| r.cpu_secs_per_request)),
+                pg_cpu_ms_per_request: mean_ms(rs.iter().map(|r| r.pg_cpu_secs_per_request)),
+                client_cpu_ms_per_request: mean_ms(rs.iter().map(|r| r.client_cpu_secs_per_request)),
+                cache: hits.zip(misses),
+                requests,
             };
             (k, group)
         })
@@ -79,11 +108,30 @@ fn limit_of(scenario: &str) -> Option<&'static str> {
     }
 }
 
+/// The yardstick's side and the scenarios it has: its `pay_one.sql` is recorded as `new`, its
+/// `replay.sql` as `replay`.
+pub const YARDSTICK: &str = "yardstick";
+
+fn is_limit(side: &str) -> bool {
+    side == "pgbench" || side == YARDSTICK
+}
+
+/// Throughput of an oncepay group over pgbench running oncepay's own statement.
 fn ratio(groups: &Groups, k: &Key) -> Option<f64> {
-    if k.side == "pgbench" {
+    if is_limit(&k.side) {
         return None;
     }
     let limit = groups.get(&key("pgbench", limit_of(&k.scenario)?, k.concurrency, k.key_rows))?;
+    Some(groups.get(k)?.throughput / limit.throughput)
+}
+
+/// Throughput of an oncepay group over the yardstick's (new payments and replays, where the
+/// yardstick ran at that concurrency; it runs on its own small tables, labelled 0 key rows).
+fn yardstick_ratio(groups: &Groups, k: &Key) -> Option<f64> {
+    if is_limit(&k.side) || !matches!(k.scenario.as_str(), "new" | "replay") || !k.note.is_empty() {
+        return None;
+    }
+    let limit = groups.get(&key(YARDSTICK, &k.scenario, k.concurrency, k.key_rows))?;
     Some(groups.get(k)?.throughput / limit.throughput)
 }
 
@@ -110,6 +158,52 @@ struct Target {
     /// The same figure for pgbench, where it has one: how much of a miss is PostgreSQL's own.
     limit: Option<f64>,
     met: fn(f64) -> bool,
+}
+
+/// Issue 10's targets: oncepay against the fixed yardstick, same run; the retry storm.
+fn yardstick_targets(groups: &Groups) -> Vec<Target> {
+    let get = |side: &str, scenario: &str| groups.get(&key(side, scenario, 32, 0));
+    let storm = |cache: &str| groups.get(&key(&format!("oncepay x3 cache {cache}"), "storm", 32, 0));
+    let pg = |g: Option<&Group>| g.and_then(|g| g.pg_cpu_ms_per_request);
+    // PostgreSQL's CPU per request of a group over the yardstick's for `scenario`.
+    let pg_ratio = |g: Option<&Group>, scenario: &str| pg(g).zip(pg(get(YARDSTICK, scenario))).map(|(o, y)| o / y);
+    vec![
+        Target {
+            what: "new payments, c=32: oncepay / yardstick `pay_once` (one round trip)",
+            goal: ">= 0.8",
+            value: yardstick_ratio(groups, &key("oncepay", "new", 32, 0)),
+            limit: None,
+            met: |v| v >= 0.8,
+        },
+        Target {
+            what: "replays, c=32: oncepay / yardstick replay `SELECT`",
+            goal: ">= 0.5",
+            value: yardstick_ratio(groups, &key("oncepay", "replay", 32, 0)),
+            limit: None,
+            met: |v| v >= 0.5,
+        },
+        Target {
+            what: "PostgreSQL CPU per new payment: oncepay / yardstick (c=32)",
+            goal: "<= 1.1 (as cheap)",
+            value: pg_ratio(get("oncepay", "new"), "new"),
+            limit: pg_ratio(get("pgbench", "new"), "new"),
+            met: |v| v <= 1.1,
+        },
+        Target {
+            what: "PostgreSQL CPU per replay: oncepay / yardstick (c=32, replays of 10,000 keys)",
+            goal: "<= 0.1 (near zero, cached)",
+            value: pg_ratio(get("oncepay", "replay"), "replay"),
+            limit: pg_ratio(get("pgbench", "replay"), "replay"),
+            met: |v| v <= 0.1,
+        },
+        Target {
+            what: "retry storm, PostgreSQL CPU per replay: cache on / yardstick replay `SELECT`",
+            goal: "<= 0.1 (near zero)",
+            value: pg_ratio(storm("on"), "replay"),
+            limit: pg_ratio(storm("off"), "replay"),
+            met: |v| v <= 0.1,
+        },
+    ]
 }
 
 fn targets(groups: &Groups) -> Vec<Target> {
@@ -181,22 +275,12 @@ fn opt(v: Option<f64>, digits: usize) -> String {
     v.map_or_else(|| "-".to_owned(), |v| format!("{v:.digits$}"))
 }
 
-pub fn markdown(records: &[Record], groups: &Groups, machine: &str) -> String {
-    let mut md = String::new();
-    let w = &mut md;
+fn target_table(w: &mut String, targets: Vec<Target>, reference: &str) {
     let _ = writeln!(
         w,
-        "# oncepay benchmark report\n\nWritten by `make bench` (scripts/bench.sh). Machine and run:\n"
+        "| target | goal | measured | met | {reference} |\n| --- | --- | --- | --- | --- |"
     );
-    for line in machine.lines() {
-        let _ = writeln!(w, "- {line}");
-    }
-    let _ = writeln!(w, "\n## Targets (issue 5), measured side by side in this run\n");
-    let _ = writeln!(
-        w,
-        "| target | goal | measured | met | pgbench's own figure |\n| --- | --- | --- | --- | --- |"
-    );
-    for t in targets(groups) {
+    for t in targets {
         let met = t
             .value
             .map_or("not measured", |v| if (t.met)(v) { "yes" } else { "**no**" });
@@ -209,24 +293,161 @@ pub fn markdown(records: &[Record], groups: &Groups, machine: &str) -> String {
             opt(t.limit, 2)
         );
     }
+}
+
+/// The groups of the CPU table and chart: c=32, 0 key rows, no note; limits first.
+pub fn cpu_groups(groups: &Groups) -> Vec<(&Key, &Group)> {
+    let order = |k: &Key| match k.side.as_str() {
+        YARDSTICK => 0,
+        "pgbench" => 1,
+        _ => 2,
+    };
+    let mut picked: Vec<(&Key, &Group)> = groups
+        .iter()
+        .filter(|(k, g)| k.concurrency == 32 && k.key_rows == 0 && k.note.is_empty() && g.cpu_split().is_some())
+        .filter(|(k, _)| matches!(k.scenario.as_str(), "new" | "replay" | "storm"))
+        .collect();
+    picked.sort_by(|a, b| {
+        (a.0.scenario.as_str(), order(a.0), a.0.side.as_str()).cmp(&(
+            b.0.scenario.as_str(),
+            order(b.0),
+            b.0.side.as_str(),
+        ))
+    });
+    picked
+}
+
+fn cpu_table(w: &mut String, groups: &Groups) {
+    let _ = writeln!(
+        w,
+        "\n## Who spends the machine: CPU per request, c=32, 0 key rows\n\n\
+         User + system CPU milliseconds per answered request, read from /proc/<pid>/stat before and \
+         after each step: the oncepay process(es); PostgreSQL, every process of the bench cluster \
+         (the postmaster's live children plus its reaped ones, so pgbench's exited backends count); \
+         the load generator (oncepay-loadgen itself over HTTP, the pgbench process on the SQL side). \
+         Two cores serve all three, so the total bounds the rate: 2 cores / total = the most this \
+         machine could do if nothing else ran. PostgreSQL's figure against the yardstick's is what \
+         the SQL costs the database.\n"
+    );
+    let _ = writeln!(
+        w,
+        "| scenario | side | per second | oncepay ms | PostgreSQL ms | load generator ms | total ms | PostgreSQL / yardstick's |\n\
+         | --- | --- | --- | --- | --- | --- | --- | --- |"
+    );
+    for (k, g) in cpu_groups(groups) {
+        let Some([server, pg, client]) = g.cpu_split() else {
+            continue;
+        };
+        let yard_scenario = if k.scenario == "storm" {
+            "replay"
+        } else {
+            k.scenario.as_str()
+        };
+        let yard = groups
+            .get(&key(YARDSTICK, yard_scenario, 32, 0))
+            .and_then(|y| y.pg_cpu_ms_per_request);
+        let _ = writeln!(
+            w,
+            "| {} | {} | {:.0} | {} | {pg:.3} | {client:.3} | {:.3} | {} |",
+            k.scenario,
+            k.side,
+            g.throughput,
+            if is_limit(&k.side) {
+                "-".to_owned()
+            } else {
+                format!("{server:.3}")
+            },
+            server + pg + client,
+            opt(yard.map(|y| pg / y), 2),
+        );
+    }
+}
+
+fn storm_table(w: &mut String, groups: &Groups) {
+    let storms: Vec<(&Key, &Group)> = groups.iter().filter(|(k, _)| k.scenario == "storm").collect();
+    if storms.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        w,
+        "\n## Retry storm\n\n10,000 keys made by real payments (`storm-seed`, c=32, over the three instances), \
+         then 32 clients replay every one of them several times as fast as they can, each key on another \
+         instance than the one that made it (as retries after a brownout land wherever the balancer sends \
+         them). Once with the replay cache at its default size, once with `ONCEPAY_REPLAY_CACHE_ENTRIES=0`, \
+         each on fresh keys and its own three instances. Cache hits and misses are the instances' \
+         `/metrics` (`-` where the server does not export them).\n"
+    );
+    let _ = writeln!(
+        w,
+        "| side | rounds | replays | replays/s | p50 ms | p99 ms | errors | oncepay CPU ms/replay | PostgreSQL CPU ms/replay | load generator CPU ms/replay | cache hits | cache misses |\n\
+         | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+    );
+    for (k, g) in storms {
+        let (hits, misses) = g.cache.map_or(("-".to_owned(), "-".to_owned()), |(h, m)| {
+            (h.to_string(), m.to_string())
+        });
+        let _ = writeln!(
+            w,
+            "| {} | {} | {} | {:.0} | {:.2} | {:.2} | {} | {} | {} | {} | {hits} | {misses} |",
+            k.side,
+            g.rounds,
+            g.requests,
+            g.throughput,
+            g.p50_ms,
+            g.p99_ms,
+            g.errors,
+            opt(g.cpu_ms_per_request, 3),
+            opt(g.pg_cpu_ms_per_request, 3),
+            opt(g.client_cpu_ms_per_request, 3),
+        );
+    }
+}
+
+pub fn markdown(records: &[Record], groups: &Groups, machine: &str) -> String {
+    let mut md = String::new();
+    let w = &mut md;
+    let _ = writeln!(
+        w,
+        "# oncepay benchmark report\n\nWritten by `make bench` (scripts/bench.sh). Machine and run \
+         (a shared machine: absolute figures move with its load; ratios of steps run side by side, \
+         alternated, are what count):\n"
+    );
+    for line in machine.lines() {
+        let _ = writeln!(w, "- {line}");
+    }
+    let _ = writeln!(
+        w,
+        "\n## Targets (issue 10): against the yardstick, same run\n\nThe yardstick is \
+         ../shared/bench/yardstick, a fixed minimal payment transaction run by pgbench (`-M prepared -j 2`): \
+         it does not move when oncepay's SQL changes. The last column is the same figure for pgbench running \
+         oncepay's own statement (for the storm: with the cache off). The issue gives the two throughput \
+         goals; the CPU goals are this report's reading of \"as cheap as the yardstick\" (within 10 %) and \
+         \"near zero\" (a tenth of the yardstick's replay `SELECT`).\n"
+    );
+    target_table(w, yardstick_targets(groups), "own statement / cache off");
+    let _ = writeln!(w, "\n## Targets (issue 5), measured side by side in this run\n");
+    target_table(w, targets(groups), "pgbench's own figure");
+    cpu_table(w, groups);
+    storm_table(w, groups);
     let _ = writeln!(
         w,
         "\n## All figures\n\nThroughput in requests (or pgbench transactions) per second; latencies in ms; \
-         CPU is the oncepay process(es)' user + system time per request; the ratio is to pgbench \
-         running the same statement at the same concurrency and key-table size (keyless: to new payments).\n"
+         CPU in ms per request: oncepay's process(es), the PostgreSQL cluster's, the load generator's; \
+         `vs own` is the ratio to pgbench running the same statement at the same concurrency and key-table \
+         size (keyless: to new payments), `vs yardstick` to the yardstick at the same concurrency.\n"
     );
     let _ = writeln!(
         w,
-        "| scenario | key rows | c | side | rounds | throughput | p50 | p99 | p99.9 | errors | CPU ms/req | ratio | note |"
+        "| scenario | key rows | c | side | rounds | throughput | p50 | p99 | p99.9 | errors | oncepay CPU | PG CPU | client CPU | vs own | vs yardstick | note |"
     );
     let _ = writeln!(
         w,
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
     );
     for (k, g) in groups {
         let _ = writeln!(
             w,
-            "| {} | {} | {} | {} | {} | {:.0} | {:.2} | {:.2} | {:.2} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {:.0} | {:.2} | {:.2} | {:.2} | {} | {} | {} | {} | {} | {} | {} |",
             k.scenario,
             rows_label(k.key_rows),
             k.concurrency,
@@ -238,37 +459,53 @@ pub fn markdown(records: &[Record], groups: &Groups, machine: &str) -> String {
             g.p999_ms,
             g.errors,
             opt(g.cpu_ms_per_request, 3),
+            opt(g.pg_cpu_ms_per_request, 3),
+            opt(g.client_cpu_ms_per_request, 3),
             opt(ratio(groups, k), 2),
+            opt(yardstick_ratio(groups, k), 2),
             k.note
         );
     }
     let _ = writeln!(
         w,
-        "\n## Round by round (the alternation)\n\nNew payments at c=32, 0 key rows:\n"
+        "\n## Round by round (the alternation)\n\nc=32, 0 key rows; each round ran the three sides one after \
+         the other:\n"
     );
     let _ = writeln!(
         w,
-        "| round | pgbench tps | oncepay rps | ratio |\n| --- | --- | --- | --- |"
+        "| round | scenario | yardstick tps | pgbench (own statement) tps | oncepay rps | oncepay / yardstick | oncepay / own |\n\
+         | --- | --- | --- | --- | --- | --- | --- |"
     );
-    let pick = |side: &str, round: u32| {
+    let pick = |side: &str, scenario: &str, round: u32| {
         records.iter().find(|r| {
-            r.side == side && r.scenario == "new" && r.concurrency == 32 && r.key_rows == 0 && r.round == round
+            r.side == side && r.scenario == scenario && r.concurrency == 32 && r.key_rows == 0 && r.round == round
         })
     };
     for round in 1..=records.iter().map(|r| r.round).max().unwrap_or(0) {
-        if let (Some(p), Some(o)) = (pick("pgbench", round), pick("oncepay", round)) {
+        for scenario in ["new", "replay"] {
+            let Some(o) = pick("oncepay", scenario, round) else {
+                continue;
+            };
+            let tp = |r: Option<&Record>| r.map(|r| r.throughput);
+            let (y, p) = (
+                tp(pick(YARDSTICK, scenario, round)),
+                tp(pick("pgbench", scenario, round)),
+            );
             let _ = writeln!(
                 w,
-                "| {round} | {:.0} | {:.0} | {:.2} |",
-                p.throughput,
+                "| {round} | {scenario} | {} | {} | {:.0} | {} | {} |",
+                opt(y, 0),
+                opt(p, 0),
                 o.throughput,
-                o.throughput / p.throughput
+                opt(y.map(|y| o.throughput / y), 2),
+                opt(p.map(|p| o.throughput / p), 2),
             );
         }
     }
     let _ = writeln!(
         w,
-        "\n## Charts\n\n![throughput against concurrency](throughput_vs_concurrency.png)\n\n\
+        "\n## Charts\n\n![CPU per request](cpu_per_request.png)\n\n\
+         ![throughput against concurrency](throughput_vs_concurrency.png)\n\n\
          ![latency percentiles](latency_percentiles.png)\n\n![throughput against key-table size](throughput_vs_key_rows.png)"
     );
     md

@@ -10,7 +10,8 @@ use rand::Rng;
 use reqwest::header::{HeaderValue, AUTHORIZATION, CONTENT_TYPE};
 use serde_json::json;
 
-use crate::{cpu, Step};
+use crate::cpu::{Client, Meter};
+use crate::Step;
 
 /// Keys of the replay scenario are these numbers (as text) plus 0..replay_keys: digits only,
 /// so that pgbench's replay script can name the same keys with `\set`.
@@ -28,8 +29,6 @@ pub struct Args {
     /// Server pids whose CPU time is charged to the requests.
     #[arg(long, value_delimiter = ',')]
     pids: Vec<u32>,
-    #[arg(long, default_value_t = 100)]
-    clock_ticks: u32,
     #[arg(long, default_value_t = 10_000)]
     accounts: u32,
     #[arg(long, default_value_t = 10_000)]
@@ -39,6 +38,27 @@ pub struct Args {
     while_pid: Option<u32>,
     #[arg(long, default_value = "oncepay")]
     side: String,
+    /// Stop after this many requests in all (or at `duration_secs`, whichever comes first).
+    #[arg(long)]
+    requests: Option<u64>,
+    /// Storm: how many times every one of the `replay_keys` keys is replayed.
+    #[arg(long, default_value_t = 1)]
+    passes: u64,
+    /// Prefix of the storm's keys (`storm-seed` and `storm` must agree), so that every storm
+    /// replays keys no earlier step has touched.
+    #[arg(long, default_value = "")]
+    key_prefix: String,
+}
+
+impl Args {
+    /// Requests the step sends at most: the key sets are fixed in size.
+    fn quota(&self) -> Option<u64> {
+        match self.step.scenario.as_str() {
+            "seed" | "storm-seed" => Some(self.replay_keys),
+            "storm" => Some(self.replay_keys * self.passes),
+            _ => self.requests,
+        }
+    }
 }
 
 /// What one request of a scenario sends and expects back.
@@ -47,40 +67,68 @@ struct Request {
     body: serde_json::Value,
     /// The answer must carry `Idempotency-Replayed: true` (replays) or `false` (new keys).
     replayed: Option<bool>,
+    /// The instance (index into `urls`) to send it to; `None`: the worker's own.
+    instance: Option<usize>,
 }
 
 fn request(scenario: &str, worker: u64, seq: u64, args: &Args) -> anyhow::Result<Request> {
     let mut rng = rand::thread_rng();
     let account = |rng: &mut rand::rngs::ThreadRng| rng.gen_range(0..args.accounts).to_string();
+    // The storm's n-th request: key n mod replay_keys, pass n / replay_keys. A key's body
+    // names account key mod accounts, so that seeding spreads over the accounts.
+    let index = seq * u64::from(args.step.concurrency) + worker;
+    let storm_key = index % args.replay_keys.max(1);
+    let storm_body = json!({"amount": 1, "account": (storm_key % u64::from(args.accounts.max(1))).to_string()});
+    let n = args.urls.len() as u64;
     Ok(match scenario {
+        // Made by real payments, key k on instance k mod n ...
+        "storm-seed" => Request {
+            key: Some(format!("{}{}", args.key_prefix, REPLAY_KEY_BASE + storm_key)),
+            body: storm_body,
+            replayed: Some(false),
+            instance: Some((storm_key % n) as usize),
+        },
+        // ... and replayed on another instance in every pass, as retries after a brownout
+        // land wherever the balancer sends them.
+        "storm" => Request {
+            key: Some(format!("{}{}", args.key_prefix, REPLAY_KEY_BASE + storm_key)),
+            body: storm_body,
+            replayed: Some(true),
+            instance: Some(((storm_key + 1 + index / args.replay_keys.max(1)) % n) as usize),
+        },
         "new" => Request {
             key: Some(uuid::Uuid::new_v4().to_string()),
             body: json!({"amount": 1, "account": account(&mut rng)}),
             replayed: Some(false),
+            instance: None,
         },
         "hot" => Request {
             key: Some(uuid::Uuid::new_v4().to_string()),
             body: json!({"amount": 1, "account": "0"}),
             replayed: Some(false),
+            instance: None,
         },
         "replay" => Request {
             key: Some((REPLAY_KEY_BASE + rng.gen_range(0..args.replay_keys)).to_string()),
             body: json!({"amount": 1, "account": "0"}),
             replayed: Some(true),
+            instance: None,
         },
         // Keys the replay scenario replays, each sent once: worker w takes w, w + n, ...
         "seed" => Request {
             key: Some((REPLAY_KEY_BASE + seq * u64::from(args.step.concurrency) + worker).to_string()),
             body: json!({"amount": 1, "account": "0"}),
             replayed: Some(false),
+            instance: None,
         },
         // No key, policy `fingerprint`: a unique amount keeps every body (and so its derived key) new.
         "keyless" => Request {
             key: None,
             body: json!({"amount": worker * 10_000_000 + seq + 1, "account": account(&mut rng)}),
             replayed: Some(false),
+            instance: None,
         },
-        other => bail!("unknown scenario {other:?} (new, hot, replay, seed, keyless, one-key)"),
+        other => bail!("unknown scenario {other:?} (new, hot, replay, seed, keyless, one-key, storm-seed, storm)"),
     })
 }
 
@@ -165,7 +213,8 @@ pub async fn run(args: Args) -> anyhow::Result<Record> {
         auth: HeaderValue::from_str(&format!("Bearer {}", args.api_key)).context("bad API key")?,
     });
     let args = Rc::new(args);
-    let cpu_before = cpu::seconds(&args.pids, args.clock_ticks)?;
+    let cache_before = cache_counters(&shared.client, &args.urls).await;
+    let meter = Meter::start(&args.pids, args.step.pg_pid, args.step.clock_ticks, Client::Me)?;
     let started = Instant::now();
     let tally = if args.step.scenario == "one-key" {
         one_key_rounds(&shared, &args).await
@@ -173,7 +222,11 @@ pub async fn run(args: Args) -> anyhow::Result<Record> {
         closed_loop(&shared, &args).await?
     };
     let elapsed = started.elapsed().as_secs_f64();
-    let cpu = cpu::seconds(&args.pids, args.clock_ticks)? - cpu_before;
+    let cpu = meter.stop(tally.ok)?;
+    let cache_after = cache_counters(&shared.client, &args.urls).await;
+    let cache = cache_before
+        .zip(cache_after)
+        .map(|(b, a)| (a.0.saturating_sub(b.0), a.1.saturating_sub(b.1)));
     let (p50_ms, p99_ms, p999_ms) = percentiles_ms(&tally.latencies);
     let step = &args.step;
     Ok(Record {
@@ -189,31 +242,68 @@ pub async fn run(args: Args) -> anyhow::Result<Record> {
         p50_ms,
         p99_ms,
         p999_ms,
-        cpu_secs_per_request: (!args.pids.is_empty() && tally.ok > 0).then(|| cpu / tally.ok as f64),
+        cpu_secs_per_request: cpu.server,
+        pg_cpu_secs_per_request: cpu.postgres,
+        client_cpu_secs_per_request: cpu.client,
+        cache_hits: cache.map(|c| c.0),
+        cache_misses: cache.map(|c| c.1),
         note: step.note.clone(),
     })
+}
+
+/// The replay cache's hits and misses summed over the instances' `/metrics`; `None` if an
+/// instance does not export them (a server without the cache).
+async fn cache_counters(client: &reqwest::Client, urls: &[String]) -> Option<(u64, u64)> {
+    let (mut hits, mut misses) = (0u64, 0u64);
+    for url in urls {
+        let text = client
+            .get(format!("{url}/metrics"))
+            .send()
+            .await
+            .ok()?
+            .text()
+            .await
+            .ok()?;
+        hits += metric(&text, "oncepay_replay_cache_hits_total")?;
+        misses += metric(&text, "oncepay_replay_cache_misses_total")?;
+    }
+    Some((hits, misses))
+}
+
+/// The sum of a counter's samples (all label sets) in Prometheus' text format.
+fn metric(text: &str, name: &str) -> Option<u64> {
+    let values: Vec<f64> = text
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (series, value) = l.rsplit_once(' ')?;
+            let metric_name = series.split('{').next()?;
+            (metric_name == name).then(|| value.parse::<f64>().ok())?
+        })
+        .collect();
+    (!values.is_empty()).then(|| values.iter().sum::<f64>() as u64)
 }
 
 /// `concurrency` workers, each sending its next request as soon as the last one answered.
 async fn closed_loop(shared: &Rc<Shared>, args: &Rc<Args>) -> anyhow::Result<Tally> {
     let deadline = Instant::now() + args.step.duration();
-    let seed_total = args.replay_keys;
+    let quota = args.quota();
     let local = tokio::task::LocalSet::new();
     let mut handles = Vec::new();
     for worker in 0..u64::from(args.step.concurrency) {
         let (shared, args) = (shared.clone(), args.clone());
         handles.push(local.spawn_local(async move {
-            let url = &args.urls[worker as usize % args.urls.len()];
+            let own = worker as usize % args.urls.len();
             let mut tally = Tally::new();
             for seq in 0.. {
                 if Instant::now() >= deadline || !alive(args.while_pid) {
                     break;
                 }
-                if args.step.scenario == "seed" && seq * u64::from(args.step.concurrency) + worker >= seed_total {
+                if quota.is_some_and(|q| seq * u64::from(args.step.concurrency) + worker >= q) {
                     break;
                 }
                 let req = request(&args.step.scenario, worker, seq, &args)?;
-                send(&shared, url, &req, &mut tally).await;
+                send(&shared, &args.urls[req.instance.unwrap_or(own)], &req, &mut tally).await;
             }
             Ok::<_, anyhow::Error>(tally)
         }));
@@ -247,6 +337,7 @@ async fn one_key_rounds(shared: &Rc<Shared>, args: &Rc<Args>) -> Tally {
                     key: Some(key),
                     body: json!({"amount": 1, "account": "1"}),
                     replayed: None,
+                    instance: None,
                 };
                 let mut tally = Tally::new();
                 send(&shared, &args.urls[worker % args.urls.len()], &req, &mut tally).await;

@@ -1,5 +1,6 @@
 //! The load generator of `make bench`: drives oncepay over HTTP, or pgbench over the same SQL,
-//! and prints one JSON [`Record`] per step on stdout.
+//! and prints one JSON [`Record`] per step on stdout, with the CPU per request of the servers,
+//! of PostgreSQL and of the load generator itself (cpu.rs).
 //!
 //! Closed loop: `concurrency` workers each send a request, wait for the whole answer, record
 //! its latency and send the next, until the step's time is up. Throughput is therefore what
@@ -40,6 +41,12 @@ pub struct Step {
     round: u32,
     #[arg(long, default_value = "")]
     note: String,
+    /// The bench cluster's postmaster: the CPU of all its processes is charged to the step.
+    #[arg(long)]
+    pg_pid: Option<u32>,
+    /// Clock ticks per second of /proc's CPU times (`getconf CLK_TCK`).
+    #[arg(long, default_value_t = 100)]
+    clock_ticks: u32,
 }
 
 impl Step {
@@ -52,7 +59,7 @@ impl Step {
 enum Command {
     /// Requests to oncepay instances.
     Http(http::Args),
-    /// pgbench running one of bench/sql/*.sql.
+    /// pgbench running one script (bench/sql/*.sql, or the yardstick's).
     Pgbench(pgbench::Args),
 }
 

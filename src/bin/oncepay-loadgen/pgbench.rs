@@ -1,5 +1,6 @@
-//! The limit: pgbench running the SQL oncepay issues (bench/sql/*.sql), at the same
-//! concurrency, its per-transaction log read into the same histogram as the HTTP side.
+//! The limits: pgbench running the SQL oncepay issues (bench/sql/*.sql), or the fixed
+//! yardstick (../shared/bench/yardstick), at the same concurrency, its per-transaction log read
+//! into the same histogram as the HTTP side.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -7,6 +8,7 @@ use std::process::Command;
 use anyhow::{bail, Context};
 use oncepay::bench::{histogram, percentiles_ms, Record};
 
+use crate::cpu::{Client, Meter};
 use crate::Step;
 
 #[derive(clap::Args)]
@@ -27,6 +29,13 @@ pub struct Args {
     /// Session settings of oncepay's own connections (src/db.rs), as `-c name=value ...`.
     #[arg(long, env = "PGOPTIONS", default_value = "")]
     pgoptions: String,
+    /// pgbench's threads (`-j`): 1 against oncepay's one-thread load generator, 2 for the
+    /// yardstick as its README runs it.
+    #[arg(long, default_value_t = 1)]
+    threads: u32,
+    /// The side the record is labelled with.
+    #[arg(long, default_value = "pgbench")]
+    side: String,
 }
 
 pub fn run(args: &Args) -> anyhow::Result<Record> {
@@ -36,7 +45,8 @@ pub fn run(args: &Args) -> anyhow::Result<Record> {
     let mut command = Command::new(&args.pgbench);
     command
         .env("PGOPTIONS", &args.pgoptions)
-        .args(["-n", "-M", "prepared", "-j", "1", "-l"])
+        .args(["-n", "-M", "prepared", "-l"])
+        .arg(format!("-j{}", args.threads))
         .arg(format!("--log-prefix={}", logs.join("tx").display()))
         .arg(format!("-c{}", step.concurrency))
         .arg(format!("-T{}", step.duration_secs.ceil().max(1.0) as u64))
@@ -46,18 +56,24 @@ pub fn run(args: &Args) -> anyhow::Result<Record> {
         command.arg("-D").arg(define);
     }
     command.arg(&args.database_url);
+    let meter = Meter::start(&[], step.pg_pid, step.clock_ticks, Client::Children)?;
     let output = command.output().context("cannot run pgbench")?;
-    let result = summarise(&logs, step);
+    let result = summarise(&logs, step, &args.side);
     std::fs::remove_dir_all(&logs)?;
     if !output.status.success() {
         bail!("pgbench failed: {}", String::from_utf8_lossy(&output.stderr).trim());
     }
-    result
+    let mut record = result?;
+    // Over the whole pgbench run (its connections' set-up too), per successful transaction.
+    let cpu = meter.stop(record.requests)?;
+    record.pg_cpu_secs_per_request = cpu.postgres;
+    record.client_cpu_secs_per_request = cpu.client;
+    Ok(record)
 }
 
 /// Reads pgbench's per-transaction logs: `client_id tx_no latency_us script_no epoch us`,
 /// where the latency is `failed` or `skipped` for a transaction that did not succeed.
-fn summarise(logs: &std::path::Path, step: &Step) -> anyhow::Result<Record> {
+fn summarise(logs: &std::path::Path, step: &Step, side: &str) -> anyhow::Result<Record> {
     let mut latencies = histogram();
     let (mut ok, mut errors) = (0u64, 0u64);
     let (mut first, mut last) = (f64::MAX, f64::MIN);
@@ -88,7 +104,7 @@ fn summarise(logs: &std::path::Path, step: &Step) -> anyhow::Result<Record> {
     let elapsed = (last - first).max(1e-3);
     let (p50_ms, p99_ms, p999_ms) = percentiles_ms(&latencies);
     Ok(Record {
-        side: "pgbench".to_owned(),
+        side: side.to_owned(),
         scenario: step.scenario.clone(),
         concurrency: step.concurrency,
         key_rows: step.key_rows,
@@ -101,6 +117,10 @@ fn summarise(logs: &std::path::Path, step: &Step) -> anyhow::Result<Record> {
         p99_ms,
         p999_ms,
         cpu_secs_per_request: None,
+        pg_cpu_secs_per_request: None,
+        client_cpu_secs_per_request: None,
+        cache_hits: None,
+        cache_misses: None,
         note: step.note.clone(),
     })
 }
