@@ -26,14 +26,15 @@ pub struct Application {
 impl Application {
     /// Connects, checks the schema and binds `settings.bind` (port 0 picks a free port).
     pub async fn build(settings: Settings) -> anyhow::Result<Self> {
-        let pool = db::pool(&settings)?;
-        db::check_schema(&pool).await?;
+        let db = db::Db::new(&settings)?;
+        db::check_schema(&db).await?;
         let listener = TcpListener::bind(&settings.bind).with_context(|| format!("cannot bind {}", settings.bind))?;
         let port = listener.local_addr()?.port();
         let workers = settings.workers;
         let replays = ReplayCache::new(settings.replay_cache_entries);
         let state = web::Data::new(AppState {
-            pool,
+            pool: db.pool().clone(),
+            db,
             settings,
             tenants: TenantCache::new(),
             metrics: Metrics::new(),
@@ -66,7 +67,7 @@ impl Application {
         let purger = self.state.settings.purge_interval.map(|every| {
             let state = self.state.clone();
             let schedule = purge::Schedule {
-                pool: state.pool.clone(),
+                db: state.db.clone(),
                 retention: state.settings.retention,
                 batch: state.settings.purge_batch_size,
                 every,

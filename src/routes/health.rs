@@ -33,8 +33,9 @@ pub(super) async fn healthz() -> HttpResponse {
     ))]
 pub(super) async fn readyz(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     let mut conn = state.conn().await.map_err(|_| ApiError::Unavailable)?;
-    let result = sqlx::query("SELECT 1").execute(&mut *conn).await;
-    conn.discard_if_broken(result).map_err(|_| ApiError::Unavailable)?;
+    conn.run(async |c| sqlx::query("SELECT 1").execute(c).await)
+        .await
+        .map_err(|_| ApiError::Unavailable)?;
     Ok(HttpResponse::Ok().json(StatusOut { status: "ready" }))
 }
 
