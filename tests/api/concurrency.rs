@@ -231,7 +231,7 @@ async fn a_restarted_server_forgets_no_key() {
     let second = TestApp {
         address,
         client: crate::helpers::client(),
-        pool: state.pool.clone(),
+        pool: crate::helpers::admin_pool(&state),
         state,
         tenant_id: first.tenant_id,
         api_key: first.api_key.clone(),

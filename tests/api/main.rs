@@ -18,6 +18,7 @@ mod openapi;
 mod operations;
 mod payments;
 mod policy;
+mod pooler;
 mod purge;
 mod replay_cache;
 mod security;

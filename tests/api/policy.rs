@@ -145,7 +145,7 @@ async fn after_the_window_concurrent_keyless_requests_over_three_instances_renew
         apps.push(crate::helpers::TestApp {
             address,
             client: crate::helpers::client(),
-            pool: state.pool.clone(),
+            pool: crate::helpers::admin_pool(&state),
             state,
             tenant_id: first.tenant_id,
             api_key: first.api_key.clone(),
