@@ -20,11 +20,12 @@ export SQLX_OFFLINE ?= true
 BIN := target/release/oncepay
 CARGO_TEST := $(shell cargo nextest --version >/dev/null 2>&1 && echo "cargo nextest run --workspace --no-fail-fast" || echo "cargo test --workspace --no-fail-fast")
 
-.PHONY: help run serve build db-up db-down migrate psql purge audit audit-bench test chaos check client-deps-check sqlx-check sqlx-prepare bench bench-quick bench-analyze callgrind clean-db openapi schemathesis alerts-test
+.PHONY: help run serve build db-up db-down migrate psql purge audit audit-bench test test-pgbouncer chaos check client-deps-check sqlx-check sqlx-prepare bench bench-quick bench-analyze callgrind clean-db openapi schemathesis alerts-test
 
 help:
 	@echo "make run      local database if needed, migrate, demo tenant, serve on 127.0.0.1:8130"
 	@echo "make test     every test, against a real PostgreSQL (started if needed)"
+	@echo "make test-pgbouncer   the API tests with the servers behind PgBouncer in transaction mode"
 	@echo "make chaos    fault tests (kill -9, PostgreSQL restart, ...) on their own PostgreSQL cluster"
 	@echo "make audit    reconcile balances, key rows and payments; non-zero exit if an invariant is broken"
 	@echo "make schemathesis   fuzz a live server from its OpenAPI document (docs/openapi.json)"
@@ -73,6 +74,23 @@ ifdef LOCAL_DB
 	@psql -X -q "$(shell scripts/db.sh url postgres)" -c 'DROP DATABASE IF EXISTS oncepay_test WITH (FORCE)' -c 'CREATE DATABASE oncepay_test'
 endif
 	DATABASE_URL="$(TEST_DATABASE_URL)" $(CARGO_TEST) --locked
+
+# The API tests (no test there restarts or kills the database) with every test server
+# connected through PgBouncer in transaction mode (scripts/pgbouncer.sh, installed if missing)
+# and ONCEPAY_DB_POOLER=transaction; the tests' own queries go straight to PostgreSQL.
+# PgBouncer is stopped again afterwards, also when a test fails.
+PGBOUNCER_PORT ?= 55139
+test-pgbouncer: db-up
+ifdef LOCAL_DB
+	@psql -X -q "$(shell scripts/db.sh url postgres)" -c 'DROP DATABASE IF EXISTS oncepay_test WITH (FORCE)' -c 'CREATE DATABASE oncepay_test'
+endif
+	@ONCEPAY_PGBOUNCER_PORT=$(PGBOUNCER_PORT) scripts/pgbouncer.sh up
+	@status=0; DATABASE_URL="$(TEST_DATABASE_URL)" ONCEPAY_DB_POOLER=transaction \
+		ONCEPAY_TEST_POOLER_URL="$$(ONCEPAY_PGBOUNCER_PORT=$(PGBOUNCER_PORT) scripts/pgbouncer.sh url oncepay_test)" \
+		$(CARGO_TEST) --locked --test api || status=$$?; \
+	echo "PgBouncer served oncepay_test: $$(psql -X -tA -F ' ' "$$(ONCEPAY_PGBOUNCER_PORT=$(PGBOUNCER_PORT) scripts/pgbouncer.sh url pgbouncer)" \
+		-c 'SHOW STATS' | awk '$$1 == "oncepay_test" { print $$2 " transactions, " $$3 " queries" }')"; \
+	ONCEPAY_PGBOUNCER_PORT=$(PGBOUNCER_PORT) scripts/pgbouncer.sh down; exit $$status
 
 # A live server fuzzed from its own /openapi.json; a local database is recreated for every run.
 schemathesis: db-up

@@ -48,15 +48,14 @@ fn bearer(req: &HttpRequest) -> Option<&str> {
 
 /// The request's tenant (401 `unauthorized` without a known API key). Concurrent requests
 /// with the same key share one database lookup.
-pub async fn tenant(req: &HttpRequest, pool: &sqlx::PgPool, cache: &TenantCache) -> Result<Tenant, ApiError> {
+pub async fn tenant(req: &HttpRequest, db: &crate::db::Db, cache: &TenantCache) -> Result<Tenant, ApiError> {
     let token = bearer(req).ok_or(ApiError::Unauthorized)?;
     let hash = tenants::hash_api_key(token);
     let found = cache
         .0
         .try_get_with(hash, async {
-            let mut conn = crate::db::acquire(pool).await?;
-            let found = tenants::find_by_key_hash(&mut conn, &hash).await;
-            Ok::<_, ApiError>(conn.discard_if_broken(found)?)
+            let found = db.run(async |c| tenants::find_by_key_hash(c, &hash).await).await;
+            Ok::<_, ApiError>(found?)
         })
         .await
         .map_err(|err: Arc<ApiError>| match &*err {

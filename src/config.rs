@@ -19,6 +19,8 @@ pub struct Settings {
     pub fingerprint_window: Duration,
     pub max_body_bytes: usize,
     pub db_pool_size: u32,
+    /// What stands between oncepay and PostgreSQL (`ONCEPAY_DB_POOLER`).
+    pub db_pooler: Pooler,
     /// How long a request waits for a free pooled connection before 429 / 503.
     pub db_acquire_timeout: Duration,
     /// Upper bound on any one statement; also bounds waits on a hot account row.
@@ -36,6 +38,17 @@ pub struct Settings {
     /// both, `serve` speaks HTTPS; with one alone it refuses to start.
     pub tls_cert: Option<PathBuf>,
     pub tls_key: Option<PathBuf>,
+}
+
+/// What stands between oncepay and PostgreSQL (contract section 2, `ONCEPAY_DB_POOLER`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pooler {
+    /// Direct connections (or a session-mode pooler): session settings and named prepared
+    /// statements are kept per connection.
+    None,
+    /// A transaction-mode pooler (PgBouncer `pool_mode = transaction`): every call is its own
+    /// transaction, with no named prepared statement or session setting outliving it.
+    Transaction,
 }
 
 impl Settings {
@@ -60,6 +73,11 @@ impl Settings {
             max_body_bytes: number("ONCEPAY_MAX_BODY_BYTES", 65_536)?,
             // Group commit needs several connections in flight per core; measured in docs/bench.
             db_pool_size: number("ONCEPAY_DB_POOL_SIZE", (cores as u32 * 8).clamp(4, 64))?,
+            db_pooler: match var("ONCEPAY_DB_POOLER").as_deref().map(str::trim) {
+                None | Some("none") => Pooler::None,
+                Some("transaction") => Pooler::Transaction,
+                Some(other) => bail!("ONCEPAY_DB_POOLER={other:?} is not one of: none, transaction"),
+            },
             db_acquire_timeout: Duration::from_millis(number("ONCEPAY_DB_ACQUIRE_TIMEOUT_MS", 2_000)?),
             statement_timeout: Duration::from_millis(number("ONCEPAY_STATEMENT_TIMEOUT_MS", 15_000)?),
             purge_interval: match number::<u64>("ONCEPAY_PURGE_INTERVAL_SECS", 0)? {
@@ -131,6 +149,7 @@ impl std::fmt::Debug for Settings {
             replay_cache_entries,
             tls_cert,
             tls_key,
+            db_pooler,
         } = self;
         f.debug_struct("Settings")
             .field("database_url", &redacted_url(database_url))
@@ -151,6 +170,7 @@ impl std::fmt::Debug for Settings {
             .field("replay_cache_entries", replay_cache_entries)
             .field("tls_cert", tls_cert)
             .field("tls_key", tls_key)
+            .field("db_pooler", db_pooler)
             .finish()
     }
 }

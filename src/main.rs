@@ -119,13 +119,20 @@ async fn run(command: ServerCommand) -> anyhow::Result<()> {
             app.run_until_stopped().await?;
         }
         ServerCommand::Migrate => {
+            if settings.db_pooler == oncepay::config::Pooler::Transaction {
+                // The migration lock is a session advisory lock, which a transaction-mode
+                // pooler would leave on whichever server connection took it.
+                tracing::warn!(
+                    "oncepay migrate needs a direct connection: point DATABASE_URL at PostgreSQL, not at the pooler"
+                );
+            }
             let applied = db::migrate(&settings.database_url).await?;
             tracing::info!(applied, "migrations applied");
         }
         ServerCommand::Purge => {
-            let pool = db::pool(&settings)?;
-            db::check_schema(&pool).await?;
-            let deleted = purge::purge(&pool, settings.retention, settings.purge_batch_size).await?;
+            let db = db::Db::new(&settings)?;
+            db::check_schema(&db).await?;
+            let deleted = purge::purge(&db, settings.retention, settings.purge_batch_size).await?;
             println!("deleted={deleted}");
         }
         ServerCommand::Audit {
@@ -141,9 +148,9 @@ async fn run(command: ServerCommand) -> anyhow::Result<()> {
                 duplicate_window: std::time::Duration::from_secs(duplicate_window_secs),
                 samples,
             };
-            let pool = db::pool(&settings)?;
-            db::check_schema(&pool).await?;
-            let report = audit::run(&pool, &options).await.context("the audit could not run")?;
+            let db = db::Db::new(&settings)?;
+            db::check_schema(&db).await?;
+            let report = audit::run(&db, &options).await.context("the audit could not run")?;
             if json {
                 println!("{}", serde_json::to_string(&report)?);
             } else {
@@ -159,9 +166,9 @@ async fn run(command: ServerCommand) -> anyhow::Result<()> {
             main_balance,
         }) => {
             let main_balance = OpeningBalance::new(main_balance).map_err(|e| anyhow::anyhow!("--main-balance: {e}"))?;
-            let pool = db::pool(&settings)?;
-            db::check_schema(&pool).await?;
-            let created = tenants::create(&pool, &name, missing_key_policy.into(), main_balance)
+            let db = db::Db::new(&settings)?;
+            db::check_schema(&db).await?;
+            let created = tenants::create(&db, &name, missing_key_policy.into(), main_balance)
                 .await
                 .context("cannot create the tenant")?;
             println!("{}", serde_json::to_string(&created)?);

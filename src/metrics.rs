@@ -11,9 +11,8 @@ use prometheus::{
     Encoder, Gauge, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
     TextEncoder,
 };
-use sqlx::PgPool;
 
-use crate::db::DbError;
+use crate::db::{Db, DbError};
 
 pub struct Metrics {
     registry: Registry,
@@ -180,8 +179,9 @@ impl Metrics {
     }
 
     /// The text exposition, with the pool and database gauges read at scrape time.
-    pub async fn render(&self, pool: &PgPool, retention: Duration) -> String {
-        self.probe_database(pool).await;
+    pub async fn render(&self, db: &Db, retention: Duration) -> String {
+        self.probe_database(db).await;
+        let pool = db.pool();
         self.retention.set(retention.as_secs_f64());
         let size = i64::from(pool.size());
         let idle = pool.num_idle() as i64;
@@ -206,28 +206,26 @@ impl Metrics {
     /// A pool whose every connection is in use is busy, not cut off (those connections are
     /// answering, or failing and being closed): the probe is skipped rather than holding the
     /// scrape for a connection, and both gauges keep the last probe's values.
-    async fn probe_database(&self, pool: &PgPool) {
+    async fn probe_database(&self, db: &Db) {
+        let pool = db.pool();
         if pool.num_idle() == 0 && pool.size() >= pool.options().get_max_connections() {
             return;
         }
-        let mut conn = match crate::db::acquire(pool).await {
-            Ok(conn) => conn,
-            Err(DbError::Saturated) => return,
-            Err(_) => {
-                self.ready.set(0);
-                return;
-            }
-        };
-        let result = sqlx::query_scalar::<_, Option<f64>>(
-            "SELECT extract(epoch FROM now() - min(created_at))::float8 FROM idempotency_keys",
-        )
-        .fetch_one(&mut *conn)
-        .await;
-        match conn.discard_if_broken(result) {
+        let age = db
+            .run(async |conn| {
+                sqlx::query_scalar::<_, Option<f64>>(
+                    "SELECT extract(epoch FROM now() - min(created_at))::float8 FROM idempotency_keys",
+                )
+                .fetch_one(conn)
+                .await
+            })
+            .await;
+        match age {
             Ok(age) => {
                 self.ready.set(1);
                 self.oldest_key_age.set(age.unwrap_or(0.0).max(0.0));
             }
+            Err(DbError::Saturated) => {}
             Err(_) => self.ready.set(0),
         }
     }

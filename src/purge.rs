@@ -1,43 +1,77 @@
 //! The purge (contract section 5, rule 11): deletes idempotency-key rows older than the
 //! retention, in bounded batches of short transactions, safely from several replicas at once.
 //!
-//! Each batch is one autocommit `DELETE` of at most `batch` rows picked through the
-//! `created_at` index with `FOR UPDATE SKIP LOCKED`: concurrent purgers take disjoint rows
-//! (the sum of their counts is the number deleted), a batch never waits on a payment, and
-//! no transaction holds more than one batch of row locks or WAL. Payments, accounts and
-//! balances are never touched.
+//! Each batch is one `DELETE` of at most `batch` rows picked through the `created_at` index
+//! with `FOR UPDATE SKIP LOCKED`: concurrent purgers take disjoint rows (the sum of their
+//! counts is the number deleted), a batch never waits on a payment, and no transaction holds
+//! more than one batch of row locks or WAL. Payments, accounts and balances are never
+//! touched. Nothing is held across batches, not even a lock: the purge works the same
+//! through a transaction-mode pooler (`ONCEPAY_DB_POOLER=transaction`).
 
 use std::time::{Duration, Instant};
 
-use sqlx::PgPool;
+use crate::db::{Db, DbError};
 
-/// Advisory lock key held by the one replica running the in-process schedule ("purge").
+/// Advisory lock key taken by the replica running a batch of the in-process schedule ("purge").
 const SCHEDULE_LOCK: i64 = 0x0070_7572_6765;
 
 /// How often a long purge reports progress.
 const PROGRESS_EVERY: Duration = Duration::from_secs(5);
 
 /// Deletes every key row whose `created_at` is older than `retention`; returns the count.
-pub async fn purge(pool: &PgPool, retention: Duration, batch: i64) -> Result<u64, sqlx::Error> {
+pub async fn purge(db: impl Into<Db>, retention: Duration, batch: i64) -> Result<u64, DbError> {
+    Ok(purge_batches(&db.into(), retention, batch, false).await?.unwrap_or(0))
+}
+
+/// Runs batches until a short one; with `scheduled`, each batch first takes the schedule's
+/// transaction-scoped advisory lock, and the run stops (`None` if it deleted nothing yet)
+/// when another replica holds it.
+async fn purge_batches(db: &Db, retention: Duration, batch: i64, scheduled: bool) -> Result<Option<u64>, DbError> {
     let retention_secs = retention.as_secs_f64();
     let started = Instant::now();
     let mut last_report = started;
     let mut deleted: u64 = 0;
     loop {
-        let result = sqlx::query!(
-            r#"DELETE FROM idempotency_keys k
-               USING (SELECT tenant_id, key FROM idempotency_keys
-                       WHERE created_at < now() - make_interval(secs => $1)
-                       ORDER BY created_at
-                       LIMIT $2
-                       FOR UPDATE SKIP LOCKED) doomed
-               WHERE k.tenant_id = doomed.tenant_id AND k.key = doomed.key"#,
-            retention_secs,
-            batch,
-        )
-        .execute(pool)
-        .await?;
-        let n = result.rows_affected();
+        let delete = async |c: &mut sqlx::PgConnection| {
+            let result = sqlx::query!(
+                r#"DELETE FROM idempotency_keys k
+                   USING (SELECT tenant_id, key FROM idempotency_keys
+                           WHERE created_at < now() - make_interval(secs => $1)
+                           ORDER BY created_at
+                           LIMIT $2
+                           FOR UPDATE SKIP LOCKED) doomed
+                   WHERE k.tenant_id = doomed.tenant_id AND k.key = doomed.key"#,
+                retention_secs,
+                batch,
+            )
+            .execute(c)
+            .await?;
+            Ok(result.rows_affected())
+        };
+        let n = if scheduled {
+            // The lock lives as long as the batch's transaction: nothing to release, and
+            // nothing left behind on a pooled server connection.
+            let n = db
+                .transaction(async |c| {
+                    let leader: bool =
+                        sqlx::query_scalar!(r#"SELECT pg_try_advisory_xact_lock($1) AS "locked!""#, SCHEDULE_LOCK)
+                            .fetch_one(&mut *c)
+                            .await?;
+                    if leader {
+                        delete(c).await.map(Some)
+                    } else {
+                        Ok(None)
+                    }
+                })
+                .await?;
+            match n {
+                Some(n) => n,
+                None if deleted == 0 => return Ok(None),
+                None => break,
+            }
+        } else {
+            db.run(delete).await?
+        };
         deleted += n;
         if last_report.elapsed() >= PROGRESS_EVERY {
             last_report = Instant::now();
@@ -50,48 +84,30 @@ pub async fn purge(pool: &PgPool, retention: Duration, batch: i64) -> Result<u64
         }
     }
     tracing::info!(deleted, seconds = started.elapsed().as_secs_f64(), "purge finished");
-    Ok(deleted)
+    Ok(Some(deleted))
 }
 
-/// What the in-process schedule needs: the pool and two settings.
+/// What the in-process schedule needs: the database and two settings.
 #[derive(Clone, Debug)]
 pub struct Schedule {
-    pub pool: PgPool,
+    pub db: Db,
     pub retention: Duration,
     pub batch: i64,
     pub every: Duration,
 }
 
 /// The opt-in in-process schedule (`ONCEPAY_PURGE_INTERVAL_SECS`): every replica wakes up,
-/// only the one holding the advisory lock purges; `on_purged` hears each run's count.
+/// and each batch is run by whichever one takes the advisory lock for it, so batches never
+/// run twice at once; `on_purged` hears each run's count.
 pub async fn schedule(schedule: Schedule, on_purged: impl Fn(u64)) {
     let mut ticker = tokio::time::interval(schedule.every);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         ticker.tick().await;
-        match run_if_leader(&schedule).await {
+        match purge_batches(&schedule.db, schedule.retention, schedule.batch, true).await {
             Ok(Some(deleted)) => on_purged(deleted),
             Ok(None) => tracing::debug!("another replica holds the purge lock; skipped"),
             Err(err) => tracing::warn!(error = %err, "scheduled purge failed; will try again"),
         }
     }
-}
-
-async fn run_if_leader(schedule: &Schedule) -> Result<Option<u64>, sqlx::Error> {
-    let mut lock_conn = schedule.pool.acquire().await?;
-    let leader: bool = sqlx::query_scalar!(r#"SELECT pg_try_advisory_lock($1) AS "locked!""#, SCHEDULE_LOCK)
-        .fetch_one(&mut *lock_conn)
-        .await?;
-    if !leader {
-        return Ok(None);
-    }
-    let result = purge(&schedule.pool, schedule.retention, schedule.batch).await;
-    let unlocked = sqlx::query_scalar!("SELECT pg_advisory_unlock($1)", SCHEDULE_LOCK)
-        .fetch_one(&mut *lock_conn)
-        .await;
-    if unlocked.is_err() {
-        // The session lock dies with the connection; don't return it to the pool holding it.
-        lock_conn.close_on_drop();
-    }
-    result.map(Some)
 }

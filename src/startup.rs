@@ -25,8 +25,8 @@ pub struct Application {
 impl Application {
     /// Connects, checks the schema and binds `settings.bind` (port 0 picks a free port).
     pub async fn build(settings: Settings) -> anyhow::Result<Self> {
-        let pool = db::pool(&settings)?;
-        db::check_schema(&pool).await?;
+        let db = db::Db::new(&settings)?;
+        db::check_schema(&db).await?;
         let listener = TcpListener::bind(&settings.bind).with_context(|| format!("cannot bind {}", settings.bind))?;
         let tls = match (&settings.tls_cert, &settings.tls_key) {
             (Some(cert), Some(key)) => Some(crate::tls::server_config(cert, key)?),
@@ -36,7 +36,8 @@ impl Application {
         let workers = settings.workers;
         let replays = ReplayCache::new(settings.replay_cache_entries);
         let state = web::Data::new(AppState {
-            pool,
+            pool: db.pool().clone(),
+            db,
             settings,
             tenants: TenantCache::new(),
             metrics: Metrics::new(),
@@ -61,7 +62,7 @@ impl Application {
         let purger = self.state.settings.purge_interval.map(|every| {
             let state = self.state.clone();
             let schedule = purge::Schedule {
-                pool: state.pool.clone(),
+                db: state.db.clone(),
                 retention: state.settings.retention,
                 batch: state.settings.purge_batch_size,
                 every,

@@ -3,18 +3,20 @@
 use actix_web::http::StatusCode;
 use actix_web::web::Bytes;
 use prometheus::IntGauge;
-use sqlx::PgPool;
 
 use crate::auth::TenantCache;
 use crate::config::Settings;
-use crate::db::{self, Conn, DbError};
+use crate::db::{Conn, Db, DbError};
 use crate::idempotency::cache::ReplayCache;
 use crate::idempotency::Windows;
 use crate::metrics::Metrics;
 use crate::operation::Decline;
 
 pub struct AppState {
-    pub pool: PgPool,
+    /// Every query goes through it (`ONCEPAY_DB_POOLER`).
+    pub db: Db,
+    /// The same pool, for its statistics, for closing it, and for tests.
+    pub pool: sqlx::PgPool,
     pub settings: Settings,
     pub tenants: TenantCache,
     pub metrics: Metrics,
@@ -39,7 +41,7 @@ impl AppState {
     /// when the waiting handler is cancelled: the count is held by a guard).
     pub async fn conn(&self) -> Result<Conn, DbError> {
         let _waiting = Waiting::new(&self.metrics.pool_waiting);
-        db::acquire(&self.pool).await
+        self.db.conn().await
     }
 
     pub fn windows(&self) -> Windows {

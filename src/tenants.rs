@@ -5,8 +5,9 @@
 use rand::RngCore;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
-use sqlx::{PgConnection, PgPool};
+use sqlx::PgConnection;
 
+use crate::db::{Db, DbError};
 use crate::domain::{AccountId, MissingKeyPolicy, OpeningBalance, TenantId};
 
 pub const API_KEY_PREFIX: &str = "opk_";
@@ -42,34 +43,37 @@ pub struct TenantView {
 
 /// Creates a tenant with its `main` account, in one transaction.
 pub async fn create(
-    pool: &PgPool,
+    db: impl Into<Db>,
     name: &str,
     policy: MissingKeyPolicy,
     main_balance: OpeningBalance,
-) -> Result<CreatedTenant, sqlx::Error> {
+) -> Result<CreatedTenant, DbError> {
     let mut secret = [0u8; 32];
     rand::rngs::OsRng.fill_bytes(&mut secret);
     let api_key = format!("{API_KEY_PREFIX}{}", hex::encode(secret));
     let tenant_id = TenantId::new_random();
-    let mut tx = pool.begin().await?;
-    sqlx::query!(
-        "INSERT INTO tenants (tenant_id, name, api_key_hash, missing_key_policy) VALUES ($1, $2, $3, $4)",
-        tenant_id.get(),
-        name,
-        &hash_api_key(&api_key)[..],
-        policy.as_str(),
-    )
-    .execute(&mut *tx)
-    .await?;
-    sqlx::query!(
-        "INSERT INTO accounts (tenant_id, account_id, balance, opening_balance) VALUES ($1, $2, $3, $3)",
-        tenant_id.get(),
-        AccountId::MAIN,
-        main_balance.get(),
-    )
-    .execute(&mut *tx)
-    .await?;
-    tx.commit().await?;
+    let api_key_hash = hash_api_key(&api_key);
+    db.into()
+        .transaction(async |tx| {
+            sqlx::query!(
+                "INSERT INTO tenants (tenant_id, name, api_key_hash, missing_key_policy) VALUES ($1, $2, $3, $4)",
+                tenant_id.get(),
+                name,
+                &api_key_hash[..],
+                policy.as_str(),
+            )
+            .execute(&mut *tx)
+            .await?;
+            sqlx::query!(
+                "INSERT INTO accounts (tenant_id, account_id, balance, opening_balance) VALUES ($1, $2, $3, $3)",
+                tenant_id.get(),
+                AccountId::MAIN,
+                main_balance.get(),
+            )
+            .execute(&mut *tx)
+            .await
+        })
+        .await?;
     Ok(CreatedTenant {
         tenant_id,
         name: name.to_owned(),
@@ -78,18 +82,18 @@ pub async fn create(
     })
 }
 
-pub async fn set_policy(
-    pool: &PgPool,
-    tenant_id: TenantId,
-    policy: MissingKeyPolicy,
-) -> Result<Option<TenantView>, sqlx::Error> {
-    let row = sqlx::query!(
-        "UPDATE tenants SET missing_key_policy = $2 WHERE tenant_id = $1 RETURNING name",
-        tenant_id.get(),
-        policy.as_str(),
-    )
-    .fetch_optional(pool)
-    .await?;
+pub async fn set_policy(db: &Db, tenant_id: TenantId, policy: MissingKeyPolicy) -> Result<Option<TenantView>, DbError> {
+    let row = db
+        .run(async |c| {
+            sqlx::query!(
+                "UPDATE tenants SET missing_key_policy = $2 WHERE tenant_id = $1 RETURNING name",
+                tenant_id.get(),
+                policy.as_str(),
+            )
+            .fetch_optional(c)
+            .await
+        })
+        .await?;
     Ok(row.map(|r| TenantView {
         tenant_id,
         name: r.name,

@@ -25,8 +25,10 @@ mod report;
 
 use std::time::{Duration, Instant};
 
-use sqlx::{PgConnection, PgPool};
+use sqlx::PgConnection;
 use uuid::Uuid;
+
+use crate::db::{Db, DbError};
 
 pub use report::*;
 
@@ -46,30 +48,33 @@ pub struct Options {
 }
 
 /// Runs every check on one snapshot.
-pub async fn run(pool: &PgPool, options: &Options) -> Result<Report, sqlx::Error> {
+pub async fn run(db: &Db, options: &Options) -> Result<Report, DbError> {
     let started = Instant::now();
-    let mut tx = pool.begin().await?;
-    // A batch job, not a request: the server's per-statement bound would cut it off on a big
-    // ledger, and the joins want memory rather than temporary files.
-    sqlx::query!("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-        .execute(&mut *tx)
-        .await?;
-    sqlx::query!("SET LOCAL statement_timeout = 0")
-        .execute(&mut *tx)
-        .await?;
-    sqlx::query!("SET LOCAL work_mem = '256MB'").execute(&mut *tx).await?;
+    let (snapshot_at, checked, invariants, warnings) = db
+        .transaction(async |tx| {
+            // A batch job, not a request: the server's per-statement bound would cut it off
+            // on a big ledger, and the joins want memory rather than temporary files.
+            sqlx::query!("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+                .execute(&mut *tx)
+                .await?;
+            sqlx::query!("SET LOCAL statement_timeout = 0")
+                .execute(&mut *tx)
+                .await?;
+            sqlx::query!("SET LOCAL work_mem = '256MB'").execute(&mut *tx).await?;
 
-    let (snapshot_at, checked) = checked(&mut tx, options.tenant_id).await?;
-    let invariants = Invariants {
-        balances: balances(&mut tx, options).await?,
-        dangling_keys: dangling_keys(&mut tx, options).await?,
-        missing_keys: missing_keys(&mut tx, options).await?,
-        double_charges: double_charges(&mut tx, options).await?,
-    };
-    let warnings = Warnings {
-        suspected_keyless_duplicates: keyless_duplicates(&mut tx, options).await?,
-    };
-    tx.commit().await?;
+            let (snapshot_at, checked) = checked(tx, options.tenant_id).await?;
+            let invariants = Invariants {
+                balances: balances(tx, options).await?,
+                dangling_keys: dangling_keys(tx, options).await?,
+                missing_keys: missing_keys(tx, options).await?,
+                double_charges: double_charges(tx, options).await?,
+            };
+            let warnings = Warnings {
+                suspected_keyless_duplicates: keyless_duplicates(tx, options).await?,
+            };
+            Ok((snapshot_at, checked, invariants, warnings))
+        })
+        .await?;
     Ok(Report {
         clean: invariants.broken() == 0,
         snapshot_at,

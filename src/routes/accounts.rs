@@ -132,10 +132,12 @@ impl Endpoint for CreateDeposit {
     )
 )]
 pub(super) async fn show(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
-    let tenant = crate::auth::tenant(&req, &state.pool, &state.tenants).await?;
+    let tenant = crate::auth::tenant(&req, &state.db, &state.tenants).await?;
     let id = path_account(&req)?;
     let mut conn = state.conn().await?;
-    let result = ledger::balance(&mut conn, tenant.id, &id).await;
-    let balance = conn.discard_if_broken(result)?.ok_or(ApiError::AccountNotFound)?;
+    let balance = conn
+        .run(async |c| ledger::balance(c, tenant.id, &id).await)
+        .await?
+        .ok_or(ApiError::AccountNotFound)?;
     Ok(HttpResponse::Ok().json(AccountOut { id, balance }))
 }

@@ -86,7 +86,7 @@ pub(super) async fn create_tenant(
     }
     let policy = body.missing_key_policy.unwrap_or(MissingKeyPolicy::Reject);
     let main_balance = body.main_balance.unwrap_or_default();
-    let created = tenants::create(&state.pool, name, policy, main_balance).await?;
+    let created = tenants::create(&state.db, name, policy, main_balance).await?;
     Ok(HttpResponse::Created().json(created))
 }
 
@@ -114,7 +114,7 @@ pub(super) async fn update_tenant(
         .get("id")
         .and_then(TenantId::parse)
         .ok_or(ApiError::NotFound)?;
-    let tenant = tenants::set_policy(&state.pool, id, body.missing_key_policy)
+    let tenant = tenants::set_policy(&state.db, id, body.missing_key_policy)
         .await?
         .ok_or(ApiError::NotFound)?;
     Ok(HttpResponse::Ok().json(tenant))
@@ -138,7 +138,7 @@ struct PurgedOut {
 )]
 pub(super) async fn run_purge(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     auth::admin(&req, state.settings.admin_token.as_deref())?;
-    let deleted = purge::purge(&state.pool, state.settings.retention, state.settings.purge_batch_size).await?;
+    let deleted = purge::purge(&state.db, state.settings.retention, state.settings.purge_batch_size).await?;
     state.metrics.record_purge(deleted);
     Ok(HttpResponse::Ok().json(PurgedOut { deleted }))
 }

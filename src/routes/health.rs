@@ -33,8 +33,9 @@ pub(super) async fn healthz() -> HttpResponse {
     ))]
 pub(super) async fn readyz(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     let mut conn = state.conn().await.map_err(|_| ApiError::Unavailable)?;
-    let result = sqlx::query("SELECT 1").execute(&mut *conn).await;
-    conn.discard_if_broken(result).map_err(|_| ApiError::Unavailable)?;
+    conn.run(async |c| sqlx::query("SELECT 1").execute(c).await)
+        .await
+        .map_err(|_| ApiError::Unavailable)?;
     Ok(HttpResponse::Ok().json(StatusOut { status: "ready" }))
 }
 
@@ -44,5 +45,5 @@ pub(super) async fn readyz(state: web::Data<AppState>) -> Result<HttpResponse, A
 pub(super) async fn metrics(state: web::Data<AppState>) -> HttpResponse {
     HttpResponse::Ok()
         .content_type("text/plain; version=0.0.4; charset=utf-8")
-        .body(state.metrics.render(&state.pool, state.settings.retention).await)
+        .body(state.metrics.render(&state.db, state.settings.retention).await)
 }

@@ -155,11 +155,13 @@ fn payment_id(req: &HttpRequest) -> Result<PaymentId, ApiError> {
     )
 )]
 pub(super) async fn show(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
-    let tenant = crate::auth::tenant(&req, &state.pool, &state.tenants).await?;
+    let tenant = crate::auth::tenant(&req, &state.db, &state.tenants).await?;
     let id = payment_id(&req)?;
     let mut conn = state.conn().await?;
-    let result = ledger::payment_state(&mut conn, tenant.id, id).await;
-    let p = conn.discard_if_broken(result)?.ok_or(ApiError::NotFound)?;
+    let p = conn
+        .run(async |c| ledger::payment_state(c, tenant.id, id).await)
+        .await?
+        .ok_or(ApiError::NotFound)?;
     Ok(HttpResponse::Ok().json(PaymentStateOut {
         id,
         account: p.account_id,

@@ -65,7 +65,7 @@ async fn handle<E: Endpoint>(
     state: web::Data<AppState>,
 ) -> Result<HttpResponse, ApiError> {
     let spec = spec::<E>();
-    let tenant = crate::auth::tenant(&req, &state.pool, &state.tenants).await?;
+    let tenant = crate::auth::tenant(&req, &state.db, &state.tenants).await?;
     let bytes = read_body(&req, payload, state.settings.max_body_bytes).await?;
     let key = IdempotencyKey::from_headers(req.headers()).map_err(ApiError::InvalidIdempotencyKey)?;
     let key = idempotency::key_or_policy(key, tenant.policy)?;
@@ -86,8 +86,7 @@ async fn handle<E: Endpoint>(
     let args = ClaimArgs::new(spec, path, claim.as_ref(), state.settings.inflight_wait);
 
     let mut conn = state.conn().await?;
-    let result = effect.run(&mut conn, tenant.id, &args).await;
-    let outcome = conn.discard_if_broken(result)?;
+    let outcome = conn.run(async |c| effect.run(c, tenant.id, &args).await).await?;
     let expires_at = outcome.expires_at;
     let (answer, finished) = respond::<E>(spec, outcome, claim.is_some())?;
     if let (Some(claim), Some(expires_at), Some(value)) = (&claim, expires_at, finished) {

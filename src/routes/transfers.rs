@@ -91,15 +91,17 @@ impl Endpoint for CreateTransfer {
     )
 )]
 pub(super) async fn show(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
-    let tenant = crate::auth::tenant(&req, &state.pool, &state.tenants).await?;
+    let tenant = crate::auth::tenant(&req, &state.db, &state.tenants).await?;
     let id = req
         .match_info()
         .get("id")
         .and_then(TransferId::parse)
         .ok_or(ApiError::NotFound)?;
     let mut conn = state.conn().await?;
-    let result = ledger::transfer(&mut conn, tenant.id, id).await;
-    let t = conn.discard_if_broken(result)?.ok_or(ApiError::NotFound)?;
+    let t = conn
+        .run(async |c| ledger::transfer(c, tenant.id, id).await)
+        .await?
+        .ok_or(ApiError::NotFound)?;
     Ok(HttpResponse::Ok().json(TransferStateOut {
         id,
         from: t.from_account_id,

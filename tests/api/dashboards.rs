@@ -108,10 +108,10 @@ async fn readiness_is_0_when_the_database_does_not_answer() {
     // Nothing listens on port 1.
     settings.database_url = "postgres://oncepay@127.0.0.1:1/oncepay".to_owned();
     settings.db_acquire_timeout = Duration::from_millis(300);
-    let pool = oncepay::db::pool(&settings).unwrap();
+    let db = oncepay::db::Db::new(&settings).unwrap();
     let metrics = oncepay::metrics::Metrics::new();
 
-    let text = metrics.render(&pool, settings.retention).await;
+    let text = metrics.render(&db, settings.retention).await;
 
     assert_eq!(sample(&text, "oncepay_ready"), 0.0);
     assert_eq!(sample(&text, "oncepay_idempotency_key_oldest_age_seconds"), 0.0);

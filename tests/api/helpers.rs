@@ -23,10 +23,37 @@ pub fn database_url() -> String {
     std::env::var("DATABASE_URL").expect("DATABASE_URL must name the test database (make test sets it)")
 }
 
+/// With `ONCEPAY_TEST_POOLER_URL` (`make test-pgbouncer`: the test database through
+/// PgBouncer), the servers connect through the pooler and the tests' own queries do not:
+/// `(through the pooler, direct)` URL prefixes, up to the database name.
+fn pooler_prefixes() -> Option<(String, String)> {
+    let pooler = std::env::var("ONCEPAY_TEST_POOLER_URL").ok()?;
+    let prefix = |url: &str| url[..url.rfind('/').expect("a URL with a database")].to_owned();
+    Some((prefix(&pooler), prefix(&database_url())))
+}
+
+/// A pool for the test's own queries on a server's database, bypassing any pooler.
+pub fn admin_pool(state: &AppState) -> PgPool {
+    match pooler_prefixes() {
+        None => state.pool.clone(),
+        Some((pooler, direct)) => {
+            PgPool::connect_lazy(&state.settings.database_url.replacen(&pooler, &direct, 1)).expect("a valid URL")
+        }
+    }
+}
+
+/// The URL a server uses for the database at `direct`: through the pooler, if there is one.
+pub fn server_url(direct: &str) -> String {
+    match pooler_prefixes() {
+        Some((pooler, prefix)) => direct.replacen(&prefix, &pooler, 1),
+        None => direct.to_owned(),
+    }
+}
+
 /// Settings for a test instance: a free port, a small pool, the admin API on. Servers start
 /// from them through [`TestApp::builder`]; tests that need no server may use them directly.
 pub fn test_settings() -> Settings {
-    let mut settings = Settings::from_env_with_database(database_url()).expect("valid settings");
+    let mut settings = Settings::from_env_with_database(server_url(&database_url())).expect("valid settings");
     settings.bind = "127.0.0.1:0".to_owned();
     settings.admin_token = Some(ADMIN_TOKEN.to_owned());
     settings.db_pool_size = 10;
@@ -93,7 +120,7 @@ impl TestAppBuilder {
         let address = format!("http://127.0.0.1:{}", app.port());
         let state = app.state();
         tokio::spawn(app.run_until_stopped());
-        let pool = state.pool.clone();
+        let pool = admin_pool(&state);
         let (tenant_id, api_key) = match self.tenant {
             Some(tenant) => tenant,
             None => new_tenant(&pool, MissingKeyPolicy::Reject).await,

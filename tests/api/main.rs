@@ -25,6 +25,7 @@ mod openapi;
 mod operations;
 mod payments;
 mod policy;
+mod pooler;
 mod promql;
 mod purge;
 mod replay_cache;

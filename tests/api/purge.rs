@@ -7,7 +7,9 @@ use std::time::{Duration, Instant};
 use reqwest::Method;
 use sqlx::PgPool;
 
-use crate::helpers::{drop_database, empty_database, new_key, spawn_app, spawn_app_with, TestApp, MAIN_BALANCE};
+use crate::helpers::{
+    drop_database, empty_database, new_key, server_url, spawn_app, spawn_app_with, TestApp, MAIN_BALANCE,
+};
 
 const RETENTION: Duration = Duration::from_secs(604_800);
 
@@ -135,7 +137,7 @@ async fn the_in_process_schedule_purges_everything_once_across_replicas() {
 
     let replicas = TestApp::builder()
         .settings(|s| {
-            s.database_url = url.clone();
+            s.database_url = server_url(&url);
             s.purge_interval = Some(Duration::from_millis(200));
             s.purge_batch_size = 100;
         })
@@ -168,6 +170,46 @@ async fn the_in_process_schedule_purges_everything_once_across_replicas() {
     for replica in &replicas {
         replica.state.pool.close().await;
     }
+    pool.close().await;
+    drop_database(&url).await;
+}
+
+/// The schedule's lock is taken per batch, in the batch's transaction (so that it holds
+/// through a transaction-mode pooler): while another session holds it, no replica purges.
+#[tokio::test]
+async fn no_scheduled_batch_runs_while_another_session_holds_the_purge_lock() {
+    const SCHEDULE_LOCK: i64 = 0x0070_7572_6765; // src/purge.rs
+    let (url, pool) = own_database("purgelock").await;
+    fill_keys(&pool, 300, "9 days", 0).await;
+    let mut holder = pool.begin().await.unwrap();
+    sqlx::query("SELECT pg_advisory_xact_lock($1)")
+        .bind(SCHEDULE_LOCK)
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let app = spawn_app_with(|s| {
+        s.database_url = server_url(&url);
+        s.purge_interval = Some(Duration::from_millis(100));
+        s.purge_batch_size = 100;
+    })
+    .await;
+
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(count(&pool, "SELECT count(*) FROM idempotency_keys").await, 300);
+    assert_eq!(app.state.metrics.purged_keys.get(), 0, "no batch ran under the lock");
+    assert_eq!(app.state.metrics.purge_runs.get(), 0);
+
+    holder.rollback().await.unwrap();
+    let started = Instant::now();
+    while count(&pool, "SELECT count(*) FROM idempotency_keys").await > 0 || app.state.metrics.purged_keys.get() < 300 {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the schedule did not purge within 10 s"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(app.state.metrics.purged_keys.get(), 300);
+    app.state.pool.close().await;
     pool.close().await;
     drop_database(&url).await;
 }
