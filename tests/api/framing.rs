@@ -116,7 +116,7 @@ async fn a_bad_request_after_good_ones_on_one_connection_is_a_problem_too() {
 /// I/O error and drops the connection without any answer, as for a client that went away
 /// (README, "Where oncepay departs from the contract"). Nothing is processed.
 #[tokio::test]
-async fn a_malformed_chunk_closes_the_connection_without_an_answer_and_processes_nothing() {
+async fn a_malformed_chunk_is_refused_or_dropped_and_processes_nothing() {
     let app = spawn_app().await;
     let request = format!(
         "POST /payments HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {}\r\nIdempotency-Key: {}\r\n\
@@ -127,9 +127,15 @@ async fn a_malformed_chunk_closes_the_connection_without_an_answer_and_processes
 
     let answer = raw_http(&app, request.into_bytes(), Duration::from_secs(5)).await;
 
-    assert_eq!(
-        answer, "",
-        "if actix-http answers it now, make it a problem and update the README"
+    // Which comes first decides the answer: when the handler is already reading the body, the
+    // broken chunk is its read error (a problem); otherwise actix-http drops the connection
+    // with no answer (the exception the README documents). Never anything else.
+    assert!(
+        answer.is_empty()
+            || (answer.starts_with("HTTP/1.1 400 ")
+                && answer.contains("application/problem+json")
+                && answer.contains("\"code\":\"invalid_json\"")),
+        "neither silence nor a 400 problem: {answer}"
     );
     assert_eq!(app.payment_count().await, 0);
     assert_eq!(app.key_count().await, 0);
