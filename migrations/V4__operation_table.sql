@@ -109,6 +109,9 @@ CREATE TYPE oncepay_claimed AS (
     expires_at  timestamptz    -- until when this result replays (NULL without a key)
 );
 
+-- `p_resource_id`: the id of the resource the claim is for (a refund's payment, an account);
+-- NULL for a resource not yet created: a new id is drawn only if the claim is won, so a
+-- replay pays nothing for it.
 CREATE FUNCTION oncepay_claim(p_tenant uuid, p oncepay_claim_args, p_resource_id text)
 RETURNS oncepay_claimed
 LANGUAGE plpgsql AS $$
@@ -119,7 +122,7 @@ DECLARE
 BEGIN
     IF p.key IS NULL THEN
         r.outcome := 'created';
-        r.resource_id := p_resource_id;
+        r.resource_id := coalesce(p_resource_id, gen_random_uuid()::text);
         RETURN r;
     END IF;
     -- Three rounds at most: a duplicate's INSERT loses to the original and reads it in the
@@ -128,12 +131,13 @@ BEGIN
     FOR attempt IN 1..3 LOOP
         SELECT * INTO k FROM idempotency_keys i WHERE i.tenant_id = p_tenant AND i.key = p.key;
         IF NOT FOUND THEN
+            r.resource_id := coalesce(p_resource_id, gen_random_uuid()::text);
             PERFORM set_config('lock_timeout', p.inflight_wait_ms || 'ms', true);
             INSERT INTO idempotency_keys AS i
                 (tenant_id, key, fingerprint, operation, method, path, status, resource_id,
                  created_at, expires_at)
             VALUES (p_tenant, p.key, p.fingerprint, p.operation, p.method, p.path,
-                    p.success_status, p_resource_id, now(),
+                    p.success_status, r.resource_id, now(),
                     now() + make_interval(secs => p.window_secs))
             ON CONFLICT (tenant_id, key) DO NOTHING
             RETURNING i.expires_at INTO r.expires_at;
@@ -141,9 +145,9 @@ BEGIN
             PERFORM set_config('lock_timeout', '0', true);
             IF claimed THEN
                 r.outcome := 'created';
-                r.resource_id := p_resource_id;
                 RETURN r;
             END IF;
+            r.resource_id := NULL;
             CONTINUE;  -- lost to a concurrent original: read what it committed
         END IF;
 
@@ -154,10 +158,11 @@ BEGIN
             END IF;
             -- A derived key past its window starts afresh. Replicas racing here serialise
             -- on the row lock; the losers re-check and replay.
+            r.resource_id := coalesce(p_resource_id, gen_random_uuid()::text);
             PERFORM set_config('lock_timeout', p.inflight_wait_ms || 'ms', true);
             UPDATE idempotency_keys i
                SET fingerprint = p.fingerprint, operation = p.operation, method = p.method,
-                   path = p.path, status = p.success_status, resource_id = p_resource_id,
+                   path = p.path, status = p.success_status, resource_id = r.resource_id,
                    error_code = NULL, created_at = now(),
                    expires_at = now() + make_interval(secs => p.window_secs)
              WHERE i.tenant_id = p_tenant AND i.key = p.key AND i.expires_at <= now()
@@ -166,9 +171,9 @@ BEGIN
             PERFORM set_config('lock_timeout', '0', true);
             IF claimed THEN
                 r.outcome := 'created';
-                r.resource_id := p_resource_id;
                 RETURN r;
             END IF;
+            r.resource_id := NULL;
             CONTINUE;  -- another replica renewed it first: replay what it committed
         END IF;
 
@@ -218,7 +223,7 @@ RETURNS TABLE (outcome oncepay_outcome, decline oncepay_decline, expires_at time
 LANGUAGE plpgsql AS $$
 #variable_conflict use_column
 DECLARE
-    c oncepay_claimed := oncepay_claim(p_tenant, p, gen_random_uuid()::text);
+    c oncepay_claimed := oncepay_claim(p_tenant, p, NULL);
     v_balance bigint;
 BEGIN
     IF c.outcome = 'created' THEN
@@ -280,7 +285,7 @@ RETURNS TABLE (outcome oncepay_outcome, decline oncepay_decline, expires_at time
 LANGUAGE plpgsql AS $$
 #variable_conflict use_column
 DECLARE
-    c oncepay_claimed := oncepay_claim(p_tenant, p, gen_random_uuid()::text);
+    c oncepay_claimed := oncepay_claim(p_tenant, p, NULL);
     v_balance bigint;
 BEGIN
     IF c.outcome = 'created' THEN
@@ -341,7 +346,7 @@ BEGIN
     IF p_from = p_to THEN
         RAISE EXCEPTION 'a transfer needs two different accounts' USING ERRCODE = 'check_violation';
     END IF;
-    c := oncepay_claim(p_tenant, p, gen_random_uuid()::text);
+    c := oncepay_claim(p_tenant, p, NULL);
     IF c.outcome = 'created' THEN
         SELECT count(*) INTO v_locked FROM (
             SELECT FROM accounts a
