@@ -20,7 +20,7 @@ export SQLX_OFFLINE ?= true
 BIN := target/release/oncepay
 CARGO_TEST := $(shell cargo nextest --version >/dev/null 2>&1 && echo "cargo nextest run --no-fail-fast" || echo "cargo test --no-fail-fast")
 
-.PHONY: help run serve build db-up db-down migrate psql purge audit audit-bench test chaos check sqlx-prepare bench bench-quick clean-db openapi schemathesis
+.PHONY: help run serve build db-up db-down migrate psql purge audit audit-bench test chaos check sqlx-prepare bench bench-quick clean-db openapi schemathesis ha
 
 help:
 	@echo "make run      local database if needed, migrate, demo tenant, serve on 127.0.0.1:8130"
@@ -28,6 +28,7 @@ help:
 	@echo "make chaos    fault tests (kill -9, PostgreSQL restart, ...) on their own PostgreSQL cluster"
 	@echo "make audit    reconcile balances, key rows and payments; non-zero exit if an invariant is broken"
 	@echo "make schemathesis   fuzz a live server from its OpenAPI document (docs/openapi.json)"
+	@echo "make ha       Patroni cluster (3 PostgreSQL 15, etcd, HAProxy), 3 oncepay, 5 faults under load, books verified (root)"
 	@echo "make migrate | purge | psql | db-up | db-down | check | bench | audit-bench | sqlx-prepare | openapi"
 
 db-up:
@@ -117,3 +118,10 @@ bench: db-up
 
 bench-quick: db-up
 	@BENCH_QUICK=1 scripts/bench.sh
+
+# High availability (issue 11, docs/ha.md): etcd, three PostgreSQL 15 nodes under Patroni with
+# strict synchronous replication, HAProxy to the leader, three oncepay instances, in network
+# namespaces of its own; five faults under load, then the books verified on the final leader.
+# Needs root; installs etcd, HAProxy and Patroni (PyPI, in a virtualenv) when missing.
+ha: build
+	@scripts/ha.sh run
