@@ -57,6 +57,12 @@ impl Conn {
         }
         result
     }
+
+    /// Closes the connection instead of returning it to the pool (it reached a node that
+    /// cannot take writes: behind a proxy, a new connection reaches the current primary).
+    pub fn discard(&mut self) {
+        self.0.close_on_drop();
+    }
 }
 
 impl std::ops::Deref for Conn {
@@ -97,10 +103,15 @@ pub fn is_in_progress(err: &sqlx::Error) -> bool {
     sqlstate(err).as_deref() == Some("55P03")
 }
 
+/// Connection-level failures, after which the connection is closed rather than reused. 25006
+/// (read_only_sql_transaction) counts: the connection reached a node that became a standby
+/// (a failover behind a proxy), and only a new connection reaches the new primary.
 fn is_connection_broken(err: &sqlx::Error) -> bool {
     match err {
         sqlx::Error::Io(_) | sqlx::Error::Protocol(_) | sqlx::Error::Tls(_) => true,
-        sqlx::Error::Database(_) => sqlstate(err).is_some_and(|c| c.starts_with("08") || c.starts_with("57P")),
+        sqlx::Error::Database(_) => {
+            sqlstate(err).is_some_and(|c| c.starts_with("08") || c.starts_with("57P") || c == "25006")
+        }
         _ => false,
     }
 }

@@ -25,7 +25,11 @@ pub(super) async fn healthz() -> HttpResponse {
     HttpResponse::Ok().json(StatusOut { status: "ok" })
 }
 
-/// Readiness: 200 when the database answers a query, else 503.
+/// Whether this connection's server takes writes: a primary, not set read-only.
+const WRITABLE: &str = "SELECT NOT pg_is_in_recovery() AND current_setting('transaction_read_only') = 'off'";
+
+/// Readiness: 200 when a writable primary answers, else 503 (also while the database is
+/// a standby or read-only, as during a failover).
 #[utoipa::path(get, path = "/readyz", tag = "operations", operation_id = "readyz",
     responses(
         (status = 200, description = "Ready.", body = StatusOut),
@@ -33,8 +37,11 @@ pub(super) async fn healthz() -> HttpResponse {
     ))]
 pub(super) async fn readyz(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     let mut conn = state.conn().await.map_err(|_| ApiError::Unavailable)?;
-    let result = sqlx::query("SELECT 1").execute(&mut *conn).await;
-    conn.discard_if_broken(result).map_err(|_| ApiError::Unavailable)?;
+    let result = sqlx::query_scalar::<_, bool>(WRITABLE).fetch_one(&mut *conn).await;
+    if !conn.discard_if_broken(result).map_err(|_| ApiError::Unavailable)? {
+        conn.discard();
+        return Err(ApiError::Unavailable);
+    }
     Ok(HttpResponse::Ok().json(StatusOut { status: "ready" }))
 }
 

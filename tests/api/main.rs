@@ -9,6 +9,7 @@ mod client_limits;
 mod commands;
 mod concurrency;
 mod errors;
+mod failover;
 mod fault_proxy;
 mod fuzz;
 mod hardening;
