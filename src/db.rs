@@ -78,6 +78,21 @@ impl std::ops::DerefMut for Conn {
     }
 }
 
+/// Before a stored result is answered again (a replay), makes sure the commit that stored
+/// it is on the synchronous standbys. A commit waits for them before it becomes visible,
+/// unless its wait is cut short (its session terminated, a cancel): then it is visible on
+/// this primary alone, and a failover would take it away after the client was told it
+/// happened. This writes a WAL record in a transaction of its own, whose commit waits for the
+/// standbys to have everything up to it, the replayed key row included (no standby: it waits
+/// like any commit, and the client's retry comes back later). Without synchronous
+/// replication it costs one small WAL record.
+pub async fn await_replicated(conn: &mut Conn) -> Result<(), sqlx::Error> {
+    let result = sqlx::query("SELECT pg_logical_emit_message(true, 'oncepay', 'replay')")
+        .execute(&mut **conn)
+        .await;
+    conn.discard_if_broken(result).map(drop)
+}
+
 /// Takes a connection from the pool. A full pool answers 429 `overloaded`; a pool that
 /// cannot open any connection (database down) answers 503.
 pub async fn acquire(pool: &PgPool) -> Result<Conn, ApiError> {

@@ -91,6 +91,14 @@ pub enum Refusal {
 
 pub type Outcome<T> = Result<Reply<T>, Refusal>;
 
+/// Whether the outcome answers a stored result again (a success or a stored decline).
+pub fn is_replay<T>(outcome: &Outcome<T>) -> bool {
+    matches!(
+        outcome,
+        Ok(Reply::Replayed(_)) | Err(Refusal::Declined { replayed: true, .. })
+    )
+}
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Payment {
     pub id: Uuid,

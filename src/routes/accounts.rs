@@ -88,6 +88,9 @@ pub(super) async fn create(
     let mut conn = state.conn().await?;
     let result = ledger::open_account(&mut conn, intake.tenant.id, intake.claim.as_ref(), &id, balance).await;
     let outcome = conn.discard_if_broken(result)?;
+    if ledger::is_replay(&outcome) {
+        crate::db::await_replicated(&mut conn).await?;
+    }
     respond(outcome, intake.claim.is_some(), StatusCode::CREATED, |a, _| {
         AccountCreatedOut {
             id: a.id,
@@ -158,6 +161,9 @@ pub(super) async fn deposit(
     )
     .await;
     let outcome = conn.discard_if_broken(result)?;
+    if ledger::is_replay(&outcome) {
+        crate::db::await_replicated(&mut conn).await?;
+    }
     respond(outcome, intake.claim.is_some(), StatusCode::CREATED, |d, _| {
         DepositOut {
             id: d.id,

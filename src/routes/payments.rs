@@ -97,6 +97,9 @@ pub(super) async fn create(
     let mut conn = state.conn().await?;
     let result = ledger::pay(&mut conn, intake.tenant.id, intake.claim.as_ref(), &account, amount).await;
     let outcome = conn.discard_if_broken(result)?;
+    if ledger::is_replay(&outcome) {
+        crate::db::await_replicated(&mut conn).await?;
+    }
     respond(outcome, intake.claim.is_some(), StatusCode::CREATED, |p, response| {
         response.insert_header((header::LOCATION, format!("/payments/{}", p.id)));
         PaymentOut {
@@ -177,6 +180,9 @@ pub(super) async fn refund(
     let mut conn = state.conn().await?;
     let result = ledger::refund(&mut conn, intake.tenant.id, intake.claim.as_ref(), req.path(), id).await;
     let outcome = conn.discard_if_broken(result)?;
+    if ledger::is_replay(&outcome) {
+        crate::db::await_replicated(&mut conn).await?;
+    }
     respond(outcome, intake.claim.is_some(), StatusCode::OK, |r, _| RefundOut {
         id: r.payment_id,
         status: PaymentStatus::Refunded,
