@@ -9,22 +9,22 @@ use oncepay::domain::MissingKeyPolicy;
 use serde_json::json;
 use sqlx::{Connection, Executor, PgConnection};
 
-use crate::helpers::{client, drop_database, empty_database, new_key, new_tenant, start_server, test_settings, Answer};
+use crate::helpers::{
+    client, database_url, drop_database, empty_database, new_key, new_tenant, start_server, test_settings, Answer,
+};
 
-async fn admin(url: &str, sql: &str) {
-    let mut conn = PgConnection::connect(url).await.unwrap();
+/// Runs `sql` from the test cluster's main test database (the scratch one turns read-only).
+async fn admin(sql: &str) {
+    let mut conn = PgConnection::connect(&database_url()).await.unwrap();
     conn.execute(sql).await.unwrap();
 }
 
 /// Ends every session of oncepay's pool on database `name` (57P01 on their next use).
-async fn terminate_sessions(url: &str, name: &str) {
-    admin(
-        url,
-        &format!(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+async fn terminate_sessions(name: &str) {
+    admin(&format!(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
               WHERE datname = '{name}' AND application_name = 'oncepay' AND pid <> pg_backend_pid()"
-        ),
-    )
+    ))
     .await;
 }
 
@@ -58,12 +58,8 @@ async fn a_database_turned_read_only_answers_503_commits_nothing_and_the_pool_re
         .unwrap();
 
     // The "failover": every new session is read-only, every pooled session is terminated.
-    admin(
-        &url,
-        &format!("ALTER DATABASE {name} SET default_transaction_read_only = on"),
-    )
-    .await;
-    terminate_sessions(&url, &name).await;
+    admin(&format!("ALTER DATABASE {name} SET default_transaction_read_only = on")).await;
+    terminate_sessions(&name).await;
 
     let key = new_key();
     for attempt in 1..=12 {
@@ -92,11 +88,7 @@ async fn a_database_turned_read_only_answers_503_commits_nothing_and_the_pool_re
 
     // Writable again: the same server, the same key, without a restart. Read-only pooled
     // sessions were closed on their 25006, so the pool reconnects to a writable database.
-    admin(
-        &url,
-        &format!("ALTER DATABASE {name} RESET default_transaction_read_only"),
-    )
-    .await;
+    admin(&format!("ALTER DATABASE {name} RESET default_transaction_read_only")).await;
     let recovered = Instant::now();
     let first = loop {
         let answer = pay(key.clone()).await;
