@@ -167,7 +167,7 @@ bootstrap:
   dcs:
     # Failover timings (docs/ha.md): the leader key lives ttl seconds without a refresh;
     # loop_wait + 2 * retry_timeout <= ttl.
-    ttl: 8
+    ttl: 7
     loop_wait: 1
     retry_timeout: 3
     primary_start_timeout: 10
@@ -343,6 +343,8 @@ up() {
   [ -x "$bin" ] || die "$bin is missing: run cargo build --release first"
   id postgres >/dev/null 2>&1 || die "no postgres user (the postgresql package creates it)"
   down_quiet
+  # The previous run's logs stay, one generation, for a failure to be read after the next run.
+  if [ -d "$dir/logs" ]; then rm -rf "$dir.previous-logs"; mv "$dir/logs" "$dir.previous-logs"; fi
   rm -rf "$dir"
   mkdir -p "$dir/logs" "$dir/pids" "$dir/etcd"
   chmod 755 "$dir"
