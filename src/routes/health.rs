@@ -28,8 +28,9 @@ pub(super) async fn healthz() -> HttpResponse {
 /// Whether this connection's server takes writes: a primary, not set read-only.
 const WRITABLE: &str = "SELECT NOT pg_is_in_recovery() AND current_setting('transaction_read_only') = 'off'";
 
-/// Readiness: 200 when a writable primary answers, else 503 (also while the database is
-/// a standby or read-only, as during a failover).
+/// Readiness: 200 when a writable primary answers, else 503.
+///
+/// A database that answers but is a standby or read-only (as during a failover) is not ready.
 #[utoipa::path(get, path = "/readyz", tag = "operations", operation_id = "readyz",
     responses(
         (status = 200, description = "Ready.", body = StatusOut),
