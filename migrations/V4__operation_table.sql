@@ -181,6 +181,15 @@ BEGIN
             r.outcome := 'key_reused';
             RETURN r;
         END IF;
+        -- A replay answers a result as committed. If that commit's wait for the synchronous
+        -- standbys was cut short (its session terminated, as a switchover does), it is
+        -- visible on this primary alone and a failover would take it away after the client
+        -- was told it happened. With synchronous standbys, this transaction writes a record
+        -- so that its commit waits until they hold everything up to it, the replayed key row
+        -- included. Without them there is nothing to wait for, and a replay writes nothing.
+        IF current_setting('synchronous_standby_names') <> '' THEN
+            PERFORM pg_logical_emit_message(true, 'oncepay', 'replay');
+        END IF;
         r.outcome := 'replayed';
         r.decline := k.error_code;
         r.resource_id := k.resource_id;

@@ -219,6 +219,12 @@ impl Conn {
         self.discard_if_broken(result)
     }
 
+    /// Closes the connection instead of returning it to the pool (it reached a node that
+    /// cannot take writes: behind a proxy, a new connection reaches the current primary).
+    pub fn discard(&mut self) {
+        self.conn.close_on_drop();
+    }
+
     fn discard_if_broken<T>(&mut self, result: Result<T, sqlx::Error>) -> Result<T, DbError> {
         if let Err(err) = &result {
             if is_connection_broken(err) {
@@ -293,10 +299,15 @@ fn is_in_progress(err: &sqlx::Error) -> bool {
     sqlstate(err).as_deref() == Some("55P03")
 }
 
+/// Connection-level failures, after which the connection is closed rather than reused. 25006
+/// (read_only_sql_transaction) counts: the connection reached a node that became a standby
+/// (a failover behind a proxy), and only a new connection reaches the new primary.
 fn is_connection_broken(err: &sqlx::Error) -> bool {
     match err {
         sqlx::Error::Io(_) | sqlx::Error::Protocol(_) | sqlx::Error::Tls(_) => true,
-        sqlx::Error::Database(_) => sqlstate(err).is_some_and(|c| c.starts_with("08") || c.starts_with("57P")),
+        sqlx::Error::Database(_) => {
+            sqlstate(err).is_some_and(|c| c.starts_with("08") || c.starts_with("57P") || c == "25006")
+        }
         _ => false,
     }
 }

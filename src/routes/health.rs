@@ -25,7 +25,12 @@ pub(super) async fn healthz() -> HttpResponse {
     HttpResponse::Ok().json(StatusOut { status: "ok" })
 }
 
-/// Readiness: 200 when the database answers a query, else 503.
+/// Whether this connection's server takes writes: a primary, not set read-only.
+const WRITABLE: &str = "SELECT NOT pg_is_in_recovery() AND current_setting('transaction_read_only') = 'off'";
+
+/// Readiness: 200 when a writable primary answers, else 503. A database that answers but is
+/// a standby or read-only (as during a failover) is not ready, and the connection that
+/// reached it is dropped, so the next one (through a proxy) finds the new primary.
 #[utoipa::path(get, path = "/readyz", tag = "operations", operation_id = "readyz",
     responses(
         (status = 200, description = "Ready.", body = StatusOut),
@@ -33,9 +38,14 @@ pub(super) async fn healthz() -> HttpResponse {
     ))]
 pub(super) async fn readyz(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     let mut conn = state.conn().await.map_err(|_| ApiError::Unavailable)?;
-    conn.run(async |c| sqlx::query("SELECT 1").execute(c).await)
+    let writable = conn
+        .run(async |c| sqlx::query_scalar::<_, bool>(WRITABLE).fetch_one(c).await)
         .await
         .map_err(|_| ApiError::Unavailable)?;
+    if !writable {
+        conn.discard();
+        return Err(ApiError::Unavailable);
+    }
     Ok(HttpResponse::Ok().json(StatusOut { status: "ready" }))
 }
 

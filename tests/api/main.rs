@@ -15,6 +15,7 @@ mod commands;
 mod concurrency;
 mod dashboards;
 mod errors;
+mod failover;
 mod fault_proxy;
 mod framing;
 mod fuzz;
