@@ -5,6 +5,7 @@ use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
+use super::intake::present;
 use super::pipeline::{route, Endpoint};
 use super::schemas::{BadRequest, NotFound, Overloaded, Unauthorized, Unavailable};
 use crate::domain::{AccountId, Amount, DepositId, OpeningBalance};
@@ -25,6 +26,7 @@ pub struct AccountIn {
     pub id: AccountId,
     /// The opening balance; 0 when absent.
     #[schema(nullable = false)]
+    #[serde(default, deserialize_with = "present")]
     pub balance: Option<OpeningBalance>,
 }
 

@@ -5,7 +5,7 @@ use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use utoipa::ToSchema;
 
-use super::intake::{parse_body, read_body, EmptyBody};
+use super::intake::{parse_body, present, read_body, EmptyBody};
 use super::schemas::{
     AdminDisabled, BadRequest, BodyTooLarge, NotFound, Overloaded, RequestTimeout, Unauthorized, Unavailable,
     UnsupportedMediaType,
@@ -34,9 +34,11 @@ pub struct TenantIn {
     pub name: String,
     /// `reject` when absent.
     #[schema(nullable = false)]
+    #[serde(default, deserialize_with = "present")]
     pub missing_key_policy: Option<MissingKeyPolicy>,
     /// The opening balance of the tenant's `main` account; 0 when absent.
     #[schema(nullable = false)]
+    #[serde(default, deserialize_with = "present")]
     pub main_balance: Option<OpeningBalance>,
 }
 

@@ -29,6 +29,10 @@ pub fn parse_body<T: DeserializeOwned>(bytes: &[u8], empty: EmptyBody) -> Result
     } else {
         crate::json::parse_strict(bytes).map_err(|e| ApiError::InvalidJson(e.to_string()))?
     };
+    // serde would also read a struct from a JSON array (`[]`, `[100, "u1"]`): not documented.
+    if !value.is_object() {
+        return Err(ApiError::InvalidRequest("the body must be a JSON object".to_owned()));
+    }
     let parsed = serde_path_to_error::deserialize(&value).map_err(|err| {
         let path = err.path().to_string();
         let inner = err.into_inner();
@@ -39,6 +43,16 @@ pub fn parse_body<T: DeserializeOwned>(bytes: &[u8], empty: EmptyBody) -> Result
         })
     })?;
     Ok((value, parsed))
+}
+
+/// For an optional field whose `null` is not documented: absent is `None` (with
+/// `#[serde(default)]`), present must be a value (serde alone reads `null` as `None`).
+pub fn present<'de, D, T>(deserializer: D) -> Result<Option<T>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: serde::Deserialize<'de>,
+{
+    T::deserialize(deserializer).map(Some)
 }
 
 /// How long a whole body may take to arrive. actix's `client_request_timeout` bounds only

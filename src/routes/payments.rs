@@ -5,7 +5,7 @@ use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
-use super::intake::EmptyBody;
+use super::intake::{present, EmptyBody};
 use super::pipeline::{corrupt, route, Endpoint};
 use super::schemas::{NotFound, Overloaded, Unauthorized, Unavailable};
 use crate::domain::{AccountId, Amount, PaymentId};
@@ -26,6 +26,7 @@ pub struct PaymentIn {
     pub amount: Amount,
     /// The account to charge; `main` when absent.
     #[schema(nullable = false)]
+    #[serde(default, deserialize_with = "present")]
     pub account: Option<AccountId>,
 }
 
