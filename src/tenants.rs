@@ -65,7 +65,7 @@ pub async fn create(
             .execute(&mut *tx)
             .await?;
             sqlx::query!(
-                "INSERT INTO accounts (tenant_id, account_id, balance, opening_balance) VALUES ($1, $2, $3, $3)",
+                "INSERT INTO accounts (tenant_id, account_id, balance, opening_balance) VALUES ($1, $2::text, $3::bigint, $3::bigint)",
                 tenant_id.get(),
                 AccountId::MAIN,
                 main_balance.get(),

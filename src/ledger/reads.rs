@@ -1,4 +1,5 @@
-//! The current state of resources, for the `GET` endpoints.
+//! The current state of resources, for the `GET` endpoints. Rows are read whole, as the
+//! operations' functions return them, so both decode through the same row types.
 
 use sqlx::PgConnection;
 
@@ -11,9 +12,8 @@ pub async fn payment_state(
     tenant: TenantId,
     payment: PaymentId,
 ) -> Result<Option<PaymentRow>, sqlx::Error> {
-    sqlx::query_as!(
-        PaymentRow,
-        "SELECT * FROM payments WHERE tenant_id = $1 AND payment_id = $2",
+    sqlx::query_scalar!(
+        r#"SELECT r AS "r!: PaymentRow" FROM payments r WHERE tenant_id = $1 AND payment_id = $2"#,
         tenant.get(),
         payment.get(),
     )
@@ -27,9 +27,8 @@ pub async fn transfer(
     tenant: TenantId,
     transfer: TransferId,
 ) -> Result<Option<TransferRow>, sqlx::Error> {
-    sqlx::query_as!(
-        TransferRow,
-        "SELECT * FROM transfers WHERE tenant_id = $1 AND transfer_id = $2",
+    sqlx::query_scalar!(
+        r#"SELECT r AS "r!: TransferRow" FROM transfers r WHERE tenant_id = $1 AND transfer_id = $2"#,
         tenant.get(),
         transfer.get(),
     )

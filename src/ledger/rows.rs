@@ -4,14 +4,56 @@
 use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
+/// A column declared with one of the SQL domains of migrations/V5 (the single-column rules:
+/// amounts, balances, account ids). sqlx checks a composite's fields by type name, so each
+/// domain decodes through a newtype named after it; the value is its base type's.
+macro_rules! sql_domain {
+    ($(#[$doc:meta])* $name:ident($inner:ty) = $sql:literal) => {
+        $(#[$doc])*
+        #[derive(Clone, Debug, PartialEq, Eq, sqlx::Type)]
+        #[sqlx(type_name = $sql)]
+        pub struct $name(pub $inner);
+
+        impl std::ops::Deref for $name {
+            type Target = $inner;
+            fn deref(&self) -> &$inner {
+                &self.0
+            }
+        }
+
+        impl PartialEq<$inner> for $name {
+            fn eq(&self, other: &$inner) -> bool {
+                self.0 == *other
+            }
+        }
+    };
+}
+
+sql_domain!(
+    /// `oncepay_amount`: 1 to 10^12 minor units.
+    SqlAmount(i64) = "oncepay_amount"
+);
+sql_domain!(
+    /// `oncepay_balance`: never below zero.
+    SqlBalance(i64) = "oncepay_balance"
+);
+sql_domain!(
+    /// `oncepay_opening_balance`: 0 to 10^12.
+    SqlOpeningBalance(i64) = "oncepay_opening_balance"
+);
+sql_domain!(
+    /// `oncepay_account_id`: the account-id syntax of the contract.
+    SqlAccountId(String) = "oncepay_account_id"
+);
+
 #[derive(Clone, Debug, PartialEq, Eq, sqlx::Type)]
 #[sqlx(type_name = "payments")]
 pub struct PaymentRow {
     pub tenant_id: Uuid,
     pub payment_id: Uuid,
     pub account_id: String,
-    pub amount: i64,
-    pub balance_after: i64,
+    pub amount: SqlAmount,
+    pub balance_after: SqlBalance,
     pub idempotency_key: Option<String>,
     pub created_at: DateTime<Utc>,
     pub refunded_at: Option<DateTime<Utc>>,
@@ -24,7 +66,7 @@ pub struct DepositRow {
     pub tenant_id: Uuid,
     pub deposit_id: Uuid,
     pub account_id: String,
-    pub amount: i64,
+    pub amount: SqlAmount,
     pub balance_after: i64,
     pub idempotency_key: Option<String>,
     pub created_at: DateTime<Utc>,
@@ -34,9 +76,9 @@ pub struct DepositRow {
 #[sqlx(type_name = "accounts")]
 pub struct AccountRow {
     pub tenant_id: Uuid,
-    pub account_id: String,
-    pub balance: i64,
-    pub opening_balance: i64,
+    pub account_id: SqlAccountId,
+    pub balance: SqlBalance,
+    pub opening_balance: SqlOpeningBalance,
     pub created_at: DateTime<Utc>,
 }
 
@@ -47,9 +89,9 @@ pub struct TransferRow {
     pub transfer_id: Uuid,
     pub from_account_id: String,
     pub to_account_id: String,
-    pub amount: i64,
-    pub from_balance_after: i64,
-    pub to_balance_after: i64,
+    pub amount: SqlAmount,
+    pub from_balance_after: SqlBalance,
+    pub to_balance_after: SqlBalance,
     pub idempotency_key: Option<String>,
     pub created_at: DateTime<Utc>,
 }

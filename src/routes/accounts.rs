@@ -86,8 +86,8 @@ impl Endpoint for OpenAccount {
 
     fn render(a: AccountRow) -> Result<AccountCreatedOut, ApiError> {
         Ok(AccountCreatedOut {
-            id: a.account_id,
-            balance: a.opening_balance,
+            id: a.account_id.0,
+            balance: a.opening_balance.0,
             created_at: a.created_at,
         })
     }
@@ -116,7 +116,7 @@ impl Endpoint for CreateDeposit {
         Ok(DepositOut {
             id: DepositId::from_uuid(d.deposit_id),
             account: d.account_id,
-            amount: d.amount,
+            amount: d.amount.0,
             balance: d.balance_after,
         })
     }

@@ -100,8 +100,8 @@ impl Endpoint for CreatePayment {
         Ok(PaymentOut {
             id: PaymentId::from_uuid(p.payment_id),
             account: p.account_id,
-            charged: p.amount,
-            balance: p.balance_after,
+            charged: p.amount.0,
+            balance: p.balance_after.0,
             status: PaymentStatus::Succeeded,
             created_at: p.created_at,
         })
@@ -129,7 +129,7 @@ impl Endpoint for RefundPayment {
         Ok(RefundOut {
             id: PaymentId::from_uuid(p.payment_id),
             status: PaymentStatus::Refunded,
-            refunded: p.amount,
+            refunded: p.amount.0,
             balance: p
                 .balance_after_refund
                 .ok_or_else(|| corrupt("a refunded payment without its balance"))?,
@@ -166,7 +166,7 @@ pub(super) async fn show(req: HttpRequest, state: web::Data<AppState>) -> Result
     Ok(HttpResponse::Ok().json(PaymentStateOut {
         id,
         account: p.account_id,
-        amount: p.amount,
+        amount: p.amount.0,
         status: if p.refunded_at.is_some() {
             PaymentStatus::Refunded
         } else {

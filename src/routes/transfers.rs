@@ -68,9 +68,9 @@ impl Endpoint for CreateTransfer {
             id: TransferId::from_uuid(t.transfer_id),
             from: t.from_account_id,
             to: t.to_account_id,
-            amount: t.amount,
-            from_balance: t.from_balance_after,
-            to_balance: t.to_balance_after,
+            amount: t.amount.0,
+            from_balance: t.from_balance_after.0,
+            to_balance: t.to_balance_after.0,
             created_at: t.created_at,
         })
     }
@@ -106,7 +106,7 @@ pub(super) async fn show(req: HttpRequest, state: web::Data<AppState>) -> Result
         id,
         from: t.from_account_id,
         to: t.to_account_id,
-        amount: t.amount,
+        amount: t.amount.0,
         created_at: t.created_at,
     }))
 }
