@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# `make sql-callgrind` (about 4 minutes): PostgreSQL's own instructions per new payment and per
+# replay, for the SQL of this tree against the SQL of another revision (SQL_CALLGRIND_BASE,
+# default 623b367: the V2 functions before the operation table). Counted by callgrind in one
+# single-user backend, so the figures repeat to a fraction of a percent on a noisy machine and
+# see nothing of the client, the network or other sessions: what the functions themselves cost.
+#
+# Each side gets a database on a throwaway cluster (fsync off, port SQL_CALLGRIND_PORT) with its
+# migrations, one tenant, 10,000 accounts and 20,000 payments made by its own oncepay_pay, then
+# ANALYZE (the steady state: plans as in production, not those of empty tables). Then, per side
+# and kind, `postgres --single` under callgrind runs N1 and N2 prepared calls (new keys, or
+# replays of the seeded keys): instructions per call = (Ir(N2) - Ir(N1)) / (N2 - N1), which
+# cancels start-up and the first plans. The cluster is removed at the end, also on failure.
+set -euo pipefail
+top="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$top"
+
+base="${SQL_CALLGRIND_BASE:-623b367}"
+port="${SQL_CALLGRIND_PORT:-55198}"
+n1="${SQL_CALLGRIND_N1:-100}"
+n2="${SQL_CALLGRIND_N2:-600}"
+work="/var/tmp/oncepay-sqlcg-$(printf '%s' "$top" | sha256sum | cut -c1-12)"
+bin="$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1)"
+[ -x "$bin/postgres" ] || { echo "sql-callgrind: PostgreSQL not found (make db-up installs it)" >&2; exit 1; }
+command -v valgrind >/dev/null || { echo "sql-callgrind: valgrind not installed (make callgrind installs it)" >&2; exit 1; }
+say() { echo "sql-callgrind: $(date +%T) $*" >&2; }
+as_pg() { if [ "$(id -u)" = 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi; }
+
+# A clean stop before measuring: after an immediate one, the first single-user run would
+# replay the WAL of the whole load.
+stop() { as_pg "$bin/pg_ctl" -D "$work/data" -m fast -w stop >/dev/null 2>&1 || true; }
+cleanup() { stop; rm -rf "$work"; }
+trap cleanup EXIT
+cleanup
+mkdir -p "$work"
+[ "$(id -u)" = 0 ] && chown postgres "$work"
+as_pg "$bin/initdb" -D "$work/data" -U oncepay --auth=trust >/dev/null
+printf "port = %s\nlisten_addresses = '127.0.0.1'\nunix_socket_directories = '%s'\nfsync = off\n" \
+  "$port" "$work/data" | as_pg tee -a "$work/data/postgresql.conf" >/dev/null
+as_pg "$bin/pg_ctl" -D "$work/data" -l "$work/log" -w start >/dev/null
+psql() { "$bin/psql" -X -q -v ON_ERROR_STOP=1 -h 127.0.0.1 -p "$port" -U oncepay "$@"; }
+
+tenant="'00000000-0000-0000-0000-000000000001'"
+# The call of each generation of oncepay_pay, as a format string over (key, fingerprint, account).
+call_of() { # db -> the call template
+  if [ "$(psql -d "$1" -tAc "SELECT pronargs FROM pg_proc WHERE proname = 'oncepay_pay'")" = 7 ]; then
+    echo "oncepay_pay($tenant, %s, false, %s, 86400, %s, 1)"
+  else
+    echo "oncepay_pay($tenant, ROW(%s, false, %s, 'pay', 'POST', '/payments', 86400, 5000, 201, '{\"insufficient_funds\": 402, \"account_not_found\": 404}')::oncepay_claim_args, %s, 1)"
+  fi
+}
+
+load() { # db, then the migration files of that side
+  local db="$1"
+  shift
+  psql -d postgres -c "CREATE DATABASE $db"
+  for f in "$@"; do psql -d "$db" -f "$f" >/dev/null; done
+  psql -d "$db" -c "INSERT INTO tenants (tenant_id, name, api_key_hash) VALUES ($tenant, 'bench', sha256('x'))" \
+    -c "INSERT INTO accounts (tenant_id, account_id, balance, opening_balance)
+        SELECT $tenant, i::text, 1000000000000, 1000000000000 FROM generate_series(0, 9999) i"
+  local call
+  # shellcheck disable=SC2059
+  call="$(printf "$(call_of "$db")" "'seed-' || i" "sha256(i::text::bytea)" "(i % 10000)::text")"
+  psql -d "$db" -c "SELECT count(*) FROM (SELECT $call FROM generate_series(1, 500) i) s" -c ANALYZE \
+    -c "SELECT count(*) FROM (SELECT $call FROM generate_series(501, 20000) i) s" -c "VACUUM ANALYZE" >/dev/null
+}
+
+say "loading the migrations of $base and of this tree"
+mkdir -p "$work/base"
+for f in $(git ls-tree --name-only "$base" migrations/ | sort -V); do git show "$base:$f" >"$work/base/$(basename "$f")"; done
+# shellcheck disable=SC2046
+load sqlcg_base $(ls "$work"/base/V*.sql | sort -V)
+# shellcheck disable=SC2046
+load sqlcg_tree $(ls migrations/V*.sql | sort -V)
+declare -A calls=([sqlcg_base]="$(call_of sqlcg_base)" [sqlcg_tree]="$(call_of sqlcg_tree)")
+stop
+
+script() { # db kind n -> a single-user input of n calls
+  python3 - "$1" "$2" "$3" "${calls[$1]}" <<'EOF'
+import hashlib, sys
+db, kind, n, call = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+# Prepared, as the service's statements are: the outer statement is planned once.
+print("PREPARE p(text, bytea, text) AS SELECT * FROM " + (call % ("$1", "$2", "$3")) + ";")
+for i in range(n):
+    if kind == "new":
+        key, fp, acct = f"'cg-{n}-{i}'", "'\\x" + "ab" * 32 + "'", f"'{i % 10000}'"
+    else:  # a replay of seed-j, with the fingerprint it was made with
+        j = 1 + i % 20000
+        key, fp, acct = f"'seed-{j}'", "'\\x" + hashlib.sha256(str(j).encode()).hexdigest() + "'", f"'{j % 10000}'"
+    print(f"EXECUTE p({key}, {fp}, {acct});")
+EOF
+}
+
+printf '%-28s %-8s %14s\n' "migrations" "call" "instructions"
+for kind in new replay; do
+  for db in sqlcg_base sqlcg_tree; do
+    ir=()
+    for n in "$n1" "$n2"; do
+      script "$db" "$kind" "$n" >"$work/in.sql"
+      as_pg valgrind --tool=callgrind --callgrind-out-file="$work/cg.$db.$kind.$n" \
+        "$bin/postgres" --single -D "$work/data" -c fsync=off "$db" <"$work/in.sql" >"$work/out" 2>"$work/err"
+      grep -q 'ERROR' "$work/out" "$work/err" && { echo "sql-callgrind: $db $kind failed:" >&2; grep -m3 ERROR "$work/out" "$work/err" >&2; exit 1; }
+      ir+=("$(awk '/^summary:/ {print $2}' "$work/cg.$db.$kind.$n")")
+    done
+    label="$([ "$db" = sqlcg_base ] && echo "$base" || echo "this tree ($(git rev-parse --short HEAD)+)")"
+    printf '%-28s %-8s %14d\n' "$label" "$kind" $(((ir[1] - ir[0]) / (n2 - n1)))
+  done
+done
