@@ -20,7 +20,7 @@ export SQLX_OFFLINE ?= true
 BIN := target/release/oncepay
 CARGO_TEST := $(shell cargo nextest --version >/dev/null 2>&1 && echo "cargo nextest run --workspace --no-fail-fast" || echo "cargo test --workspace --no-fail-fast")
 
-.PHONY: help run serve build db-up db-down migrate psql purge audit audit-bench test test-pgbouncer chaos check client-deps-check sqlx-check sqlx-prepare bench bench-quick bench-analyze callgrind sql-callgrind clean-db openapi schemathesis alerts-test ha
+.PHONY: help run serve build db-up db-down migrate psql purge audit audit-bench test test-pgbouncer chaos check client-deps-check sqlx-check sqlx-prepare bench bench-quick bench-analyze callgrind sql-callgrind bench-ab clean-db openapi schemathesis alerts-test ha
 
 help:
 	@echo "make run      local database if needed, migrate, demo tenant, serve on 127.0.0.1:8130"
@@ -34,6 +34,7 @@ help:
 	@echo "make bench | bench-quick   oncepay against pgbench and the yardstick, CPU per request, retry storm"
 	@echo "make bench-analyze   where PostgreSQL's CPU per payment goes (pg_stat_statements, auto_explain, perf)"
 	@echo "make callgrind       the server's instructions per new payment and per replay (valgrind)"
+	@echo "make bench-ab BASE_BIN=dir   this tree's server against another build, side by side in one run"
 	@echo "make sql-callgrind   PostgreSQL's instructions per new payment and replay, this SQL vs an older one"
 	@echo "make ha       Patroni cluster (3 PostgreSQL 15, etcd, HAProxy), 3 oncepay, 5 faults under load, books verified (root)"
 	@echo "make migrate | purge | psql | db-up | db-down | client-deps-check | bench | audit-bench | sqlx-prepare | sqlx-check | openapi | ha"
@@ -195,6 +196,11 @@ callgrind: db-up
 # callgrind (about 4 minutes; docs/bench/analysis.md).
 sql-callgrind: db-up
 	@scripts/sql-callgrind.sh
+
+# This tree's server against another build (BASE_BIN=dir holding its oncepay binary), one run,
+# rounds alternated: a change's before and after (scripts/bench-ab.sh).
+bench-ab: db-up
+	@scripts/bench-ab.sh
 
 # High availability (issue 11, docs/ha.md): etcd, three PostgreSQL 15 nodes under Patroni with
 # strict synchronous replication, HAProxy to the leader, three oncepay instances, in network

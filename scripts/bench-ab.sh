@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# `make bench-ab BASE_BIN=dir` (about 5 minutes): this tree's release server against another
+# build of oncepay (BASE_BIN/oncepay, e.g. a worktree of an older commit built with
+# `cargo build --release`), side by side in one run: one instance each, a database each on the
+# local cluster migrated by its own binary, the same load generator (this tree's), rounds
+# alternated so that the machine's drift falls on both sides alike. Scenarios: new payments
+# and replays (BENCH_AB_REPLAY_CACHE=0 turns this tree's replay cache off, for a comparison of
+# the database paths), c=32. Prints one line per step and the tree/base ratio per scenario.
+#
+# What `make bench` cannot do: it measures one build. A change's "before and after in one run"
+# is this script.
+set -euo pipefail
+top="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$top"
+
+base_bin="${BASE_BIN:?set BASE_BIN to the directory of the other build}"
+secs="${BENCH_AB_SECS:-10}"
+rounds="${BENCH_AB_ROUNDS:-3}"
+port="${BENCH_AB_PORT:-18310}"
+accounts=10000
+replay_keys=10000
+lg=target/release/oncepay-loadgen
+[ "${BENCH_NO_BUILD:-0}" = 1 ] || SQLX_OFFLINE=true cargo build --release --locked --features bench --quiet
+[ -x "$base_bin/oncepay" ] || { echo "bench-ab: $base_bin/oncepay not found" >&2; exit 1; }
+say() { echo "bench-ab: $(date +%T) $*" >&2; }
+
+scripts/db.sh up
+admin_url="$(scripts/db.sh url postgres)"
+pg_pid="$(head -n 1 "$(scripts/db.sh datadir)/postmaster.pid")"
+clk="$(getconf CLK_TCK)"
+out="target/bench-ab"
+mkdir -p "$out"
+: >"$out/results.jsonl"
+
+pids=()
+cleanup() {
+  local pid
+  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+  for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
+  psql -X -q "$admin_url" -c "DROP DATABASE IF EXISTS oncepay_ab_base WITH (FORCE)" \
+    -c "DROP DATABASE IF EXISTS oncepay_ab_tree WITH (FORCE)" >/dev/null 2>&1 || true
+}
+trap cleanup EXIT
+
+declare -A url key pid
+setup() { # side binary port [NAME=VALUE ...]
+  local side="$1" bin="$2" p="$3" db="oncepay_ab_$1" u tenant_json tenant
+  shift 3
+  u="$(scripts/db.sh url "$db")"
+  psql -X -q "$admin_url" -c "DROP DATABASE IF EXISTS $db WITH (FORCE)" -c "CREATE DATABASE $db" >/dev/null
+  DATABASE_URL="$u" "$bin" migrate 2>/dev/null
+  tenant_json="$(DATABASE_URL="$u" "$bin" tenant create --name bench --missing-key-policy fingerprint 2>/dev/null)"
+  tenant="$(sed -n 's/.*"tenant_id":"\([^"]*\)".*/\1/p' <<<"$tenant_json")"
+  key[$side]="$(sed -n 's/.*"api_key":"\([^"]*\)".*/\1/p' <<<"$tenant_json")"
+  psql -X -q -v ON_ERROR_STOP=1 "$u" -c "INSERT INTO accounts (tenant_id, account_id, balance, opening_balance)
+    SELECT '$tenant', g::text, 1000000000000, 1000000000000 FROM generate_series(0, $((accounts - 1))) g" >/dev/null
+  env DATABASE_URL="$u" RUST_LOG=warn ONCEPAY_BIND="127.0.0.1:$p" "$@" "$bin" serve 2>>"$out/server-$side.log" &
+  pid[$side]=$!
+  pids+=("$!")
+  url[$side]="http://127.0.0.1:$p"
+  for _ in $(seq 100); do curl -sf "${url[$side]}/readyz" >/dev/null && break; sleep 0.1; done
+  curl -sf "${url[$side]}/readyz" >/dev/null || { echo "bench-ab: the $side server did not start" >&2; exit 1; }
+  say "$side: $bin on ${url[$side]}; seeding $replay_keys keys"
+  "$lg" http --urls "${url[$side]}" --api-key "${key[$side]}" --scenario seed --concurrency 32 \
+    --duration-secs 300 --replay-keys "$replay_keys" >/dev/null
+  psql -X -q "$u" -c "VACUUM ANALYZE" >/dev/null
+}
+setup base "$base_bin/oncepay" "$port"
+setup tree target/release/oncepay "$((port + 1))" ONCEPAY_REPLAY_CACHE_ENTRIES="${BENCH_AB_REPLAY_CACHE:-100000}"
+
+printf '%-8s %-5s %-6s %10s %12s %12s %8s\n' scenario side round "req/s" "server µs" "postgres µs" errors
+for round in $(seq "$rounds"); do
+  for scenario in new replay; do
+    for side in base tree; do
+      "$lg" http --side "$side" --urls "${url[$side]}" --pids "${pid[$side]}" --api-key "${key[$side]}" \
+        --clock-ticks "$clk" --pg-pid "$pg_pid" --scenario "$scenario" --concurrency 32 --duration-secs "$secs" \
+        --round "$round" --accounts "$accounts" --replay-keys "$replay_keys" | tee -a "$out/results.jsonl" |
+        python3 -c '
+import json, sys
+r = json.load(sys.stdin)
+us = lambda v: "%.0f" % (v * 1e6) if v is not None else "-"
+print("%-8s %-5s %-6d %10.0f %12s %12s %8d" % (r["scenario"], r["side"], r["round"], r["throughput"],
+      us(r["cpu_secs_per_request"]), us(r["pg_cpu_secs_per_request"]), r["errors"]))'
+    done
+  done
+done
+python3 - "$out/results.jsonl" <<'EOF'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+for scenario in ("new", "replay"):
+    t = {s: statistics.median(r["throughput"] for r in rows if r["scenario"] == scenario and r["side"] == s)
+         for s in ("base", "tree")}
+    pg = {s: statistics.median(r["pg_cpu_secs_per_request"] for r in rows if r["scenario"] == scenario and r["side"] == s)
+          for s in ("base", "tree")}
+    print(f"{scenario}: tree/base throughput {t['tree'] / t['base']:.2f} (medians {t['tree']:.0f} / {t['base']:.0f} req/s), "
+          f"PostgreSQL CPU per request {pg['tree'] * 1e6:.0f} / {pg['base'] * 1e6:.0f} µs")
+EOF
