@@ -30,6 +30,7 @@ use actix_http::body::MessageBody;
 use actix_http::{HttpService, Request, Response};
 use actix_service::{fn_service, map_config, IntoServiceFactory, Service, ServiceFactory, ServiceFactoryExt};
 use actix_web::dev::{AppConfig, Server};
+use memchr::memmem;
 use oncepay_client::protocol::ProblemCode;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
@@ -220,26 +221,26 @@ struct DispatcherError {
 
 /// The first bodiless 400/408/431 head in `buf`, as the dispatcher writes it:
 /// `HTTP/1.x <status> <reason>\r\ncontent-length: 0\r\n...\r\n\r\n`.
+///
+/// Every response passes through here, so it allocates nothing and searches with `memmem`
+/// (callgrind: the first version, `windows().position()` and a `format!` per candidate,
+/// cost 10k instructions per request, a tenth of the server's work for a payment).
 fn find_dispatcher_error(buf: &[u8]) -> Option<DispatcherError> {
-    const START: &[u8] = b"HTTP/1.";
-    let mut from = 0;
-    while let Some(offset) = find(&buf[from..], START) {
-        let at = from + offset;
-        from = at + START.len();
+    for at in memmem::find_iter(buf, b"HTTP/1.") {
         let head = &buf[at..];
-        let Some(problem) = PROBLEMS
-            .iter()
-            .find(|p| head.get(9..13) == Some(format!("{} ", p.status).as_bytes()))
+        let Some(problem) = head
+            .get(9..13)
+            .and_then(|status| PROBLEMS.iter().find(|p| status == p.status_and_space()))
         else {
             continue;
         };
-        let Some(line_end) = find(head, b"\r\n") else {
+        let Some(line_end) = memmem::find(head, b"\r\n") else {
             continue;
         };
         if !head[line_end..].starts_with(b"\r\ncontent-length: 0\r\n") {
             continue;
         }
-        let end = find(head, b"\r\n\r\n")? + 4;
+        let end = memmem::find(head, b"\r\n\r\n")? + 4;
         return Some(DispatcherError {
             at,
             len: end,
@@ -249,8 +250,17 @@ fn find_dispatcher_error(buf: &[u8]) -> Option<DispatcherError> {
     None
 }
 
-fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
-    haystack.windows(needle.len()).position(|w| w == needle)
+impl Problem {
+    /// `"400 "`: the status as it follows `HTTP/1.x ` in a status line.
+    fn status_and_space(&self) -> [u8; 4] {
+        let s = self.status;
+        [
+            b'0' + (s / 100) as u8,
+            b'0' + (s / 10 % 10) as u8,
+            b'0' + (s % 10) as u8,
+            b' ',
+        ]
+    }
 }
 
 /// The answer replacing a dispatcher's error `head`: its status line and headers (the date),
