@@ -181,14 +181,18 @@ yardstick() { # script scenario round [-D name=value ...]
     --clock-ticks "$clk" --pg-pid "$pg_pid" "$@" >>"$results"
 }
 # The retry storm: fresh keys made by real payments over three instances, then every one of
-# them replayed storm_passes times by 32 clients, each on another instance than its maker.
-storm() { # round cache(on|off) urls pids
-  local round="$1" cache="$2" u="$3" p="$4" prefix="storm-$2-$1-"
+# them replayed storm_passes times by 32 clients, each on another instance than its maker
+# (or, with `affinity`, on its maker, as behind a balancer that hashes the Idempotency-Key).
+storm() { # round cache(on|off) urls pids [affinity]
+  local round="$1" cache="$2" u="$3" p="$4" affinity="${5:-}" prefix="storm-$2$5-$1-"
+  local side="oncepay x3 cache $cache" flags=()
+  [ -n "$affinity" ] && { side="$side, key affinity"; flags=(--affinity); }
   "$lg" http --urls "$u" --api-key "$api_key" --scenario storm-seed --concurrency 32 --duration-secs 300 \
     --replay-keys "$replay_keys" --accounts "$accounts" --key-prefix "$prefix" >/dev/null
-  "$lg" http --side "oncepay x3 cache $cache" --urls "$u" --pids "$p" --api-key "$api_key" --clock-ticks "$clk" \
+  "$lg" http --side "$side" --urls "$u" --pids "$p" --api-key "$api_key" --clock-ticks "$clk" \
     --pg-pid "$pg_pid" --scenario storm --concurrency 32 --duration-secs 300 --round "$round" \
-    --replay-keys "$replay_keys" --accounts "$accounts" --passes "$storm_passes" --key-prefix "$prefix" >>"$results"
+    --replay-keys "$replay_keys" --accounts "$accounts" --passes "$storm_passes" --key-prefix "$prefix" \
+    "${flags[@]}" >>"$results"
 }
 
 say "seeding $replay_keys keys for the replay scenarios"
@@ -223,6 +227,7 @@ for round in $(seq "$rounds"); do
   http one-key 50 0 "$round" "oncepay x3" "$three" "$all_pids"
   say "round $round: retry storm, $replay_keys keys x $storm_passes, cache on, then off"
   storm "$round" on "$three" "$three_pids"
+  storm "$round" on "$three" "$three_pids" affinity
   storm "$round" off "$three_off" "$three_off_pids"
 done
 

@@ -374,7 +374,8 @@ fn storm_table(w: &mut String, groups: &Groups) {
          then 32 clients replay every one of them several times as fast as they can, each key on another \
          instance than the one that made it (as retries after a brownout land wherever the balancer sends \
          them). Once with the replay cache at its default size, once with `ONCEPAY_REPLAY_CACHE_ENTRIES=0`, \
-         each on fresh keys and its own three instances. Cache hits and misses are the instances' \
+         each on fresh keys and its own three instances; and once with the cache on and every key replayed \
+         on the instance that made it (`key affinity`: a balancer hashing the `Idempotency-Key` header). Cache hits and misses are the instances' \
          `/metrics` (`-` where the server does not export them).\n"
     );
     let _ = writeln!(

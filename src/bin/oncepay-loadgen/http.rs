@@ -48,6 +48,10 @@ pub struct Args {
     /// replays keys no earlier step has touched.
     #[arg(long, default_value = "")]
     key_prefix: String,
+    /// Storm: replay each key on the instance that made it, as a balancer that hashes the
+    /// `Idempotency-Key` header sends every retry of a key to one instance.
+    #[arg(long)]
+    affinity: bool,
 }
 
 impl Args {
@@ -89,12 +93,16 @@ fn request(scenario: &str, worker: u64, seq: u64, args: &Args) -> anyhow::Result
             instance: Some((storm_key % n) as usize),
         },
         // ... and replayed on another instance in every pass, as retries after a brownout
-        // land wherever the balancer sends them.
+        // land wherever the balancer sends them; or, with `--affinity`, on its maker.
         "storm" => Request {
             key: Some(format!("{}{}", args.key_prefix, REPLAY_KEY_BASE + storm_key)),
             body: storm_body,
             replayed: Some(true),
-            instance: Some(((storm_key + 1 + index / args.replay_keys.max(1)) % n) as usize),
+            instance: Some(if args.affinity {
+                (storm_key % n) as usize
+            } else {
+                ((storm_key + 1 + index / args.replay_keys.max(1)) % n) as usize
+            }),
         },
         "new" => Request {
             key: Some(uuid::Uuid::new_v4().to_string()),
