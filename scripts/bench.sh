@@ -184,7 +184,7 @@ yardstick() { # script scenario round [-D name=value ...]
 # them replayed storm_passes times by 32 clients, each on another instance than its maker
 # (or, with `affinity`, on its maker, as behind a balancer that hashes the Idempotency-Key).
 storm() { # round cache(on|off) urls pids [affinity]
-  local round="$1" cache="$2" u="$3" p="$4" affinity="${5:-}" prefix="storm-$2$5-$1-"
+  local round="$1" cache="$2" u="$3" p="$4" affinity="${5:-}" prefix="storm-$2${5:-}-$1-"
   local side="oncepay x3 cache $cache" flags=()
   [ -n "$affinity" ] && { side="$side, key affinity"; flags=(--affinity); }
   "$lg" http --urls "$u" --api-key "$api_key" --scenario storm-seed --concurrency 32 --duration-secs 300 \
