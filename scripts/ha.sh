@@ -43,7 +43,7 @@ driver="${ONCEPAY_HA_DRIVER:-$top/target/release/oncepay-ha}"
 pg_bin="$(ls -d /usr/lib/postgresql/15/bin 2>/dev/null || true)"
 scope="oncepay-ha"
 
-log() { echo "ha: $*" >&2; }
+log() { echo "ha: $(date -u +%H:%M:%S.%3N) $*" >&2; }
 die() { log "$*"; exit 1; }
 in_hub() { ip netns exec "$ns_hub" "$@"; }
 in_node() { local n="$1"; shift; ip netns exec "$(ns_node "$n")" "$@"; }
@@ -171,6 +171,13 @@ bootstrap:
     loop_wait: 1
     retry_timeout: 3
     primary_start_timeout: 10
+    # A demotion (the leader cut off from etcd, a switchover) may wait at most 1 s for
+    # PostgreSQL's fast shutdown before Patroni shuts it down immediately (then SIGKILL after
+    # another second): Patroni 3.1.2 starts a second, concurrent demotion from its main loop
+    # when the first one still runs at the next loop (both start PostgreSQL, pg_rewind fails,
+    # the node never rejoins; docs/ha.md). Safe for durability: a commit is acknowledged only
+    # once both standbys have it, whatever happens to the old primary afterwards.
+    primary_stop_timeout: 1
     # A commit is acknowledged only once the synchronous standbys have it, and with no
     # synchronous standby the primary blocks commits instead of going asynchronous. Both
     # standbys are synchronous: a failover then promotes the more advanced of them, so the
@@ -198,6 +205,11 @@ bootstrap:
         # would start a second, concurrent demotion; standbys notice a silent primary as fast.
         wal_sender_timeout: 2s
         wal_receiver_timeout: 2s
+        # A standby retries streaming 4 times a second instead of every 5 s: after a
+        # promotion its first attempt fails (the new primary creates the standby's slot at its
+        # next loop), and it waits again at the end of the old timeline; at 5 s each, that was
+        # 5 to 10 s of commits blocked in strict mode after every failover (docs/ha.md).
+        wal_retrieve_retry_interval: 250ms
         shared_buffers: 128MB
         fsync: "on"
         full_page_writes: "on"
@@ -246,7 +258,7 @@ write_haproxy_config() {
     cat <<CFG
 global
     maxconn 2000
-    log stderr format short local0 warning
+    log stderr format iso local0 warning
 defaults
     mode tcp
     log global
@@ -466,6 +478,27 @@ fault() {
   esac
 }
 
+# The last resort of recover, done as an operator (or a supervisor) would, and recorded: a node
+# that Patroni has not brought back as a streaming standby within HA_REJOIN_SECS is stopped
+# (Patroni, then its postmaster), its data folder removed, and its Patroni started again, which
+# clones it from the leader. Each such rebuild is a line in operator-actions, which oncepay-ha
+# prints and counts as a failure: it is Patroni failing to rejoin a node on its own.
+rebuild_stuck_nodes() {
+  local line n m
+  line="$(status)"
+  for n in "${nodes[@]}"; do
+    m="$(tr ' ,' '\n\n' <<<"$line" | sed 's/^members=//' | grep "^n$n:" || true)"
+    [[ "$m" == *":leader:running" || "$m" == *":streaming" ]] && continue
+    log "operator: n$n is not a streaming standby (${m:-no member key}) after ${HA_REJOIN_SECS:-60} s: rebuilding it"
+    echo "$(date -u +%FT%T) rebuilt n$n (${m:-no member key}) during recover $1" >>"$dir/operator-actions"
+    cp "$dir/logs/patroni-n$n.log" "$dir/logs/patroni-n$n.before-rebuild.log" 2>/dev/null || true
+    stop "patroni-n$n"
+    stop_postmaster "$n"
+    rm -rf "$dir/n$n/data"
+    start "patroni-n$n" "$(ns_node "$n")" postgres "$venv/bin/patroni" "$dir/n$n/patroni.yml"
+  done
+}
+
 recover() {
   local what="$1" old n
   old="$(cat "$dir/fault.leader" 2>/dev/null || true)"
@@ -491,6 +524,8 @@ recover() {
       ;;
     *) die "unknown fault $what" ;;
   esac
+  wait_healthy "${HA_REJOIN_SECS:-60}" && return 0
+  rebuild_stuck_nodes "$what"
   wait_healthy 120
 }
 
@@ -541,10 +576,12 @@ run() {
   api_key="$(jq -r .api_key "$dir/tenant.json")"
   tenant="$(jq -r .tenant_id "$dir/tenant.json")"
   # The driver runs in the hub namespace, where the instances and HAProxy are.
+  # Its output is also kept in the log folder (driver.out, driver.err), beside Patroni's.
   in_hub env DATABASE_URL="$(cat "$dir/database_url")" ONCEPAY_API_KEY="$api_key" ONCEPAY_TENANT_ID="$tenant" \
     ONCEPAY_BIN="$bin" ONCEPAY_HA_SCRIPT="$0" ONCEPAY_HA_DIR="$dir" ONCEPAY_HA_ELAPSED_SECS="$((SECONDS - started))" \
+    HA_MAX_UNAVAILABLE_S="${HA_MAX_UNAVAILABLE_S:-}" \
     ONCEPAY_URLS="$(printf 'http://127.0.0.1:%s,' "${app_ports[@]}" | sed 's/,$//')" \
-    timeout "${ONCEPAY_HA_TIMEOUT_SECS:-900}" "$driver"
+    timeout "${ONCEPAY_HA_TIMEOUT_SECS:-900}" "$driver" > >(tee "$dir/logs/driver.out") 2> >(tee "$dir/logs/driver.err" >&2)
 }
 
 case "${1:-}" in
