@@ -258,7 +258,7 @@ write_haproxy_config() {
     cat <<CFG
 global
     maxconn 2000
-    log stderr format iso local0 warning
+    log stderr format iso local0 notice
 defaults
     mode tcp
     log global
@@ -277,7 +277,7 @@ listen primary
     http-check send meth GET uri /primary
     http-check expect status 200
     http-check expect rstring "\"role\": \"(primary|master)\""
-    default-server inter 500ms fastinter 250ms downinter 500ms fall 2 rise 1 on-marked-down shutdown-sessions
+    default-server inter 500ms fastinter 250ms downinter 250ms fall 2 rise 1 on-marked-down shutdown-sessions
 CFG
     for n in "${nodes[@]}"; do
       echo "    server n$n $(node_addr "$n"):$pg_port check port $rest_port"
