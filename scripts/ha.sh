@@ -59,6 +59,7 @@ ensure_packages() {
   [ -x /usr/lib/postgresql/15/bin/postgres ] || missing+=(postgresql-15)
   command -v curl >/dev/null 2>&1 || missing+=(curl)
   command -v jq >/dev/null 2>&1 || missing+=(jq)
+  command -v ip >/dev/null 2>&1 || missing+=(iproute2)
   command -v psql >/dev/null 2>&1 || missing+=(postgresql-client-15)
   /usr/bin/python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || missing+=(python3-venv)
   if [ "${#missing[@]}" -gt 0 ]; then
