@@ -443,10 +443,22 @@ down() {
 
 # ---------------------------------------------------------------- faults
 
+# wait_field NAME [SECS]: the status field NAME once it is not empty (the cluster's view can
+# lack its leader for a moment: a leader whose loop stalled past ttl re-takes its key).
+wait_field() {
+  local v i
+  for i in $(seq 1 $((2 * ${2:-30}))); do
+    v="$(field "$1")"
+    [ -n "$v" ] && { echo "$v"; return 0; }
+    sleep 0.5
+  done
+  return 0
+}
+
 fault() {
   local what="$1" leader n sync pid
-  leader="$(field leader)"
-  [ -n "$leader" ] || die "no leader to inject $what into: $(status)"
+  leader="$(wait_field leader)"
+  [ -n "$leader" ] || die "no leader to inject $what into after 30 s: $(status)"
   n="$(node_of "$leader")"
   echo "$leader" >"$dir/fault.leader"
   case "$what" in
@@ -457,7 +469,7 @@ fault() {
       log "kill -9 of $leader's postmaster (pid $pid)"
       ;;
     switchover)
-      sync="$(field sync | cut -d, -f1)"
+      sync="$(wait_field sync | cut -d, -f1)"
       [ -n "$sync" ] || die "no synchronous standby to switch over to"
       in_hub timeout 60 "$venv/bin/patronictl" -c "$dir/n1/patroni.yml" switchover --leader "$leader" --candidate "$sync" --force >&2
       log "switchover $leader -> $sync"
@@ -472,7 +484,7 @@ fault() {
       log "kill -9 of $leader's Patroni and postmaster (pid ${pid:-none})"
       ;;
     stop-standby)
-      sync="$(field sync | cut -d, -f1)"
+      sync="$(wait_field sync | cut -d, -f1)"
       [ -n "$sync" ] || die "no synchronous standby to stop"
       echo "$sync" >"$dir/fault.standby"
       stop "patroni-$sync" # Patroni stops its PostgreSQL on SIGTERM
