@@ -174,10 +174,11 @@ bootstrap:
     primary_start_timeout: 10
     # A demotion (the leader cut off from etcd, a switchover) may wait at most 1 s for
     # PostgreSQL's fast shutdown before Patroni shuts it down immediately (then SIGKILL after
-    # another second): Patroni 3.1.2 starts a second, concurrent demotion from its main loop
-    # when the first one still runs at the next loop (both start PostgreSQL, pg_rewind fails,
-    # the node never rejoins; docs/ha.md). Safe for durability: a commit is acknowledged only
-    # once both standbys have it, whatever happens to the old primary afterwards.
+    # another second): Patroni 3.1.2 starts a second demotion from its main loop when the
+    # first one is still pending or running at the next loop; overlapping, both start
+    # PostgreSQL, pg_rewind fails and the node never rejoins (docs/ha.md). Safe for
+    # durability: a commit is acknowledged only once both standbys have it, whatever happens
+    # to the old primary afterwards.
     primary_stop_timeout: 1
     # A commit is acknowledged only once the synchronous standbys have it, and with no
     # synchronous standby the primary blocks commits instead of going asynchronous. Both
@@ -505,7 +506,9 @@ rebuild_stuck_nodes() {
   line="$(status)"
   for n in "${nodes[@]}"; do
     m="$(tr ' ,' '\n\n' <<<"$line" | sed 's/^members=//' | grep "^n$n:" || true)"
-    [[ "$m" == *":leader:running" || "$m" == *":streaming" ]] && continue
+    # Never the node that holds the leader key, whatever its state: its data folder is the
+    # primary's. Only standbys (or nodes with no member key) are rebuilt.
+    [[ "$m" == *":leader:"* || "$m" == *":streaming" ]] && continue
     log "operator: n$n is not a streaming standby (${m:-no member key}) after ${HA_REJOIN_SECS:-60} s: rebuilding it"
     echo "$(date -u +%FT%T) rebuilt n$n (${m:-no member key}) during recover $1" >>"$dir/operator-actions"
     cp "$dir/logs/patroni-n$n.log" "$dir/logs/patroni-n$n.before-rebuild.log" 2>/dev/null || true
