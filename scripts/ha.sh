@@ -43,7 +43,7 @@ driver="${ONCEPAY_HA_DRIVER:-$top/target/release/oncepay-ha}"
 pg_bin="$(ls -d /usr/lib/postgresql/15/bin 2>/dev/null || true)"
 scope="oncepay-ha"
 
-log() { echo "ha: $*" >&2; }
+log() { echo "ha: $(date -u +%H:%M:%S.%3N) $*" >&2; }
 die() { log "$*"; exit 1; }
 in_hub() { ip netns exec "$ns_hub" "$@"; }
 in_node() { local n="$1"; shift; ip netns exec "$(ns_node "$n")" "$@"; }
@@ -59,6 +59,7 @@ ensure_packages() {
   [ -x /usr/lib/postgresql/15/bin/postgres ] || missing+=(postgresql-15)
   command -v curl >/dev/null 2>&1 || missing+=(curl)
   command -v jq >/dev/null 2>&1 || missing+=(jq)
+  command -v ip >/dev/null 2>&1 || missing+=(iproute2)
   command -v psql >/dev/null 2>&1 || missing+=(postgresql-client-15)
   /usr/bin/python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || missing+=(python3-venv)
   if [ "${#missing[@]}" -gt 0 ]; then
@@ -171,6 +172,14 @@ bootstrap:
     loop_wait: 1
     retry_timeout: 3
     primary_start_timeout: 10
+    # A demotion (the leader cut off from etcd, a switchover) may wait at most 1 s for
+    # PostgreSQL's fast shutdown before Patroni shuts it down immediately (then SIGKILL after
+    # another second): Patroni 3.1.2 starts a second demotion from its main loop when the
+    # first one is still pending or running at the next loop; overlapping, both start
+    # PostgreSQL, pg_rewind fails and the node never rejoins (docs/ha.md). Safe for
+    # durability: a commit is acknowledged only once both standbys have it, whatever happens
+    # to the old primary afterwards.
+    primary_stop_timeout: 1
     # A commit is acknowledged only once the synchronous standbys have it, and with no
     # synchronous standby the primary blocks commits instead of going asynchronous. Both
     # standbys are synchronous: a failover then promotes the more advanced of them, so the
@@ -198,6 +207,11 @@ bootstrap:
         # would start a second, concurrent demotion; standbys notice a silent primary as fast.
         wal_sender_timeout: 2s
         wal_receiver_timeout: 2s
+        # A standby retries streaming 4 times a second instead of every 5 s: after a
+        # promotion its first attempt fails (the new primary creates the standby's slot at its
+        # next loop), and it waits again at the end of the old timeline; at 5 s each, that was
+        # 5 to 10 s of commits blocked in strict mode after every failover (docs/ha.md).
+        wal_retrieve_retry_interval: 250ms
         shared_buffers: 128MB
         fsync: "on"
         full_page_writes: "on"
@@ -212,6 +226,10 @@ postgresql:
   pgpass: $dir/n$n/pgpass
   remove_data_directory_on_rewind_failure: true
   remove_data_directory_on_diverged_timelines: true
+  # A clone (a new node, or one whose data folder was removed) asks the leader for an
+  # immediate checkpoint: with the default spread one, it waited 98 s under load.
+  basebackup:
+    - checkpoint: fast
   authentication:
     superuser:
       username: postgres
@@ -246,7 +264,7 @@ write_haproxy_config() {
     cat <<CFG
 global
     maxconn 2000
-    log stderr format short local0 warning
+    log stderr format iso local0 notice
 defaults
     mode tcp
     log global
@@ -265,7 +283,7 @@ listen primary
     http-check send meth GET uri /primary
     http-check expect status 200
     http-check expect rstring "\"role\": \"(primary|master)\""
-    default-server inter 500ms fastinter 250ms downinter 500ms fall 2 rise 1 on-marked-down shutdown-sessions
+    default-server inter 500ms fastinter 250ms downinter 250ms fall 2 rise 1 on-marked-down shutdown-sessions
 CFG
     for n in "${nodes[@]}"; do
       echo "    server n$n $(node_addr "$n"):$pg_port check port $rest_port"
@@ -426,10 +444,22 @@ down() {
 
 # ---------------------------------------------------------------- faults
 
+# wait_field NAME [SECS]: the status field NAME once it is not empty (the cluster's view can
+# lack its leader for a moment: a leader whose loop stalled past ttl re-takes its key).
+wait_field() {
+  local v i
+  for i in $(seq 1 $((2 * ${2:-30}))); do
+    v="$(field "$1")"
+    [ -n "$v" ] && { echo "$v"; return 0; }
+    sleep 0.5
+  done
+  return 0
+}
+
 fault() {
   local what="$1" leader n sync pid
-  leader="$(field leader)"
-  [ -n "$leader" ] || die "no leader to inject $what into: $(status)"
+  leader="$(wait_field leader)"
+  [ -n "$leader" ] || die "no leader to inject $what into after 30 s: $(status)"
   n="$(node_of "$leader")"
   echo "$leader" >"$dir/fault.leader"
   case "$what" in
@@ -440,7 +470,7 @@ fault() {
       log "kill -9 of $leader's postmaster (pid $pid)"
       ;;
     switchover)
-      sync="$(field sync | cut -d, -f1)"
+      sync="$(wait_field sync | cut -d, -f1)"
       [ -n "$sync" ] || die "no synchronous standby to switch over to"
       in_hub timeout 60 "$venv/bin/patronictl" -c "$dir/n1/patroni.yml" switchover --leader "$leader" --candidate "$sync" --force >&2
       log "switchover $leader -> $sync"
@@ -455,7 +485,7 @@ fault() {
       log "kill -9 of $leader's Patroni and postmaster (pid ${pid:-none})"
       ;;
     stop-standby)
-      sync="$(field sync | cut -d, -f1)"
+      sync="$(wait_field sync | cut -d, -f1)"
       [ -n "$sync" ] || die "no synchronous standby to stop"
       echo "$sync" >"$dir/fault.standby"
       stop "patroni-$sync" # Patroni stops its PostgreSQL on SIGTERM
@@ -464,6 +494,29 @@ fault() {
       ;;
     *) die "unknown fault $what" ;;
   esac
+}
+
+# The last resort of recover, done as an operator (or a supervisor) would, and recorded: a node
+# that Patroni has not brought back as a streaming standby within HA_REJOIN_SECS is stopped
+# (Patroni, then its postmaster), its data folder removed, and its Patroni started again, which
+# clones it from the leader. Each such rebuild is a line in operator-actions, which oncepay-ha
+# prints and counts as a failure: it is Patroni failing to rejoin a node on its own.
+rebuild_stuck_nodes() {
+  local line n m
+  line="$(status)"
+  for n in "${nodes[@]}"; do
+    m="$(tr ' ,' '\n\n' <<<"$line" | sed 's/^members=//' | grep "^n$n:" || true)"
+    # Never the node that holds the leader key, whatever its state: its data folder is the
+    # primary's. Only standbys (or nodes with no member key) are rebuilt.
+    [[ "$m" == *":leader:"* || "$m" == *":streaming" ]] && continue
+    log "operator: n$n is not a streaming standby (${m:-no member key}) after ${HA_REJOIN_SECS:-60} s: rebuilding it"
+    echo "$(date -u +%FT%T) rebuilt n$n (${m:-no member key}) during recover $1" >>"$dir/operator-actions"
+    cp "$dir/logs/patroni-n$n.log" "$dir/logs/patroni-n$n.before-rebuild.log" 2>/dev/null || true
+    stop "patroni-n$n"
+    stop_postmaster "$n"
+    rm -rf "$dir/n$n/data"
+    start "patroni-n$n" "$(ns_node "$n")" postgres "$venv/bin/patroni" "$dir/n$n/patroni.yml"
+  done
 }
 
 recover() {
@@ -491,6 +544,8 @@ recover() {
       ;;
     *) die "unknown fault $what" ;;
   esac
+  wait_healthy "${HA_REJOIN_SECS:-60}" && return 0
+  rebuild_stuck_nodes "$what"
   wait_healthy 120
 }
 
@@ -541,10 +596,12 @@ run() {
   api_key="$(jq -r .api_key "$dir/tenant.json")"
   tenant="$(jq -r .tenant_id "$dir/tenant.json")"
   # The driver runs in the hub namespace, where the instances and HAProxy are.
+  # Its output is also kept in the log folder (driver.out, driver.err), beside Patroni's.
   in_hub env DATABASE_URL="$(cat "$dir/database_url")" ONCEPAY_API_KEY="$api_key" ONCEPAY_TENANT_ID="$tenant" \
     ONCEPAY_BIN="$bin" ONCEPAY_HA_SCRIPT="$0" ONCEPAY_HA_DIR="$dir" ONCEPAY_HA_ELAPSED_SECS="$((SECONDS - started))" \
+    HA_MAX_UNAVAILABLE_S="${HA_MAX_UNAVAILABLE_S:-}" \
     ONCEPAY_URLS="$(printf 'http://127.0.0.1:%s,' "${app_ports[@]}" | sed 's/,$//')" \
-    timeout "${ONCEPAY_HA_TIMEOUT_SECS:-900}" "$driver"
+    timeout "${ONCEPAY_HA_TIMEOUT_SECS:-900}" "$driver" > >(tee "$dir/logs/driver.out") 2> >(tee "$dir/logs/driver.err" >&2)
 }
 
 case "${1:-}" in

@@ -39,12 +39,14 @@ const FAULTS: [&str; 5] = [
 
 /// Concurrent clients.
 const CLIENTS: usize = 32;
-/// The target of issue 11 for the time without any acknowledged payment after a fault.
+/// The target of issue 11 for the time without any acknowledged payment after a fault;
+/// `HA_MAX_UNAVAILABLE_S` overrides it (docs/ha.md says when that is reasonable).
 const MAX_UNAVAILABLE_SECS: f64 = 15.0;
 /// Load before the first fault and after each recovery.
 const STEADY: Duration = Duration::from_secs(6);
-/// Upper bound of one `scripts/ha.sh` call (a recovery waits at most 90 + 120 s itself).
-const SCRIPT_TIMEOUT: Duration = Duration::from_secs(240);
+/// Upper bound of one `scripts/ha.sh` call (a recovery waits at most 90 + 60 + 120 s itself,
+/// plus the rebuild of a node Patroni did not rejoin).
+const SCRIPT_TIMEOUT: Duration = Duration::from_secs(360);
 
 struct Settings {
     urls: Vec<String>,
@@ -53,6 +55,11 @@ struct Settings {
     database_url: String,
     bin: String,
     script: String,
+    /// scripts/ha.sh's folder, where `operator-actions` lists the nodes it had to rebuild.
+    dir: String,
+    max_unavailable: f64,
+    /// Whether `HA_MAX_UNAVAILABLE_S` replaced the target.
+    max_unavailable_overridden: bool,
 }
 
 fn env(name: &str) -> anyhow::Result<String> {
@@ -68,6 +75,12 @@ impl Settings {
             database_url: env("DATABASE_URL")?,
             bin: env("ONCEPAY_BIN")?,
             script: env("ONCEPAY_HA_SCRIPT")?,
+            dir: env("ONCEPAY_HA_DIR")?,
+            max_unavailable: match std::env::var("HA_MAX_UNAVAILABLE_S") {
+                Ok(v) if !v.is_empty() => v.parse().context("HA_MAX_UNAVAILABLE_S")?,
+                _ => MAX_UNAVAILABLE_SECS,
+            },
+            max_unavailable_overridden: std::env::var("HA_MAX_UNAVAILABLE_S").is_ok_and(|v| !v.is_empty()),
         })
     }
 }
@@ -183,6 +196,26 @@ async fn run() -> anyhow::Result<bool> {
         "wall time: {setup} s to start the cluster and run the sync-wait check, {:.0} s of load, faults and verification",
         started.elapsed().as_secs_f64()
     );
+    // What scripts/ha.sh had to do by hand because Patroni did not (a node rebuilt): shown and
+    // counted as a failure, never hidden.
+    let operator_actions: Vec<String> = std::fs::read_to_string(format!("{}/operator-actions", settings.dir))
+        .unwrap_or_default()
+        .lines()
+        .map(str::to_owned)
+        .collect();
+    println!(
+        "operator actions (nodes Patroni did not rejoin, rebuilt by the harness): {} {operator_actions:?}",
+        operator_actions.len()
+    );
+    println!(
+        "target: max_unavailable_s <= {:.1}{}",
+        settings.max_unavailable,
+        if settings.max_unavailable_overridden {
+            " (HA_MAX_UNAVAILABLE_S)"
+        } else {
+            ""
+        }
+    );
     let ok = books.lost == 0
         && books.charged_twice == 0
         && five_hundreds == 0
@@ -190,7 +223,8 @@ async fn run() -> anyhow::Result<bool> {
         && summary.rejected == 0
         && audit_clean
         && reports.len() == FAULTS.len()
-        && max_unavailable <= MAX_UNAVAILABLE_SECS;
+        && operator_actions.is_empty()
+        && max_unavailable <= settings.max_unavailable;
     println!(
         "ha: operations={} acknowledged={} lost={} charged_twice={} failovers={} max_unavailable_s={:.1}",
         summary.operations, summary.acknowledged, books.lost, books.charged_twice, failovers, max_unavailable
