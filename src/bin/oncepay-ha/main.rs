@@ -57,9 +57,8 @@ struct Settings {
     script: String,
     /// scripts/ha.sh's folder, where `operator-actions` lists the nodes it had to rebuild.
     dir: String,
-    max_unavailable: f64,
-    /// Whether `HA_MAX_UNAVAILABLE_S` replaced the target.
-    max_unavailable_overridden: bool,
+    /// `HA_MAX_UNAVAILABLE_S`, when set: replaces [`MAX_UNAVAILABLE_SECS`].
+    max_unavailable_override: Option<f64>,
 }
 
 fn env(name: &str) -> anyhow::Result<String> {
@@ -76,12 +75,15 @@ impl Settings {
             bin: env("ONCEPAY_BIN")?,
             script: env("ONCEPAY_HA_SCRIPT")?,
             dir: env("ONCEPAY_HA_DIR")?,
-            max_unavailable: match std::env::var("HA_MAX_UNAVAILABLE_S") {
-                Ok(v) if !v.is_empty() => v.parse().context("HA_MAX_UNAVAILABLE_S")?,
-                _ => MAX_UNAVAILABLE_SECS,
+            max_unavailable_override: match std::env::var("HA_MAX_UNAVAILABLE_S") {
+                Ok(v) if !v.is_empty() => Some(v.parse().context("HA_MAX_UNAVAILABLE_S")?),
+                _ => None,
             },
-            max_unavailable_overridden: std::env::var("HA_MAX_UNAVAILABLE_S").is_ok_and(|v| !v.is_empty()),
         })
+    }
+
+    fn max_unavailable(&self) -> f64 {
+        self.max_unavailable_override.unwrap_or(MAX_UNAVAILABLE_SECS)
     }
 }
 
@@ -209,8 +211,8 @@ async fn run() -> anyhow::Result<bool> {
     );
     println!(
         "target: max_unavailable_s <= {:.1}{}",
-        settings.max_unavailable,
-        if settings.max_unavailable_overridden {
+        settings.max_unavailable(),
+        if settings.max_unavailable_override.is_some() {
             " (HA_MAX_UNAVAILABLE_S)"
         } else {
             ""
@@ -224,7 +226,7 @@ async fn run() -> anyhow::Result<bool> {
         && audit_clean
         && reports.len() == FAULTS.len()
         && operator_actions.is_empty()
-        && max_unavailable <= settings.max_unavailable;
+        && max_unavailable <= settings.max_unavailable();
     println!(
         "ha: operations={} acknowledged={} lost={} charged_twice={} failovers={} max_unavailable_s={:.1}",
         summary.operations, summary.acknowledged, books.lost, books.charged_twice, failovers, max_unavailable
