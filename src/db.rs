@@ -3,11 +3,12 @@
 
 use std::str::FromStr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context;
-use sqlx::pool::PoolConnection;
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{Executor, PgConnection, PgPool, Postgres};
+use deadpool::managed::{Manager, Metrics, Object, PoolError, RecycleResult, TimeoutType};
+use sqlx::postgres::PgConnectOptions;
+use sqlx::{Connection, Executor, PgConnection};
 
 use crate::config::{Pooler, Settings};
 
@@ -24,7 +25,7 @@ const MIGRATION_LOCK: i64 = 0x006f_6e63_6570_6179;
 /// How long a transaction may sit idle (a stalled process must not hold row locks).
 const IDLE_IN_TRANSACTION: &str = "60s";
 
-/// Builds the pool for `settings.db_pooler`.
+/// The connection options for `settings.db_pooler`.
 ///
 /// `none`: connections carry their statement timeout from the start-up packet, so no
 /// request pays a round trip for a `SET`, and sqlx keeps each statement prepared (named)
@@ -34,14 +35,11 @@ const IDLE_IN_TRANSACTION: &str = "60s";
 /// transaction to any server connection, so the start-up packet carries nothing but the
 /// application name, and no statement is cached: the settings travel in each call's
 /// `BEGIN` instead (see [`Conn::run`]).
-///
-/// Either way there is no ping on acquire (a broken connection is closed when its error
-/// surfaces).
-pub fn pool(settings: &Settings) -> anyhow::Result<PgPool> {
+fn connect_options(settings: &Settings) -> anyhow::Result<PgConnectOptions> {
     let options = PgConnectOptions::from_str(&settings.database_url)
         .context("DATABASE_URL is not a valid PostgreSQL URL")?
         .application_name(APPLICATION_NAME);
-    let options = match settings.db_pooler {
+    Ok(match settings.db_pooler {
         Pooler::None => options.options([
             (
                 "statement_timeout",
@@ -52,20 +50,72 @@ pub fn pool(settings: &Settings) -> anyhow::Result<PgPool> {
         // PgBouncer 1.18 also refuses `extra_float_digits` unless told to ignore it; sqlx
         // reads floats in binary, so the server's default does as well.
         Pooler::Transaction => options.statement_cache_capacity(0).extra_float_digits(None),
-    };
-    Ok(PgPoolOptions::new()
-        .max_connections(settings.db_pool_size)
-        .min_connections(0)
-        .acquire_timeout(settings.db_acquire_timeout)
-        .test_before_acquire(false)
-        .connect_lazy_with(options))
+    })
+}
+
+/// A connection that sat unused this long is pinged before it is handed out: it may have
+/// been cut while idle (a failover, a pooler restart). One used more recently answered its
+/// last call, so it is handed out as it is.
+const IDLE_BEFORE_PING: Duration = Duration::from_secs(1);
+
+/// Opens and hands out the pool's connections (deadpool's [`Manager`]).
+///
+/// Why not sqlx's own pool: it sends a `Sync` and waits for the answer every time a
+/// connection goes back to the pool (`ping` on release, sqlx-core 0.8 and 0.9), so each
+/// request cost PostgreSQL a second wake-up and the server a second round trip: measured
+/// with `make bench-ab`, new payments ran 1.23x faster without it (docs/bench/analysis.md).
+/// Here a connection is checked only when it leaves the pool after [`IDLE_BEFORE_PING`];
+/// one whose call failed at the connection level, or that was dropped in the middle of a
+/// call or a transaction, is closed instead of returned ([`Conn`]).
+#[derive(Debug)]
+pub struct Connector {
+    options: PgConnectOptions,
+}
+
+impl Manager for Connector {
+    type Type = PgConnection;
+    type Error = sqlx::Error;
+
+    async fn create(&self) -> Result<PgConnection, sqlx::Error> {
+        PgConnection::connect_with(&self.options).await
+    }
+
+    async fn recycle(&self, conn: &mut PgConnection, metrics: &Metrics) -> RecycleResult<sqlx::Error> {
+        if metrics.last_used() >= IDLE_BEFORE_PING {
+            conn.ping().await?;
+        }
+        Ok(())
+    }
+}
+
+type Pool = deadpool::managed::Pool<Connector>;
+
+/// A pool of at most `size` connections, opened when first needed; a caller waits at most
+/// `acquire_timeout` for one (also for opening it).
+fn pool(options: PgConnectOptions, size: usize, acquire_timeout: Duration) -> Pool {
+    Pool::builder(Connector { options })
+        .max_size(size)
+        .wait_timeout(Some(acquire_timeout))
+        .create_timeout(Some(acquire_timeout))
+        .recycle_timeout(Some(acquire_timeout))
+        .runtime(deadpool::Runtime::Tokio1)
+        .build()
+        .expect("a runtime is set, so the timeouts are valid")
+}
+
+/// What the pool holds now: connections open, of which idle, and the most it may open.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PoolStatus {
+    pub size: usize,
+    pub idle: usize,
+    pub max: usize,
 }
 
 /// The database as the service uses it: a pool, and how each call runs on it
 /// (`ONCEPAY_DB_POOLER`). Every query goes through [`Conn::run`] or [`Conn::transaction`].
 #[derive(Clone, Debug)]
 pub struct Db {
-    pool: PgPool,
+    pool: Pool,
     session: Arc<Session>,
 }
 
@@ -79,7 +129,7 @@ struct Session {
 }
 
 impl Session {
-    fn new(pooler: Pooler, statement_timeout: std::time::Duration) -> Self {
+    fn new(pooler: Pooler, statement_timeout: Duration) -> Self {
         match pooler {
             Pooler::None => Self {
                 pooler,
@@ -108,22 +158,54 @@ impl Session {
 impl Db {
     pub fn new(settings: &Settings) -> anyhow::Result<Self> {
         Ok(Self {
-            pool: pool(settings)?,
+            pool: pool(
+                connect_options(settings)?,
+                settings.db_pool_size as usize,
+                settings.db_acquire_timeout,
+            ),
             session: Arc::new(Session::new(settings.db_pooler, settings.statement_timeout)),
         })
     }
 
-    /// The pool underneath, for its statistics and for closing it.
-    pub fn pool(&self) -> &PgPool {
-        &self.pool
+    /// A pool of `size` direct connections made with `options` as they are (tools and
+    /// tests): mode `none`, no timeouts added.
+    pub fn direct(options: PgConnectOptions, size: usize) -> Self {
+        Self {
+            pool: pool(options, size, Duration::from_secs(30)),
+            session: Arc::new(Session::new(Pooler::None, Duration::ZERO)),
+        }
+    }
+
+    /// A pool of its own (two connections) with the connection options of a sqlx pool: for
+    /// tests and tools holding one.
+    pub fn beside(pool: &sqlx::PgPool) -> Self {
+        Self::direct((*pool.connect_options()).clone(), 2)
+    }
+
+    pub fn status(&self) -> PoolStatus {
+        let status = self.pool.status();
+        PoolStatus {
+            size: status.size,
+            idle: status.available,
+            max: status.max_size,
+        }
+    }
+
+    /// Closes the idle connections (a clean `Terminate` each) and refuses further calls;
+    /// connections in use are closed when their call returns them.
+    pub async fn close(&self) {
+        let idle = self.pool.retain(|_, _| false).removed;
+        self.pool.close();
+        futures_util::future::join_all(idle.into_iter().map(Connection::close)).await;
     }
 
     /// A pooled connection (see [`acquire`] for the errors).
     pub async fn conn(&self) -> Result<Conn, DbError> {
         Ok(Conn {
-            conn: acquire(&self.pool).await?,
+            conn: Some(acquire(&self.pool).await?),
             session: Arc::clone(&self.session),
-            open: false,
+            unsettled: false,
+            broken: false,
         })
     }
 
@@ -141,31 +223,19 @@ impl Db {
     }
 }
 
-/// A pool of direct connections (tools and tests): mode `none`.
-impl From<&PgPool> for Db {
-    fn from(pool: &PgPool) -> Self {
-        Self {
-            pool: pool.clone(),
-            session: Arc::new(Session::new(Pooler::None, std::time::Duration::ZERO)),
-        }
-    }
-}
-
-impl From<&Db> for Db {
-    fn from(db: &Db) -> Self {
-        db.clone()
-    }
-}
-
 /// A pooled connection, used only through [`Conn::run`] and [`Conn::transaction`], so that
 /// each call is correct for the pooler in front of PostgreSQL. It is closed instead of
 /// returned when it failed at the connection level (the next request must not inherit a
-/// dead socket) or when it was dropped inside a transaction (a cancelled request).
+/// dead socket), or when it was dropped in the middle of a call or a transaction (a
+/// cancelled request: its protocol state or an open transaction must not reach the next).
 pub struct Conn {
-    conn: PoolConnection<Postgres>,
+    /// `None` only once dropped.
+    conn: Option<Object<Connector>>,
     session: Arc<Session>,
-    /// An explicit transaction may be open on it.
-    open: bool,
+    /// A call or an explicit transaction started on it and has not ended cleanly.
+    unsettled: bool,
+    /// It must be closed, not returned.
+    broken: bool,
 }
 
 impl Conn {
@@ -184,7 +254,9 @@ impl Conn {
     ) -> Result<T, DbError> {
         match self.session.pooler {
             Pooler::None => {
-                let result = f(&mut self.conn).await;
+                self.unsettled = true;
+                let result = f(self.raw()).await;
+                self.unsettled = false;
                 self.discard_if_broken(result)
             }
             Pooler::Transaction => self.transaction(f).await,
@@ -198,37 +270,42 @@ impl Conn {
         f: impl AsyncFnOnce(&mut PgConnection) -> Result<T, sqlx::Error>,
     ) -> Result<T, DbError> {
         let session = Arc::clone(&self.session);
-        self.open = true;
-        let mut result = match self.conn.execute(session.begin.as_str()).await {
-            Ok(_) => f(&mut self.conn).await,
+        self.unsettled = true;
+        let conn = self.raw();
+        let mut result = match conn.execute(session.begin.as_str()).await {
+            Ok(_) => f(&mut *conn).await,
             Err(err) => Err(err),
         };
+        let mut ended = false;
         if result.is_ok() {
-            match self.conn.execute(session.commit).await {
-                Ok(_) => self.open = false,
+            match conn.execute(session.commit).await {
+                Ok(_) => ended = true,
                 Err(err) => result = Err(err),
             }
         }
         if let Err(err) = &result {
             // Also after a refused commit: the ROLLBACK is then a no-op that still
             // deallocates. A connection whose transaction did not end is closed (`Drop`).
-            if !is_connection_broken(err) && self.conn.execute(session.rollback).await.is_ok() {
-                self.open = false;
-            }
+            ended = !is_connection_broken(err) && conn.execute(session.rollback).await.is_ok();
         }
+        self.unsettled = !ended;
         self.discard_if_broken(result)
     }
 
     /// Closes the connection instead of returning it to the pool (it reached a node that
     /// cannot take writes: behind a proxy, a new connection reaches the current primary).
     pub fn discard(&mut self) {
-        self.conn.close_on_drop();
+        self.broken = true;
+    }
+
+    fn raw(&mut self) -> &mut PgConnection {
+        self.conn.as_mut().expect("a Conn holds its connection until dropped")
     }
 
     fn discard_if_broken<T>(&mut self, result: Result<T, sqlx::Error>) -> Result<T, DbError> {
         if let Err(err) = &result {
             if is_connection_broken(err) {
-                self.conn.close_on_drop();
+                self.broken = true;
             }
         }
         result.map_err(DbError::from)
@@ -237,8 +314,12 @@ impl Conn {
 
 impl Drop for Conn {
     fn drop(&mut self) {
-        if self.open {
-            self.conn.close_on_drop();
+        if self.unsettled || self.broken {
+            if let Some(conn) = self.conn.take() {
+                // Out of the pool; dropping it closes the socket, and PostgreSQL rolls back
+                // whatever was open.
+                drop(Object::take(conn));
+            }
         }
     }
 }
@@ -276,15 +357,23 @@ impl From<sqlx::Error> for DbError {
 
 /// Takes a connection from the pool: [`DbError::Saturated`] when every connection stayed
 /// busy, [`DbError::Transient`] when none can be opened (database down).
-pub async fn acquire(pool: &PgPool) -> Result<PoolConnection<Postgres>, DbError> {
-    match pool.acquire().await {
-        Ok(conn) => Ok(conn),
-        Err(sqlx::Error::PoolTimedOut) if pool.size() as usize > pool.num_idle() => Err(DbError::Saturated),
-        Err(err) => {
-            tracing::warn!(error = %err, "no database connection");
-            Err(DbError::Transient(err))
+async fn acquire(pool: &Pool) -> Result<Object<Connector>, DbError> {
+    let err = match pool.get().await {
+        Ok(conn) => return Ok(conn),
+        Err(err) => err,
+    };
+    let err = match err {
+        // Waiting for a permit: every connection is checked out.
+        PoolError::Timeout(TimeoutType::Wait) => return Err(DbError::Saturated),
+        PoolError::Backend(err) => err,
+        PoolError::Closed => sqlx::Error::PoolClosed,
+        PoolError::Timeout(_) => sqlx::Error::PoolTimedOut,
+        PoolError::NoRuntimeSpecified | PoolError::PostCreateHook(_) => {
+            unreachable!("the pool has a runtime and no hooks")
         }
-    }
+    };
+    tracing::warn!(error = %err, "no database connection");
+    Err(DbError::Transient(err))
 }
 
 fn sqlstate(err: &sqlx::Error) -> Option<String> {

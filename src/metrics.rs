@@ -181,15 +181,16 @@ impl Metrics {
     /// The text exposition, with the pool and database gauges read at scrape time.
     pub async fn render(&self, db: &Db, retention: Duration) -> String {
         self.probe_database(db).await;
-        let pool = db.pool();
+        let pool = db.status();
         self.retention.set(retention.as_secs_f64());
-        let size = i64::from(pool.size());
-        let idle = pool.num_idle() as i64;
-        self.pool_connections.with_label_values(&["in_use"]).set(size - idle);
-        self.pool_connections.with_label_values(&["idle"]).set(idle);
-        self.pool_connections
-            .with_label_values(&["max"])
-            .set(i64::from(pool.options().get_max_connections()));
+        let gauge = |label: &str, n: usize| {
+            self.pool_connections
+                .with_label_values(&[label])
+                .set(i64::try_from(n).unwrap_or(i64::MAX));
+        };
+        gauge("in_use", pool.size - pool.idle);
+        gauge("idle", pool.idle);
+        gauge("max", pool.max);
         let mut out = Vec::new();
         TextEncoder::new()
             .encode(&self.registry.gather(), &mut out)
@@ -207,8 +208,8 @@ impl Metrics {
     /// answering, or failing and being closed): the probe is skipped rather than holding the
     /// scrape for a connection, and both gauges keep the last probe's values.
     async fn probe_database(&self, db: &Db) {
-        let pool = db.pool();
-        if pool.num_idle() == 0 && pool.size() >= pool.options().get_max_connections() {
+        let pool = db.status();
+        if pool.idle == 0 && pool.size >= pool.max {
             return;
         }
         let age = db

@@ -19,8 +19,8 @@ const SCHEDULE_LOCK: i64 = 0x0070_7572_6765;
 const PROGRESS_EVERY: Duration = Duration::from_secs(5);
 
 /// Deletes every key row whose `created_at` is older than `retention`; returns the count.
-pub async fn purge(db: impl Into<Db>, retention: Duration, batch: i64) -> Result<u64, DbError> {
-    Ok(purge_batches(&db.into(), retention, batch, false).await?.unwrap_or(0))
+pub async fn purge(db: &Db, retention: Duration, batch: i64) -> Result<u64, DbError> {
+    Ok(purge_batches(db, retention, batch, false).await?.unwrap_or(0))
 }
 
 /// Runs batches until a short one; with `scheduled`, each batch first takes the schedule's

@@ -36,7 +36,6 @@ impl Application {
         let workers = settings.workers;
         let replays = ReplayCache::new(settings.replay_cache_entries);
         let state = web::Data::new(AppState {
-            pool: db.pool().clone(),
             db,
             settings,
             tenants: TenantCache::new(),
@@ -73,11 +72,11 @@ impl Application {
         if let Some(purger) = purger {
             purger.abort();
         }
-        self.state.pool.close().await;
+        self.state.db.close().await;
         result
     }
 
-    /// The running server's state, for tests that need the pool or the metrics.
+    /// The running server's state, for tests that need the database or the metrics.
     pub fn state(&self) -> Arc<AppState> {
         self.state.clone().into_inner()
     }

@@ -15,8 +15,6 @@ use crate::operation::Decline;
 pub struct AppState {
     /// Every query goes through it (`ONCEPAY_DB_POOLER`).
     pub db: Db,
-    /// The same pool, for its statistics, for closing it, and for tests.
-    pub pool: sqlx::PgPool,
     pub settings: Settings,
     pub tenants: TenantCache,
     pub metrics: Metrics,

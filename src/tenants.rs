@@ -43,7 +43,7 @@ pub struct TenantView {
 
 /// Creates a tenant with its `main` account, in one transaction.
 pub async fn create(
-    db: impl Into<Db>,
+    db: &Db,
     name: &str,
     policy: MissingKeyPolicy,
     main_balance: OpeningBalance,
@@ -53,8 +53,7 @@ pub async fn create(
     let api_key = format!("{API_KEY_PREFIX}{}", hex::encode(secret));
     let tenant_id = TenantId::new_random();
     let api_key_hash = hash_api_key(&api_key);
-    db.into()
-        .transaction(async |tx| {
+    db.transaction(async |tx| {
             sqlx::query!(
                 "INSERT INTO tenants (tenant_id, name, api_key_hash, missing_key_policy) VALUES ($1, $2, $3, $4)",
                 tenant_id.get(),

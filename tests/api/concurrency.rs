@@ -232,7 +232,7 @@ async fn a_restarted_server_forgets_no_key() {
     let first = spawn_app().await;
     let key = new_key();
     let original = first.pay(Some(&key), 100).await;
-    first.state.pool.close().await;
+    first.state.db.close().await;
 
     let second = TestApp::builder().tenant_of(&first).spawn().await;
     let replay = second.pay(Some(&key), 100).await;

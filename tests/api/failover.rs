@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 use sqlx::{Connection, Executor, PgConnection};
 
-use crate::helpers::{client, database_url, drop_database, empty_database, new_key, server_url, Answer, TestApp};
+use crate::helpers::{client, database_url, drop_database, new_key, spawn_app_on_own_database, Answer};
 
 /// Runs `sql` from the test cluster's main test database (the scratch one turns read-only).
 async fn admin(sql: &str) {
@@ -27,13 +27,8 @@ async fn terminate_sessions(name: &str) {
 
 #[tokio::test]
 async fn a_database_turned_read_only_answers_503_commits_nothing_and_the_pool_recovers() {
-    let url = empty_database("failover").await;
+    let (app, url) = spawn_app_on_own_database("failover").await;
     let name = url.rsplit('/').next().unwrap().to_owned();
-    oncepay::db::migrate(&url).await.unwrap();
-    let app = TestApp::builder()
-        .settings(|s| s.database_url = server_url(&url))
-        .spawn()
-        .await;
     let (address, api_key, pool) = (app.address.clone(), app.api_key.clone(), app.pool.clone());
     let http = client();
     let pay = |key: String| {
@@ -112,7 +107,7 @@ async fn a_database_turned_read_only_answers_503_commits_nothing_and_the_pool_re
         .unwrap();
     assert_eq!(with_key, 1, "one payment for the key");
     drop(check);
-    app.state.pool.close().await;
+    app.state.db.close().await;
     pool.close().await;
     drop_database(&url).await;
 }

@@ -11,6 +11,7 @@ use oncepay::startup::Application;
 use oncepay::state::AppState;
 use reqwest::{Method, Response};
 use serde_json::Value;
+use sqlx::postgres::PgPoolOptions;
 use sqlx::{Connection, Executor, PgPool};
 use uuid::Uuid;
 
@@ -34,12 +35,14 @@ fn pooler_prefixes() -> Option<(String, String)> {
 
 /// A pool for the test's own queries on a server's database, bypassing any pooler.
 pub fn admin_pool(state: &AppState) -> PgPool {
-    match pooler_prefixes() {
-        None => state.pool.clone(),
-        Some((pooler, direct)) => {
-            PgPool::connect_lazy(&state.settings.database_url.replacen(&pooler, &direct, 1)).expect("a valid URL")
-        }
-    }
+    let url = match pooler_prefixes() {
+        None => state.settings.database_url.clone(),
+        Some((pooler, direct)) => state.settings.database_url.replacen(&pooler, &direct, 1),
+    };
+    PgPoolOptions::new()
+        .max_connections(4)
+        .connect_lazy(&url)
+        .expect("a valid URL")
 }
 
 /// The URL a server uses for the database at `direct`: through the pooler, if there is one.
@@ -182,7 +185,7 @@ pub fn client() -> reqwest::Client {
 
 pub async fn new_tenant(pool: &PgPool, policy: MissingKeyPolicy) -> (Uuid, String) {
     let balance = OpeningBalance::new(MAIN_BALANCE).unwrap();
-    let created = oncepay::tenants::create(pool, "test", policy, balance)
+    let created = oncepay::tenants::create(&oncepay::db::Db::beside(pool), "test", policy, balance)
         .await
         .expect("tenant created");
     (created.tenant_id.get(), created.api_key)
@@ -381,6 +384,18 @@ pub async fn empty_database(name_hint: &str) -> String {
         .map(|(b, d)| (b.to_owned(), d.to_owned()))
         .unwrap();
     format!("{base}/{name}")
+}
+
+/// A server on a migrated database of the test's own (for tests that cut its sessions or
+/// turn it read-only); returns the server and the database's direct URL.
+pub async fn spawn_app_on_own_database(name_hint: &str) -> (TestApp, String) {
+    let url = empty_database(name_hint).await;
+    oncepay::db::migrate(&url).await.unwrap();
+    let app = TestApp::builder()
+        .settings(|s| s.database_url = server_url(&url))
+        .spawn()
+        .await;
+    (app, url)
 }
 
 pub async fn drop_database(url: &str) {

@@ -26,6 +26,7 @@ mod openapi;
 mod operations;
 mod payments;
 mod policy;
+mod pool;
 mod pooler;
 mod promql;
 mod purge;

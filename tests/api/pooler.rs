@@ -88,6 +88,6 @@ async fn in_transaction_mode_no_prepared_statement_outlives_its_call() {
     let direct = Db::new(&settings).unwrap();
     exercise(&direct).await;
     assert!(direct.run(async |c| prepared_statements(c).await).await.unwrap() >= 2);
-    db.pool().close().await;
-    direct.pool().close().await;
+    db.close().await;
+    direct.close().await;
 }

@@ -4,6 +4,7 @@
 
 use std::time::{Duration, Instant};
 
+use oncepay::db::Db;
 use reqwest::Method;
 use sqlx::PgPool;
 
@@ -91,7 +92,9 @@ async fn three_concurrent_purges_delete_each_row_once() {
     let (url, pool) = own_database("purge3").await;
     fill_keys(&pool, 1_000, "30 days", 100).await;
 
-    let counts = futures_util::future::join_all((0..3).map(|_| oncepay::purge::purge(&pool, RETENTION, 7))).await;
+    let replicas: Vec<Db> = (0..3).map(|_| Db::beside(&pool)).collect();
+    let counts =
+        futures_util::future::join_all(replicas.iter().map(|db| oncepay::purge::purge(db, RETENTION, 7))).await;
 
     let counts: Vec<u64> = counts.into_iter().map(|c| c.unwrap()).collect();
     assert_eq!(
@@ -116,7 +119,8 @@ async fn a_purge_running_while_payments_flow_fails_none_of_them() {
     let keys: Vec<String> = (0..100).map(|_| new_key()).collect();
 
     let payments = futures_util::future::join_all(keys.iter().map(|k| app.pay(Some(k), 1)));
-    let purge = oncepay::purge::purge(&pool, RETENTION, 50);
+    let db = Db::beside(&pool);
+    let purge = oncepay::purge::purge(&db, RETENTION, 50);
     let (answers, purged) = tokio::join!(payments, purge);
 
     assert_eq!(purged.unwrap(), 5_000);
@@ -125,7 +129,7 @@ async fn a_purge_running_while_payments_flow_fails_none_of_them() {
     }
     assert_eq!(app.balance("main").await, MAIN_BALANCE - 100);
     assert_eq!(app.key_count().await, 100, "the payments' own keys are young and kept");
-    app.state.pool.close().await;
+    app.state.db.close().await;
     pool.close().await;
     drop_database(&url).await;
 }
@@ -168,7 +172,7 @@ async fn the_in_process_schedule_purges_everything_once_across_replicas() {
         "the young keys stay"
     );
     for replica in &replicas {
-        replica.state.pool.close().await;
+        replica.state.db.close().await;
     }
     pool.close().await;
     drop_database(&url).await;
@@ -209,7 +213,7 @@ async fn no_scheduled_batch_runs_while_another_session_holds_the_purge_lock() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(app.state.metrics.purged_keys.get(), 300);
-    app.state.pool.close().await;
+    app.state.db.close().await;
     pool.close().await;
     drop_database(&url).await;
 }

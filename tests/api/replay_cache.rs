@@ -46,7 +46,7 @@ async fn a_cached_replay_needs_no_database() {
     let declined_key = new_key();
     app.pay(Some(&declined_key), MAIN_BALANCE + 1).await;
 
-    app.state.pool.close().await;
+    app.state.db.close().await;
     let replay = app.pay(Some(&key), 100).await;
     let declined = app.pay(Some(&declined_key), MAIN_BALANCE + 1).await;
     let reused = app.pay(Some(&key), 999).await;

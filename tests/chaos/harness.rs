@@ -46,9 +46,14 @@ pub struct Tenant {
 pub async fn tenant(pool: &PgPool) -> Tenant {
     let opening = oncepay::domain::MAX_AMOUNT;
     let balance = OpeningBalance::new(opening).unwrap();
-    let created = oncepay::tenants::create(pool, "chaos", MissingKeyPolicy::Reject, balance)
-        .await
-        .expect("tenant created");
+    let created = oncepay::tenants::create(
+        &oncepay::db::Db::beside(pool),
+        "chaos",
+        MissingKeyPolicy::Reject,
+        balance,
+    )
+    .await
+    .expect("tenant created");
     Tenant {
         id: created.tenant_id.get(),
         api_key: created.api_key,
