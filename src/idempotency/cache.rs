@@ -46,9 +46,19 @@ pub struct ReplayCache<V> {
 }
 
 impl<V: Send + Sync + 'static> ReplayCache<V> {
+    /// Least recently used entries go first. Not moka's default (TinyLFU), whose admission
+    /// turns a new entry away once the cache is full unless its key was seen more often than
+    /// the entry it would evict: every key here is seen once when it finishes, so a full
+    /// cache stopped taking the newest keys, the very ones a retry storm replays (measured
+    /// in `make bench`: 91 % of a storm's replays from memory with key affinity, 9 % missed).
     pub fn new(capacity: u64) -> Self {
         Self {
-            entries: (capacity > 0).then(|| moka::sync::Cache::new(capacity)),
+            entries: (capacity > 0).then(|| {
+                moka::sync::Cache::builder()
+                    .max_capacity(capacity)
+                    .eviction_policy(moka::policy::EvictionPolicy::lru())
+                    .build()
+            }),
         }
     }
 
@@ -123,6 +133,29 @@ mod tests {
         assert!(matches!(cache.lookup(tenant, "soon", &[1; 32]), Lookup::Replay(_)));
         std::thread::sleep(std::time::Duration::from_millis(60));
         assert!(matches!(cache.lookup(tenant, "soon", &[1; 32]), Lookup::Miss));
+    }
+
+    #[test]
+    fn a_full_cache_keeps_the_newest_keys() {
+        let cache = ReplayCache::new(100);
+        let tenant = TenantId::new_random();
+        for i in 0..1_000 {
+            cache.insert(tenant, &format!("k{i}"), finished(1, 60_000));
+        }
+        if let Some(entries) = &cache.entries {
+            entries.run_pending_tasks();
+        }
+        assert!(cache.len() <= 100, "bounded: {}", cache.len());
+        for i in 990..1_000 {
+            assert!(
+                matches!(cache.lookup(tenant, &format!("k{i}"), &[1; 32]), Lookup::Replay(_)),
+                "k{i}, among the last inserted, is served"
+            );
+        }
+        assert!(
+            matches!(cache.lookup(tenant, "k0", &[1; 32]), Lookup::Miss),
+            "the oldest went first"
+        );
     }
 
     #[test]
