@@ -5,9 +5,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use hdrhistogram::Histogram;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Bytes;
+use hyper::client::conn::http1::SendRequest;
+use hyper::header::{HeaderValue, AUTHORIZATION, CONTENT_TYPE, HOST};
+use hyper_util::rt::TokioIo;
 use oncepay::bench::{histogram, percentiles_ms, Record};
 use rand::Rng;
-use reqwest::header::{HeaderValue, AUTHORIZATION, CONTENT_TYPE};
 use serde_json::json;
 
 use crate::cpu::{Client, Meter};
@@ -167,32 +171,72 @@ impl Tally {
 }
 
 struct Shared {
-    client: reqwest::Client,
+    /// `host:port` of each instance, as `urls` names them.
+    hosts: Vec<HeaderValue>,
     auth: HeaderValue,
 }
 
-/// Sends one request and counts its answer: 201 with the expected replay header is ok.
-async fn send(shared: &Shared, url: &str, req: &Request, tally: &mut Tally) {
-    let started = Instant::now();
-    let mut builder = shared
-        .client
-        .post(format!("{url}/payments"))
-        .header(AUTHORIZATION, shared.auth.clone())
-        .header(CONTENT_TYPE, "application/json")
-        .body(req.body.to_string());
-    if let Some(key) = &req.key {
-        builder = builder.header("Idempotency-Key", key);
-    }
-    let answer = match builder.send().await {
-        Ok(response) => {
-            let status = response.status().as_u16();
-            let replayed = response
-                .headers()
-                .get("idempotency-replayed")
-                .is_some_and(|v| v.as_bytes() == b"true");
-            response.bytes().await.ok().map(|_| (status, replayed))
+/// How long one request may take before it counts as an error.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// One worker's keep-alive connections, one per instance, opened on first use and again after
+/// a failure. hyper's connection API rather than reqwest: the load generator shares the two
+/// cores with what it measures, and reqwest's pool, URL parsing and per-request timer cost
+/// about a third of its CPU per request.
+struct Conns {
+    senders: Vec<Option<SendRequest<Full<Bytes>>>>,
+}
+
+impl Conns {
+    fn new(instances: usize) -> Self {
+        Self {
+            senders: (0..instances).map(|_| None).collect(),
         }
-        Err(_) => None,
+    }
+
+    /// Sends one request to instance `i`: its status and whether it was a replay.
+    async fn send(&mut self, shared: &Shared, i: usize, req: &Request) -> anyhow::Result<(u16, bool)> {
+        let sender = match &mut self.senders[i] {
+            Some(sender) if !sender.is_closed() => sender,
+            slot => {
+                let host = shared.hosts[i].to_str()?;
+                let stream = tokio::net::TcpStream::connect(host).await?;
+                stream.set_nodelay(true)?;
+                let (sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+                tokio::task::spawn_local(connection);
+                slot.insert(sender)
+            }
+        };
+        let mut request = hyper::Request::post("/payments")
+            .header(HOST, shared.hosts[i].clone())
+            .header(AUTHORIZATION, shared.auth.clone())
+            .header(CONTENT_TYPE, "application/json");
+        if let Some(key) = &req.key {
+            request = request.header("Idempotency-Key", key.as_str());
+        }
+        let request = request.body(Full::new(Bytes::from(req.body.to_string())))?;
+        sender.ready().await?;
+        let response = sender.send_request(request).await?;
+        let status = response.status().as_u16();
+        let replayed = response
+            .headers()
+            .get("idempotency-replayed")
+            .is_some_and(|v| v.as_bytes() == b"true");
+        response.into_body().collect().await?;
+        Ok((status, replayed))
+    }
+}
+
+/// Sends one request and counts its answer: 201 with the expected replay header is ok. A
+/// failed or timed-out request drops its connection (the next one opens a new one).
+async fn send(shared: &Shared, conns: &mut Conns, i: usize, req: &Request, tally: &mut Tally) {
+    let started = Instant::now();
+    let answer = match tokio::time::timeout(REQUEST_TIMEOUT, conns.send(shared, i, req)).await {
+        Ok(Ok(answer)) => Some(answer),
+        Ok(Err(_)) | Err(_) => {
+            conns.senders[i] = None;
+            None
+        }
     };
     let micros = started.elapsed().as_micros().max(1) as u64;
     tally.latencies.saturating_record(micros);
@@ -213,15 +257,21 @@ pub async fn run(args: Args) -> anyhow::Result<Record> {
     if args.urls.is_empty() {
         bail!("--urls names no instance");
     }
+    let hosts = args
+        .urls
+        .iter()
+        .map(|url| {
+            let host = url.strip_prefix("http://").context("--urls: http:// URLs only")?;
+            HeaderValue::from_str(host.trim_end_matches('/')).context("--urls: a bad host")
+        })
+        .collect::<anyhow::Result<_>>()?;
     let shared = Rc::new(Shared {
-        client: reqwest::Client::builder()
-            .timeout(Duration::from_secs(30))
-            .pool_max_idle_per_host(args.step.concurrency as usize)
-            .build()?,
+        hosts,
         auth: HeaderValue::from_str(&format!("Bearer {}", args.api_key)).context("bad API key")?,
     });
+    let metrics_client = reqwest::Client::new();
     let args = Rc::new(args);
-    let cache_before = cache_counters(&shared.client, &args.urls).await;
+    let cache_before = cache_counters(&metrics_client, &args.urls).await;
     let meter = Meter::start(&args.pids, args.step.pg_pid, args.step.clock_ticks, Client::Me)?;
     let started = Instant::now();
     let tally = if args.step.scenario == "one-key" {
@@ -231,7 +281,7 @@ pub async fn run(args: Args) -> anyhow::Result<Record> {
     };
     let elapsed = started.elapsed().as_secs_f64();
     let cpu = meter.stop(tally.ok)?;
-    let cache_after = cache_counters(&shared.client, &args.urls).await;
+    let cache_after = cache_counters(&metrics_client, &args.urls).await;
     let cache = cache_before
         .zip(cache_after)
         .map(|(b, a)| (a.0.saturating_sub(b.0), a.1.saturating_sub(b.1)));
@@ -302,6 +352,7 @@ async fn closed_loop(shared: &Rc<Shared>, args: &Rc<Args>) -> anyhow::Result<Tal
         let (shared, args) = (shared.clone(), args.clone());
         handles.push(local.spawn_local(async move {
             let own = worker as usize % args.urls.len();
+            let mut conns = Conns::new(args.urls.len());
             let mut tally = Tally::new();
             for seq in 0.. {
                 if Instant::now() >= deadline || !alive(args.while_pid) {
@@ -311,7 +362,7 @@ async fn closed_loop(shared: &Rc<Shared>, args: &Rc<Args>) -> anyhow::Result<Tal
                     break;
                 }
                 let req = request(&args.step.scenario, worker, seq, &args)?;
-                send(&shared, &args.urls[req.instance.unwrap_or(own)], &req, &mut tally).await;
+                send(&shared, &mut conns, req.instance.unwrap_or(own), &req, &mut tally).await;
             }
             Ok::<_, anyhow::Error>(tally)
         }));
@@ -335,10 +386,12 @@ async fn one_key_rounds(shared: &Rc<Shared>, args: &Rc<Args>) -> Tally {
     let deadline = Instant::now() + args.step.duration();
     let mut total = Tally::new();
     let local = tokio::task::LocalSet::new();
+    let workers = args.step.concurrency as usize;
+    let mut idle: Vec<Conns> = (0..workers).map(|_| Conns::new(args.urls.len())).collect();
     while Instant::now() < deadline {
         let key = uuid::Uuid::new_v4().to_string();
         let mut handles = Vec::new();
-        for worker in 0..args.step.concurrency as usize {
+        for (worker, mut conns) in idle.drain(..).enumerate() {
             let (shared, args, key) = (shared.clone(), args.clone(), key.clone());
             handles.push(local.spawn_local(async move {
                 let req = Request {
@@ -348,17 +401,17 @@ async fn one_key_rounds(shared: &Rc<Shared>, args: &Rc<Args>) -> Tally {
                     instance: None,
                 };
                 let mut tally = Tally::new();
-                send(&shared, &args.urls[worker % args.urls.len()], &req, &mut tally).await;
-                tally
+                send(&shared, &mut conns, worker % args.urls.len(), &req, &mut tally).await;
+                (tally, conns)
             }));
         }
         let mut round = Tally::new();
         local
             .run_until(async {
                 for handle in handles {
-                    if let Ok(t) = handle.await {
-                        round.add(&t);
-                    }
+                    let (t, conns) = handle.await.expect("a worker of the round panicked");
+                    round.add(&t);
+                    idle.push(conns);
                 }
             })
             .await;
