@@ -76,9 +76,14 @@ checkpoint_timeout = 15min
 log_min_messages = warning
 CONF
   fi
+  # The port is given at start, not only in postgresql.conf: a cluster made under another
+  # ONCEPAY_PG_PORT then follows the current one.
   if ! as_pg "$bin/pg_ctl" -D "$data" status >/dev/null 2>&1; then
-    as_pg "$bin/pg_ctl" -D "$data" -l "$data/server.log" -w -t 60 start >/dev/null \
+    as_pg "$bin/pg_ctl" -D "$data" -l "$data/server.log" -o "-p $port" -w -t 60 start >/dev/null \
       || { tail -n 20 "$data/server.log" >&2; exit 1; }
+  elif [ "$(sed -n 4p "$data/postmaster.pid")" != "$port" ]; then
+    echo "db.sh: the cluster in $data runs on port $(sed -n 4p "$data/postmaster.pid"), not $port: make db-down first" >&2
+    exit 1
   fi
   local db
   for db in oncepay oncepay_test; do create_db "$db"; done
