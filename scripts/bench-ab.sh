@@ -6,6 +6,9 @@
 # alternated so that the machine's drift falls on both sides alike. Scenarios: new payments
 # and replays (BENCH_AB_REPLAY_CACHE=0 turns this tree's replay cache off, for a comparison of
 # the database paths), c=32. Prints one line per step and the tree/base ratio per scenario.
+# BENCH_AB_BASE_ENV / BENCH_AB_TREE_ENV ("NAME=VALUE ...") add settings to one side's server:
+# with BASE_BIN=target/release the same build is compared with itself under other settings
+# (e.g. BENCH_AB_TREE_ENV="ONCEPAY_DB_POOL_SIZE=8").
 #
 # What `make bench` cannot do: it measures one build. A change's "before and after in one run"
 # is this script.
@@ -65,8 +68,11 @@ setup() { # side binary port [NAME=VALUE ...]
     --duration-secs 300 --replay-keys "$replay_keys" >/dev/null
   psql -X -q "$u" -c "VACUUM ANALYZE" >/dev/null
 }
-setup base "$base_bin/oncepay" "$port"
-setup tree target/release/oncepay "$((port + 1))" ONCEPAY_REPLAY_CACHE_ENTRIES="${BENCH_AB_REPLAY_CACHE:-100000}"
+# shellcheck disable=SC2086 # the settings are split into words on purpose
+setup base "$base_bin/oncepay" "$port" ${BENCH_AB_BASE_ENV:-}
+# shellcheck disable=SC2086
+setup tree target/release/oncepay "$((port + 1))" ONCEPAY_REPLAY_CACHE_ENTRIES="${BENCH_AB_REPLAY_CACHE:-100000}" \
+  ${BENCH_AB_TREE_ENV:-}
 
 printf '%-8s %-5s %-6s %10s %12s %12s %8s\n' scenario side round "req/s" "server µs" "postgres µs" errors
 for round in $(seq "$rounds"); do
