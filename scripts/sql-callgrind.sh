@@ -10,7 +10,8 @@
 # ANALYZE (the steady state: plans as in production, not those of empty tables). Then, per side
 # and kind, `postgres --single` under callgrind runs N1 and N2 prepared calls (new keys, or
 # replays of the seeded keys): instructions per call = (Ir(N2) - Ir(N1)) / (N2 - N1), which
-# cancels start-up and the first plans. The cluster is removed at the end, also on failure.
+# cancels start-up and the first plans. The cluster is removed at the end, also on failure;
+# SQL_CALLGRIND_OUT=dir keeps the callgrind files.
 set -euo pipefail
 top="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$top"
@@ -106,3 +107,8 @@ for kind in new replay; do
     printf '%-28s %-8s %14d\n' "$label" "$kind" $(((ir[1] - ir[0]) / (n2 - n1)))
   done
 done
+# SQL_CALLGRIND_OUT=dir keeps the callgrind files (cg.<db>.<kind>.<calls>) for callgrind_annotate.
+if [ -n "${SQL_CALLGRIND_OUT:-}" ]; then
+  mkdir -p "$SQL_CALLGRIND_OUT"
+  cp "$work"/cg.* "$SQL_CALLGRIND_OUT"/
+fi
