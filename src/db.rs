@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use deadpool::managed::{Manager, Metrics, Object, PoolError, RecycleResult, TimeoutType};
+use prometheus::{IntCounterVec, Opts};
 use sqlx::postgres::PgConnectOptions;
 use sqlx::{Connection, Executor, PgConnection};
 
@@ -70,6 +71,7 @@ const IDLE_BEFORE_PING: Duration = Duration::from_secs(1);
 #[derive(Debug)]
 pub struct Connector {
     options: PgConnectOptions,
+    closed: IntCounterVec,
 }
 
 impl Manager for Connector {
@@ -82,7 +84,10 @@ impl Manager for Connector {
 
     async fn recycle(&self, conn: &mut PgConnection, metrics: &Metrics) -> RecycleResult<sqlx::Error> {
         if metrics.last_used() >= IDLE_BEFORE_PING {
-            conn.ping().await?;
+            if let Err(err) = conn.ping().await {
+                self.closed.with_label_values(&["dead_idle"]).inc();
+                return Err(err.into());
+            }
         }
         Ok(())
     }
@@ -93,7 +98,17 @@ type Pool = deadpool::managed::Pool<Connector>;
 /// A pool of at most `size` connections, opened when first needed; a caller waits at most
 /// `acquire_timeout` for one (also for opening it).
 fn pool(options: PgConnectOptions, size: usize, acquire_timeout: Duration) -> Pool {
-    Pool::builder(Connector { options })
+    let closed = IntCounterVec::new(
+        Opts::new(
+            "oncepay_db_connections_closed_total",
+            "Pooled connections closed instead of reused: broken (a connection-level failure or a \
+             read-only node), abandoned (a call or transaction cancelled midway), dead_idle (failed \
+             the ping after sitting idle)",
+        ),
+        &["reason"],
+    )
+    .expect("valid metric");
+    Pool::builder(Connector { options, closed })
         .max_size(size)
         .wait_timeout(Some(acquire_timeout))
         .create_timeout(Some(acquire_timeout))
@@ -197,6 +212,11 @@ impl Db {
         let idle = self.pool.retain(|_, _| false).removed;
         self.pool.close();
         futures_util::future::join_all(idle.into_iter().map(Connection::close)).await;
+    }
+
+    /// `oncepay_db_connections_closed_total{reason}`, for the process's metrics registry.
+    pub fn connections_closed(&self) -> &IntCounterVec {
+        &self.pool.manager().closed
     }
 
     /// A pooled connection (see [`acquire`] for the errors).
@@ -316,6 +336,10 @@ impl Drop for Conn {
     fn drop(&mut self) {
         if self.unsettled || self.broken {
             if let Some(conn) = self.conn.take() {
+                let reason = if self.broken { "broken" } else { "abandoned" };
+                if let Some(pool) = Object::pool(&conn) {
+                    pool.manager().closed.with_label_values(&[reason]).inc();
+                }
                 // Out of the pool; dropping it closes the socket, and PostgreSQL rolls back
                 // whatever was open.
                 drop(Object::take(conn));

@@ -172,6 +172,13 @@ impl Metrics {
         }
     }
 
+    /// Exports the connection pool's own counters with this process's metrics.
+    pub fn register_db(&self, db: &Db) {
+        self.registry
+            .register(Box::new(db.connections_closed().clone()))
+            .expect("a process registers its pool once");
+    }
+
     /// Counts one purge run and the keys it deleted.
     pub fn record_purge(&self, deleted: u64) {
         self.purged_keys.inc_by(deleted);

@@ -35,11 +35,13 @@ impl Application {
         let port = listener.local_addr()?.port();
         let workers = settings.workers;
         let replays = ReplayCache::new(settings.replay_cache_entries);
+        let metrics = Metrics::new();
+        metrics.register_db(&db);
         let state = web::Data::new(AppState {
             db,
             settings,
             tenants: TenantCache::new(),
-            metrics: Metrics::new(),
+            metrics,
             replays,
         });
         let app_state = state.clone();

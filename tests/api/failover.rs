@@ -65,6 +65,13 @@ async fn a_database_turned_read_only_answers_503_commits_nothing_and_the_pool_re
         );
     }
     assert_eq!(readyz().await, 503, "not ready while the database cannot take writes");
+    let metrics = app.metrics().await;
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("oncepay_db_connections_closed_total{reason=\"broken\"}") && !l.ends_with(" 0")),
+        "the terminated and read-only connections were closed, and counted:\n{metrics}"
+    );
 
     let mut check = PgConnection::connect(&url).await.unwrap();
     let payments_during: i64 = sqlx::query_scalar("SELECT count(*) FROM payments")

@@ -46,6 +46,13 @@ async fn a_connection_cut_while_idle_is_replaced_before_a_request_uses_it() {
         "the dead connection was found and replaced before use: {}",
         answer.body
     );
+    let metrics = app.metrics().await;
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("oncepay_db_connections_closed_total{reason=\"dead_idle\"}") && !l.ends_with(" 0")),
+        "the replaced connection is counted:\n{metrics}"
+    );
     app.state.db.close().await;
     drop_database(&url).await;
 }
@@ -84,6 +91,8 @@ async fn a_call_cancelled_midway_closes_its_connection_instead_of_returning_it()
     );
     assert_ne!(after, before, "a new connection");
     assert_eq!(db.status().size, 1, "the cancelled connection left the pool");
+    assert_eq!(db.connections_closed().with_label_values(&["abandoned"]).get(), 1);
+    assert_eq!(db.connections_closed().with_label_values(&["broken"]).get(), 0);
 
     // The abandoned backend is stopped too, so that it does not sleep on for 30 s.
     let mut admin = PgConnection::connect(&database_url()).await.unwrap();
