@@ -370,6 +370,14 @@ impl TestApp {
     }
 }
 
+/// The value of one series (`name{labels}` as exposed) in a Prometheus text; 0 while absent.
+pub fn metric_value(exposition: &str, series: &str) -> f64 {
+    exposition
+        .lines()
+        .find_map(|line| line.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or(0.0)
+}
+
 pub fn new_key() -> String {
     Uuid::new_v4().to_string()
 }

@@ -6,7 +6,7 @@ use std::time::Duration;
 use reqwest::Method;
 use serde_json::json;
 
-use crate::helpers::{database_url, drop_database, empty_database, new_key, spawn_app, Answer, TestApp};
+use crate::helpers::{database_url, drop_database, empty_database, metric_value, new_key, spawn_app, Answer, TestApp};
 use crate::tcp_relay::TcpRelay;
 
 #[tokio::test]
@@ -133,14 +133,6 @@ async fn metrics_count_a_new_request_and_its_replay_apart() {
         );
         assert_eq!(metric_value(&text, series), value, "{series}:\n{text}");
     }
-}
-
-/// The value of one series (`name{labels}` as exposed) in a Prometheus text; 0 while absent.
-fn metric_value(exposition: &str, series: &str) -> f64 {
-    exposition
-        .lines()
-        .find_map(|line| line.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
-        .unwrap_or(0.0)
 }
 
 #[tokio::test]
