@@ -33,6 +33,11 @@ fn pooler_prefixes() -> Option<(String, String)> {
     Some((prefix(&pooler), prefix(&database_url())))
 }
 
+/// Whether the servers reach PostgreSQL through a pooler (`make test-pgbouncer`).
+pub fn through_pooler() -> bool {
+    pooler_prefixes().is_some()
+}
+
 /// A pool for the test's own queries on a server's database, bypassing any pooler.
 pub fn admin_pool(state: &AppState) -> PgPool {
     let url = match pooler_prefixes() {

@@ -8,7 +8,7 @@ use oncepay::db::Db;
 use sqlx::postgres::PgConnectOptions;
 use sqlx::{Connection, Executor, PgConnection};
 
-use crate::helpers::{database_url, drop_database, metric_value, new_key, spawn_app_on_own_database};
+use crate::helpers::{database_url, drop_database, metric_value, new_key, spawn_app_on_own_database, through_pooler};
 
 async fn backend_pid(db: &Db) -> i32 {
     db.run(async |c| sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(c).await)
@@ -46,11 +46,15 @@ async fn a_connection_cut_while_idle_is_replaced_before_a_request_uses_it() {
         "the dead connection was found and replaced before use: {}",
         answer.body
     );
-    let metrics = app.metrics().await;
-    assert!(
-        metric_value(&metrics, r#"oncepay_db_connections_closed_total{reason="dead_idle"}"#) >= 1.0,
-        "the replaced connection is counted:\n{metrics}"
-    );
+    // Through PgBouncer the server's own connection (to the pooler) survives the cut: there
+    // is nothing to replace, only the answer above to check.
+    if !through_pooler() {
+        let metrics = app.metrics().await;
+        assert!(
+            metric_value(&metrics, r#"oncepay_db_connections_closed_total{reason="dead_idle"}"#) >= 1.0,
+            "the replaced connection is counted:\n{metrics}"
+        );
+    }
     app.state.db.close().await;
     drop_database(&url).await;
 }
