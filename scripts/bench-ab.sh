@@ -35,11 +35,11 @@ out="target/bench-ab"
 mkdir -p "$out"
 : >"$out/results.jsonl"
 
+# shellcheck source=scripts/bench-lib.sh
+. scripts/bench-lib.sh
 pids=()
 cleanup() {
-  local pid
-  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
-  for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
+  stop_pids
   psql -X -q "$admin_url" -c "DROP DATABASE IF EXISTS oncepay_ab_base WITH (FORCE)" \
     -c "DROP DATABASE IF EXISTS oncepay_ab_tree WITH (FORCE)" >/dev/null 2>&1 || true
 }
@@ -47,16 +47,11 @@ trap cleanup EXIT
 
 declare -A url key pid
 setup() { # side binary port [NAME=VALUE ...]
-  local side="$1" bin="$2" p="$3" db="oncepay_ab_$1" u tenant_json tenant
+  local side="$1" bin="$2" p="$3" u tenant api_key
   shift 3
-  u="$(scripts/db.sh url "$db")"
-  psql -X -q "$admin_url" -c "DROP DATABASE IF EXISTS $db WITH (FORCE)" -c "CREATE DATABASE $db" >/dev/null
-  DATABASE_URL="$u" "$bin" migrate 2>/dev/null
-  tenant_json="$(DATABASE_URL="$u" "$bin" tenant create --name bench --missing-key-policy fingerprint 2>/dev/null)"
-  tenant="$(sed -n 's/.*"tenant_id":"\([^"]*\)".*/\1/p' <<<"$tenant_json")"
-  key[$side]="$(sed -n 's/.*"api_key":"\([^"]*\)".*/\1/p' <<<"$tenant_json")"
-  psql -X -q -v ON_ERROR_STOP=1 "$u" -c "INSERT INTO accounts (tenant_id, account_id, balance, opening_balance)
-    SELECT '$tenant', g::text, 1000000000000, 1000000000000 FROM generate_series(0, $((accounts - 1))) g" >/dev/null
+  u="$(scripts/db.sh url "oncepay_ab_$side")"
+  bench_database "$admin_url" "$u" "$bin" "$accounts"
+  key[$side]="$api_key"
   env DATABASE_URL="$u" RUST_LOG=warn ONCEPAY_BIND="127.0.0.1:$p" "$@" "$bin" serve 2>>"$out/server-$side.log" &
   pid[$side]=$!
   pids+=("$!")

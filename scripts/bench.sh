@@ -60,11 +60,11 @@ mkdir -p "$out"
 results="$out/results.jsonl"
 : >"$results"
 
+# shellcheck source=scripts/bench-lib.sh
+. scripts/bench-lib.sh
 pids=()
 cleanup() {
-  local pid
-  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
-  for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
+  stop_pids
   psql -X -q "$admin_url" -c "DROP DATABASE IF EXISTS $db WITH (FORCE)" -c "DROP DATABASE IF EXISTS $ydb WITH (FORCE)" \
     >/dev/null 2>&1 || true
 }
@@ -86,14 +86,8 @@ say() { echo "bench: $(date +%T) $*" >&2; }
 } >"$out/machine.txt"
 
 say "database $db"
-psql -X -q "$admin_url" -c "DROP DATABASE IF EXISTS $db WITH (FORCE)" -c "CREATE DATABASE $db" >/dev/null
+bench_database "$admin_url" "$url" "$bin" "$accounts"
 export DATABASE_URL="$url"
-"$bin" migrate 2>/dev/null
-tenant_json="$("$bin" tenant create --name bench --missing-key-policy fingerprint 2>/dev/null)"
-tenant="$(sed -n 's/.*"tenant_id":"\([^"]*\)".*/\1/p' <<<"$tenant_json")"
-api_key="$(sed -n 's/.*"api_key":"\([^"]*\)".*/\1/p' <<<"$tenant_json")"
-sql -c "INSERT INTO accounts (tenant_id, account_id, balance, opening_balance)
-        SELECT '$tenant', g::text, 1000000000000, 1000000000000 FROM generate_series(0, $((accounts - 1))) g"
 
 say "yardstick database $ydb"
 psql -X -q "$admin_url" -c "DROP DATABASE IF EXISTS $ydb WITH (FORCE)" -c "CREATE DATABASE $ydb" >/dev/null

@@ -33,24 +33,18 @@ admin_url="$(scripts/db.sh url postgres)"
 direct_url="$(scripts/db.sh url "$db")"
 pooled_url="$(scripts/pgbouncer.sh url "$db")"
 
+# shellcheck source=scripts/bench-lib.sh
+. scripts/bench-lib.sh
 pids=()
 cleanup() {
-  local pid
-  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
-  for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
+  stop_pids
   scripts/pgbouncer.sh down || true
   psql -X -q "$admin_url" -c "DROP DATABASE IF EXISTS $db WITH (FORCE)" >/dev/null 2>&1 || true
 }
 trap cleanup EXIT
 say() { echo "pgbouncer-bench: $(date +%T) $*" >&2; }
 
-psql -X -q "$admin_url" -c "DROP DATABASE IF EXISTS $db WITH (FORCE)" -c "CREATE DATABASE $db" >/dev/null
-DATABASE_URL="$direct_url" "$bin" migrate 2>/dev/null
-tenant_json="$(DATABASE_URL="$direct_url" "$bin" tenant create --name bench --missing-key-policy reject 2>/dev/null)"
-tenant="$(sed -n 's/.*"tenant_id":"\([^"]*\)".*/\1/p' <<<"$tenant_json")"
-api_key="$(sed -n 's/.*"api_key":"\([^"]*\)".*/\1/p' <<<"$tenant_json")"
-psql -X -q -v ON_ERROR_STOP=1 "$direct_url" -c "INSERT INTO accounts (tenant_id, account_id, balance, opening_balance)
-  SELECT '$tenant', g::text, 1000000000000, 1000000000000 FROM generate_series(0, $((accounts - 1))) g"
+bench_database "$admin_url" "$direct_url" "$bin" "$accounts" reject
 scripts/pgbouncer.sh up
 
 start() { # side url pooler port

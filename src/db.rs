@@ -69,7 +69,7 @@ const IDLE_BEFORE_PING: Duration = Duration::from_secs(1);
 /// one whose call failed at the connection level, or that was dropped in the middle of a
 /// call or a transaction, is closed instead of returned ([`Conn`]).
 #[derive(Debug)]
-pub struct Connector {
+struct Connector {
     options: PgConnectOptions,
     closed: IntCounterVec,
 }
@@ -384,15 +384,12 @@ impl From<sqlx::Error> for DbError {
 async fn acquire(pool: &Pool) -> Result<Object<Connector>, DbError> {
     let err = match pool.get().await {
         Ok(conn) => return Ok(conn),
-        Err(err) => err,
-    };
-    let err = match err {
         // Waiting for a permit: every connection is checked out.
-        PoolError::Timeout(TimeoutType::Wait) => return Err(DbError::Saturated),
-        PoolError::Backend(err) => err,
-        PoolError::Closed => sqlx::Error::PoolClosed,
-        PoolError::Timeout(_) => sqlx::Error::PoolTimedOut,
-        PoolError::NoRuntimeSpecified | PoolError::PostCreateHook(_) => {
+        Err(PoolError::Timeout(TimeoutType::Wait)) => return Err(DbError::Saturated),
+        Err(PoolError::Backend(err)) => err,
+        Err(PoolError::Closed) => sqlx::Error::PoolClosed,
+        Err(PoolError::Timeout(_)) => sqlx::Error::PoolTimedOut,
+        Err(PoolError::NoRuntimeSpecified | PoolError::PostCreateHook(_)) => {
             unreachable!("the pool has a runtime and no hooks")
         }
     };

@@ -181,8 +181,8 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// One worker's keep-alive connections, one per instance, opened on first use and again after
 /// a failure. hyper's connection API rather than reqwest: the load generator shares the two
-/// cores with what it measures, and reqwest's pool, URL parsing and per-request timer cost
-/// about a third of its CPU per request.
+/// cores with what it measures, and through reqwest it spent 0.048 ms of CPU per new payment,
+/// this way 0.029 (make bench, 2026-12-01 07:14 and 08:05).
 struct Conns {
     senders: Vec<Option<SendRequest<Full<Bytes>>>>,
 }
@@ -233,7 +233,7 @@ async fn send(shared: &Shared, conns: &mut Conns, i: usize, req: &Request, tally
     let started = Instant::now();
     let answer = match tokio::time::timeout(REQUEST_TIMEOUT, conns.send(shared, i, req)).await {
         Ok(Ok(answer)) => Some(answer),
-        Ok(Err(_)) | Err(_) => {
+        _ => {
             conns.senders[i] = None;
             None
         }
