@@ -25,6 +25,12 @@ pub struct Settings {
     pub db_acquire_timeout: Duration,
     /// Upper bound on any one statement; also bounds waits on a hot account row.
     pub statement_timeout: Duration,
+    /// Most payments one statement carries (`ONCEPAY_DB_BATCH_MAX`); 1 sends each payment
+    /// as a statement of its own.
+    pub db_batch_max: usize,
+    /// Batched statements in flight per process (`ONCEPAY_DB_BATCHES_IN_FLIGHT`): while all
+    /// are out, payments queue and leave together in the next one.
+    pub db_batches_in_flight: usize,
     /// Opt-in in-process purge schedule (`ONCEPAY_PURGE_INTERVAL_SECS`); `None` = off.
     pub purge_interval: Option<Duration>,
     pub purge_batch_size: i64,
@@ -80,6 +86,9 @@ impl Settings {
             },
             db_acquire_timeout: Duration::from_millis(number("ONCEPAY_DB_ACQUIRE_TIMEOUT_MS", 2_000)?),
             statement_timeout: Duration::from_millis(number("ONCEPAY_STATEMENT_TIMEOUT_MS", 15_000)?),
+            // Measured in docs/bench/analysis.md ("Payments in batches").
+            db_batch_max: number("ONCEPAY_DB_BATCH_MAX", 32)?,
+            db_batches_in_flight: number("ONCEPAY_DB_BATCHES_IN_FLIGHT", cores.clamp(2, 8))?,
             purge_interval: match number::<u64>("ONCEPAY_PURGE_INTERVAL_SECS", 0)? {
                 0 => None,
                 secs => Some(Duration::from_secs(secs)),
@@ -109,6 +118,9 @@ impl Settings {
         }
         if self.inflight_wait.is_zero() || self.statement_timeout <= self.inflight_wait {
             bail!("ONCEPAY_STATEMENT_TIMEOUT_MS must exceed ONCEPAY_INFLIGHT_WAIT_MS, which must be positive");
+        }
+        if self.db_batch_max == 0 || self.db_batch_max > 1_000 || self.db_batches_in_flight == 0 {
+            bail!("ONCEPAY_DB_BATCH_MAX must be between 1 and 1000 and ONCEPAY_DB_BATCHES_IN_FLIGHT positive");
         }
         if self.db_pool_size == 0 || self.workers == 0 || self.max_body_bytes == 0 || self.purge_batch_size <= 0 {
             bail!("pool size, workers, body limit and purge batch size must be positive");
@@ -142,6 +154,8 @@ impl std::fmt::Debug for Settings {
             db_pool_size,
             db_acquire_timeout,
             statement_timeout,
+            db_batch_max,
+            db_batches_in_flight,
             purge_interval,
             purge_batch_size,
             workers,
@@ -163,6 +177,8 @@ impl std::fmt::Debug for Settings {
             .field("db_pool_size", db_pool_size)
             .field("db_acquire_timeout", db_acquire_timeout)
             .field("statement_timeout", statement_timeout)
+            .field("db_batch_max", db_batch_max)
+            .field("db_batches_in_flight", db_batches_in_flight)
             .field("purge_interval", purge_interval)
             .field("purge_batch_size", purge_batch_size)
             .field("workers", workers)

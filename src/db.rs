@@ -318,6 +318,11 @@ impl Conn {
         self.broken = true;
     }
 
+    /// Whether it failed at the connection level (it will be closed, not returned).
+    pub fn is_broken(&self) -> bool {
+        self.broken
+    }
+
     fn raw(&mut self) -> &mut PgConnection {
         self.conn.as_mut().expect("a Conn holds its connection until dropped")
     }

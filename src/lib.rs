@@ -5,7 +5,8 @@
 //! 1. values: `domain`, `json`, `config`, `operation` (the operation table);
 //! 2. the protocol: `idempotency`;
 //! 3. the database: `db` (pool, migrations, its own error type);
-//! 4. effects on it: `ledger`, `tenants`, `purge`, `audit`;
+//! 4. effects on it: `ledger`, `batch` (payments several to a statement), `tenants`, `purge`,
+//!    `audit`;
 //! 5. the edge, the only layer that knows HTTP: `metrics`, `error`, `auth`, `telemetry`,
 //!    `state`, `routes`, `http1` (the HTTP/1.1 server and its framing errors), `startup`
 //!    (which only composes).
@@ -15,6 +16,7 @@
 
 pub mod audit;
 pub mod auth;
+pub mod batch;
 #[cfg(feature = "bench")]
 pub mod bench;
 pub mod config;

@@ -8,8 +8,8 @@
 use std::time::Duration;
 
 use prometheus::{
-    Encoder, Gauge, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
-    TextEncoder,
+    Encoder, Gauge, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry, TextEncoder,
 };
 
 use crate::db::{Db, DbError};
@@ -39,6 +39,9 @@ pub struct Metrics {
     pub replay_cache_hits: IntCounter,
     pub replay_cache_misses: IntCounter,
     pub replay_cache_entries: IntGauge,
+    /// Payments per statement, and batches that failed as a whole and ran again item by
+    /// item (`crate::batch`).
+    pub batch: crate::batch::Counters,
     /// 1 when the database answered this scrape's probe (what `/readyz` checks), else 0.
     ready: IntGauge,
     /// Age of the oldest idempotency-key row, next to the retention it must stay under: a
@@ -114,6 +117,21 @@ impl Metrics {
             "Finished results held in this process's replay cache",
         )
         .expect("valid metric");
+        let batch = crate::batch::Counters {
+            size: Histogram::with_opts(
+                HistogramOpts::new(
+                    "oncepay_db_batch_size",
+                    "Payments per database statement (ONCEPAY_DB_BATCH_MAX)",
+                )
+                .buckets(vec![1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0]),
+            )
+            .expect("valid metric"),
+            split: IntCounter::new(
+                "oncepay_db_batches_split_total",
+                "Batches of payments that failed as a whole, whose payments then ran one by one",
+            )
+            .expect("valid metric"),
+        };
         let ready = IntGauge::new(
             "oncepay_ready",
             "1 when the database answered the scrape's probe (as /readyz), else 0",
@@ -145,6 +163,8 @@ impl Metrics {
             Box::new(replay_cache_hits.clone()),
             Box::new(replay_cache_misses.clone()),
             Box::new(replay_cache_entries.clone()),
+            Box::new(batch.size.clone()),
+            Box::new(batch.split.clone()),
             Box::new(ready.clone()),
             Box::new(oldest_key_age.clone()),
             Box::new(retention.clone()),
@@ -166,6 +186,7 @@ impl Metrics {
             replay_cache_hits,
             replay_cache_misses,
             replay_cache_entries,
+            batch,
             ready,
             oldest_key_age,
             retention,

@@ -8,6 +8,7 @@ use actix_web::{middleware, web, App};
 use anyhow::Context;
 
 use crate::auth::TenantCache;
+use crate::batch::{Batcher, Limits};
 use crate::config::Settings;
 use crate::db;
 use crate::idempotency::cache::ReplayCache;
@@ -37,12 +38,22 @@ impl Application {
         let replays = ReplayCache::new(settings.replay_cache_entries);
         let metrics = Metrics::new();
         metrics.register_db(&db);
+        let payments = (settings.db_batch_max > 1).then(|| {
+            let limits = Limits {
+                max_items: settings.db_batch_max,
+                in_flight: settings.db_batches_in_flight,
+                // As many as could wait for a pooled connection without batching.
+                queue: settings.db_batch_max * settings.db_batches_in_flight * 4,
+            };
+            Batcher::start(db.clone(), limits, metrics.batch.clone())
+        });
         let state = web::Data::new(AppState {
             db,
             settings,
             tenants: TenantCache::new(),
             metrics,
             replays,
+            payments,
         });
         let app_state = state.clone();
         let server = http1::serve(listener, workers, tls, move || {

@@ -5,10 +5,13 @@ use actix_web::web::Bytes;
 use prometheus::IntGauge;
 
 use crate::auth::TenantCache;
+use crate::batch::Batcher;
 use crate::config::Settings;
 use crate::db::{Conn, Db, DbError};
+use crate::domain::TenantId;
 use crate::idempotency::cache::ReplayCache;
 use crate::idempotency::Windows;
+use crate::ledger::{ClaimArgs, Effect, Outcome, Pay, PaymentRow};
 use crate::metrics::Metrics;
 use crate::operation::Decline;
 
@@ -20,6 +23,8 @@ pub struct AppState {
     pub metrics: Metrics,
     /// Finished results this process answers replays from (`ONCEPAY_REPLAY_CACHE_ENTRIES`).
     pub replays: ReplayCache<CachedAnswer>,
+    /// New payments, several to a statement under load (`None`: `ONCEPAY_DB_BATCH_MAX=1`).
+    pub payments: Option<Batcher<Pay>>,
 }
 
 /// A finished result as the replay cache keeps it: the answer, as the database's replay
@@ -40,6 +45,25 @@ impl AppState {
     pub async fn conn(&self) -> Result<Conn, DbError> {
         let _waiting = Waiting::new(&self.metrics.pool_waiting);
         self.db.conn().await
+    }
+
+    /// Runs `effect` in a statement of its own.
+    pub async fn run_alone<E: Effect>(
+        &self,
+        tenant: TenantId,
+        claim: &ClaimArgs,
+        effect: &E,
+    ) -> Result<Outcome<E::Row>, DbError> {
+        let mut conn = self.conn().await?;
+        conn.run(async |c| effect.run(c, tenant, claim).await).await
+    }
+
+    /// Runs a payment: batched with others waiting, or alone when batching is off.
+    pub async fn pay(&self, tenant: TenantId, claim: ClaimArgs, pay: Pay) -> Result<Outcome<PaymentRow>, DbError> {
+        match &self.payments {
+            Some(batcher) => batcher.run(tenant, claim, pay).await,
+            None => self.run_alone(tenant, &claim, &pay).await,
+        }
     }
 
     pub fn windows(&self) -> Windows {

@@ -24,6 +24,21 @@ pub trait Effect: Send + Sync {
     ) -> impl Future<Output = Result<Outcome<Self::Row>, sqlx::Error>> + Send;
 }
 
+/// An effect that can also run as one of many in a single statement (`crate::batch`): one
+/// transaction, one commit, for all of them.
+pub trait Batched: Effect + Sized + 'static {
+    /// What its statement locks, in the order the items of a batch run: two batches that
+    /// lock rows in one order cannot deadlock on them.
+    fn lock_order(&self) -> &str;
+
+    /// Runs every item in order in one statement (one transaction) and answers with their
+    /// outcomes in the same order. It fails as a whole: then nothing was committed.
+    fn run_batch(
+        conn: &mut PgConnection,
+        items: &[(TenantId, &ClaimArgs, &Self)],
+    ) -> impl Future<Output = Result<Vec<Outcome<Self::Row>>, sqlx::Error>> + Send;
+}
+
 /// Charges `amount` to `account`.
 #[derive(Clone, Debug)]
 pub struct Pay {
@@ -53,6 +68,48 @@ impl Effect for Pay {
         .fetch_one(conn)
         .await?;
         settle(r.outcome, r.decline, r.expires_at, r.resource)
+    }
+}
+
+impl Batched for Pay {
+    fn lock_order(&self) -> &str {
+        self.account.as_str()
+    }
+
+    /// The same function as [`Pay::run`], once per item: its claim and debit rules stay in
+    /// one place. Within the statement each call sees what the earlier ones wrote, so a key
+    /// that appears twice is created by the first and replayed by the second. (Indexed by
+    /// position rather than `unnest`ed: `unnest` spreads a composite into its fields.)
+    async fn run_batch(
+        conn: &mut PgConnection,
+        items: &[(TenantId, &ClaimArgs, &Self)],
+    ) -> Result<Vec<Outcome<PaymentRow>>, sqlx::Error> {
+        let tenants: Vec<_> = items.iter().map(|(tenant, _, _)| tenant.get()).collect();
+        let claims: Vec<&ClaimArgs> = items.iter().map(|(_, claim, _)| *claim).collect();
+        let accounts: Vec<&str> = items.iter().map(|(_, _, pay)| pay.account.as_str()).collect();
+        let amounts: Vec<i64> = items.iter().map(|(_, _, pay)| pay.amount.get()).collect();
+        let rows = sqlx::query!(
+            r#"SELECT outcome AS "outcome!: ClaimOutcome", decline AS "decline: Decline", expires_at,
+                      resource AS "resource: PaymentRow"
+               FROM generate_series(1, cardinality($1::uuid[])) AS item
+               CROSS JOIN LATERAL oncepay_pay($1[item], ($2::oncepay_claim_args[])[item],
+                                              ($3::text[])[item], ($4::bigint[])[item])
+               ORDER BY item"#,
+            &tenants,
+            &claims as _,
+            &accounts as _,
+            &amounts,
+        )
+        .fetch_all(conn)
+        .await?;
+        if rows.len() != items.len() {
+            return Err(sqlx::Error::Decode(
+                format!("a batch of {} payments answered {} rows", items.len(), rows.len()).into(),
+            ));
+        }
+        rows.into_iter()
+            .map(|r| settle(r.outcome, r.decline, r.expires_at, r.resource))
+            .collect()
     }
 }
 

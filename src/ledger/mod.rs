@@ -12,7 +12,7 @@ mod rows;
 
 use chrono::{DateTime, Utc};
 
-pub use effects::{Deposit, Effect, OpenAccount, Pay, Refund, SameAccount, Transfer};
+pub use effects::{Batched, Deposit, Effect, OpenAccount, Pay, Refund, SameAccount, Transfer};
 pub use reads::{balance, payment_state, transfer};
 pub use rows::{AccountRow, DepositRow, PaymentRow, TransferRow};
 
@@ -51,6 +51,11 @@ impl ClaimArgs {
             success_status: i16::try_from(spec.success_status).unwrap_or(i16::MAX),
             decline_statuses: spec.decline_statuses(),
         }
+    }
+
+    /// The idempotency key (`None` for a keyless request under policy `allow`).
+    pub fn key(&self) -> Option<&str> {
+        self.key.as_deref()
     }
 }
 

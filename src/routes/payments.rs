@@ -8,9 +8,10 @@ use utoipa::ToSchema;
 use super::intake::{present, EmptyBody};
 use super::pipeline::{corrupt, route, Endpoint};
 use super::schemas::{NotFound, Overloaded, Unauthorized, Unavailable};
-use crate::domain::{AccountId, Amount, PaymentId};
+use crate::db::DbError;
+use crate::domain::{AccountId, Amount, PaymentId, TenantId};
 use crate::error::ApiError;
-use crate::ledger::{self, PaymentRow};
+use crate::ledger::{self, ClaimArgs, Outcome, PaymentRow};
 use crate::state::AppState;
 
 pub fn configure(cfg: &mut web::ServiceConfig) {
@@ -94,6 +95,16 @@ impl Endpoint for CreatePayment {
             },
             None,
         ))
+    }
+
+    /// Payments arriving together share a statement (`crate::batch`).
+    async fn execute(
+        state: &AppState,
+        tenant: TenantId,
+        claim: ClaimArgs,
+        pay: ledger::Pay,
+    ) -> Result<Outcome<PaymentRow>, DbError> {
+        state.pay(tenant, claim, pay).await
     }
 
     fn render(p: PaymentRow) -> Result<PaymentOut, ApiError> {

@@ -4,6 +4,8 @@
 //! answer types, how it builds its effect, how it renders the row it gets back. Everything
 //! else (method, path, statuses, declines) comes from its entry in `crate::operation`.
 
+use std::future::Future;
+
 use actix_web::http::{header, StatusCode};
 use actix_web::web::Bytes;
 use actix_web::{web, HttpRequest, HttpResponse};
@@ -12,6 +14,8 @@ use serde::Serialize;
 use utoipa::ToSchema;
 
 use super::intake::{parse_body, read_body, EmptyBody};
+use crate::db::DbError;
+use crate::domain::TenantId;
 use crate::error::{ApiError, REPLAYED_HEADER};
 use crate::idempotency::cache::{Finished, Lookup};
 use crate::idempotency::{self, Claim, IdempotencyKey};
@@ -37,6 +41,16 @@ pub trait Endpoint: 'static {
 
     /// Rebuilds the answer from the row the SQL function returned.
     fn render(row: <Self::Effect as Effect>::Row) -> Result<Self::Out, ApiError>;
+
+    /// Runs the effect: by default in a statement of its own.
+    fn execute(
+        state: &AppState,
+        tenant: TenantId,
+        claim: ClaimArgs,
+        effect: Self::Effect,
+    ) -> impl Future<Output = Result<Outcome<<Self::Effect as Effect>::Row>, DbError>> {
+        async move { state.run_alone(tenant, &claim, &effect).await }
+    }
 
     /// The `Location` of the created resource, if the operation creates one.
     fn location(_out: &Self::Out) -> Option<String> {
@@ -85,8 +99,7 @@ async fn handle<E: Endpoint>(
     }
     let args = ClaimArgs::new(spec, path, claim.as_ref(), state.settings.inflight_wait);
 
-    let mut conn = state.conn().await?;
-    let outcome = conn.run(async |c| effect.run(c, tenant.id, &args).await).await?;
+    let outcome = E::execute(&state, tenant.id, args, effect).await?;
     let expires_at = outcome.expires_at;
     let (answer, finished) = respond::<E>(spec, outcome, claim.is_some())?;
     if let (Some(claim), Some(expires_at), Some(value)) = (&claim, expires_at, finished) {

@@ -58,10 +58,16 @@ async fn two_hundred_concurrent_distinct_keys_on_one_account_debit_two_hundred_t
 /// Holds the row lock of the tenant's `main` account in an open transaction, so that a
 /// payment claims its key and then waits: a request "in flight" for as long as we like.
 pub async fn lock_main_account(app: &TestApp) -> sqlx::PgConnection {
+    lock_account(app, "main").await
+}
+
+/// Holds the row lock of one of the tenant's accounts in an open transaction.
+pub async fn lock_account(app: &TestApp, account: &str) -> sqlx::PgConnection {
     let mut conn = sqlx::PgConnection::connect(&database_url()).await.unwrap();
     sqlx::query("BEGIN").execute(&mut conn).await.unwrap();
-    sqlx::query("SELECT 1 FROM accounts WHERE tenant_id = $1 AND account_id = 'main' FOR UPDATE")
+    sqlx::query("SELECT 1 FROM accounts WHERE tenant_id = $1 AND account_id = $2 FOR UPDATE")
         .bind(app.tenant_id)
+        .bind(account)
         .execute(&mut conn)
         .await
         .unwrap();

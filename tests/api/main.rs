@@ -5,6 +5,7 @@
 #![allow(clippy::unwrap_used, clippy::print_stdout, clippy::print_stderr)]
 
 mod audit;
+mod batch;
 mod bench_sql;
 mod brownout;
 mod cli;

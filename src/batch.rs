@@ -1,0 +1,168 @@
+//! Payments that arrive together leave together: one statement, one transaction, one commit
+//! for all of them ([`Batcher`]).
+//!
+//! Why: PostgreSQL's cost of a payment is not only its SQL. Each transaction costs a wake-up
+//! of its backend, a round trip, and a commit that waits for its WAL flush, and behind an
+//! HTTP server fewer commits share each flush than behind pgbench (docs/bench/analysis.md).
+//! Batched, a statement carries up to `ONCEPAY_DB_BATCH_MAX` payments and at most
+//! `ONCEPAY_DB_BATCHES_IN_FLIGHT` statements are out per process; while they are, new
+//! payments queue and leave in the next one. At low load a payment leaves alone, at once.
+//!
+//! What stays as it was, and why:
+//! - The key row and the debit still commit in one transaction (the batch's), so the retry
+//!   after a lost answer replays; each item is the same `oncepay_pay` call as alone.
+//! - A failed statement commits nothing. When the connection broke, every item gets the
+//!   same transient failure (the commit may or may not have happened: the client retries
+//!   with its key, as after any lost answer). Any other failure (a duplicate that waited
+//!   too long for its in-flight original, a deadlock, a timeout) is one item's: each item
+//!   then runs again alone and gets its own answer.
+//! - Items run in the order of what they lock (the account), so two batches take their
+//!   account rows in one order and cannot deadlock on them; a key claimed twice with
+//!   different bodies can still make a cycle, which PostgreSQL breaks (40P01) and the
+//!   items then run alone.
+
+use std::sync::Arc;
+
+use prometheus::{Histogram, IntCounter};
+use tokio::sync::{mpsc, oneshot, Semaphore};
+
+use crate::db::{Db, DbError};
+use crate::domain::TenantId;
+use crate::ledger::{Batched, ClaimArgs, Effect, Outcome};
+
+/// How batches are formed.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// Most items in one statement.
+    pub max_items: usize,
+    /// Statements in flight at once.
+    pub in_flight: usize,
+    /// Items waiting beyond this many are refused as [`DbError::Saturated`].
+    pub queue: usize,
+}
+
+/// What a batcher counts, registered by the caller.
+#[derive(Clone)]
+pub struct Counters {
+    /// Items per statement.
+    pub size: Histogram,
+    /// Batches that failed as a whole and whose items ran again alone.
+    pub split: IntCounter,
+}
+
+type Reply<E> = oneshot::Sender<Result<Outcome<<E as Effect>::Row>, DbError>>;
+
+struct Job<E: Batched> {
+    tenant: TenantId,
+    claim: ClaimArgs,
+    effect: E,
+    reply: Reply<E>,
+}
+
+/// Runs effects of one kind in batches (see the module's documentation).
+pub struct Batcher<E: Batched> {
+    queue: mpsc::Sender<Job<E>>,
+}
+
+impl<E: Batched> Batcher<E> {
+    /// Starts the batcher's dispatcher on the current tokio runtime; it stops when the
+    /// batcher is dropped and the queued items have left.
+    pub fn start(db: Db, limits: Limits, counters: Counters) -> Self {
+        let (queue, jobs) = mpsc::channel(limits.queue.max(1));
+        tokio::spawn(dispatch(db, jobs, limits, counters));
+        Self { queue }
+    }
+
+    /// Runs `effect` (in a batch when others are waiting) and gives its outcome.
+    pub async fn run(&self, tenant: TenantId, claim: ClaimArgs, effect: E) -> Result<Outcome<E::Row>, DbError> {
+        let (reply, answer) = oneshot::channel();
+        let job = Job {
+            tenant,
+            claim,
+            effect,
+            reply,
+        };
+        self.queue.try_send(job).map_err(|err| match err {
+            mpsc::error::TrySendError::Full(_) => DbError::Saturated,
+            mpsc::error::TrySendError::Closed(_) => DbError::Transient(sqlx::Error::PoolClosed),
+        })?;
+        // The sender is dropped unanswered only if the batch's task died (a panic).
+        answer
+            .await
+            .unwrap_or(Err(DbError::Transient(sqlx::Error::WorkerCrashed)))
+    }
+}
+
+/// Waits for a free slot, then takes every waiting item (up to the limit) into one batch.
+async fn dispatch<E: Batched>(db: Db, mut jobs: mpsc::Receiver<Job<E>>, limits: Limits, counters: Counters) {
+    let slots = Arc::new(Semaphore::new(limits.in_flight.max(1)));
+    loop {
+        let Ok(slot) = Arc::clone(&slots).acquire_owned().await else {
+            return;
+        };
+        let mut batch = Vec::with_capacity(limits.max_items);
+        if jobs.recv_many(&mut batch, limits.max_items.max(1)).await == 0 {
+            return; // every sender is gone
+        }
+        let (db, counters) = (db.clone(), counters.clone());
+        tokio::spawn(async move {
+            execute(&db, batch, &counters).await;
+            drop(slot);
+        });
+    }
+}
+
+async fn execute<E: Batched>(db: &Db, mut batch: Vec<Job<E>>, counters: &Counters) {
+    counters.size.observe(batch.len() as f64);
+    if batch.len() == 1 {
+        let job = batch.pop().expect("one job");
+        let result = alone(db, &job).await;
+        let _ = job.reply.send(result);
+        return;
+    }
+    batch.sort_by(|a, b| (a.effect.lock_order(), a.claim.key()).cmp(&(b.effect.lock_order(), b.claim.key())));
+    let mut conn = match db.conn().await {
+        Ok(conn) => conn,
+        Err(err) => return answer_all(batch, &err),
+    };
+    let items: Vec<_> = batch.iter().map(|j| (j.tenant, &j.claim, &j.effect)).collect();
+    let result = conn.run(async |c| E::run_batch(c, &items).await).await;
+    drop(items);
+    match result {
+        Ok(outcomes) => {
+            for (job, outcome) in batch.into_iter().zip(outcomes) {
+                let _ = job.reply.send(Ok(outcome));
+            }
+        }
+        Err(err) if conn.is_broken() => answer_all(batch, &err),
+        Err(err) => {
+            // Nothing was committed: each item runs again alone and gets its own answer.
+            drop(conn);
+            counters.split.inc();
+            tracing::info!(error = %err, items = batch.len(), "a batch failed as a whole; its items run alone");
+            futures_util::future::join_all(batch.into_iter().map(async |job| {
+                let result = alone(db, &job).await;
+                let _ = job.reply.send(result);
+            }))
+            .await;
+        }
+    }
+}
+
+/// One item in a statement of its own, as without batching.
+async fn alone<E: Batched>(db: &Db, job: &Job<E>) -> Result<Outcome<E::Row>, DbError> {
+    db.run(async |c| job.effect.run(c, job.tenant, &job.claim).await).await
+}
+
+/// The same failure for every item of a batch that could not run, or whose connection broke.
+fn answer_all<E: Batched>(batch: Vec<Job<E>>, err: &DbError) {
+    for job in batch {
+        let copy = match err {
+            DbError::InProgress => DbError::InProgress,
+            DbError::Saturated => DbError::Saturated,
+            DbError::Transient(e) => DbError::Transient(sqlx::Error::Protocol(e.to_string())),
+            DbError::Other(e) => DbError::Other(sqlx::Error::Decode(e.to_string().into())),
+        };
+        let _ = job.reply.send(Err(copy));
+    }
+}

@@ -1,0 +1,200 @@
+//! Payments several to a statement (src/batch.rs): while every batch slot is busy, new
+//! payments queue and then leave together in one transaction; each still gets its own
+//! answer, and a batch that fails as a whole runs its payments again one by one.
+//!
+//! A slot is held busy by a payment on an account whose row the test keeps locked
+//! (`concurrency::lock_account`).
+
+use std::time::Duration;
+
+use futures_util::future::join_all;
+use serde_json::json;
+use sqlx::PgConnection;
+
+use crate::concurrency::lock_account;
+use crate::helpers::{metric_value, new_key, spawn_app_with, Answer, TestApp, MAIN_BALANCE};
+
+/// Waits (bounded) until `n` of this app's payment statements are blocked by `lock`.
+async fn wait_blocked(app: &TestApp, lock: &mut PgConnection, n: i64) {
+    let holder: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *lock)
+        .await
+        .unwrap();
+    for _ in 0..200 {
+        let blocked: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'oncepay'
+              AND $1 = ANY(pg_blocking_pids(pid)) AND query LIKE '%oncepay_pay%'",
+        )
+        .bind(holder)
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+        if blocked >= n {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("fewer than {n} payments blocked on the lock within 5 s");
+}
+
+fn pay_on(app: &TestApp, key: &str, account: &str, amount: i64) -> impl std::future::Future<Output = Answer> {
+    let (client, url, api_key, key) = (
+        app.client.clone(),
+        app.url("/payments"),
+        app.api_key.clone(),
+        key.to_owned(),
+    );
+    let body = json!({ "amount": amount, "account": account });
+    async move {
+        Answer::from(
+            client
+                .post(url)
+                .bearer_auth(api_key)
+                .header("Idempotency-Key", key)
+                .json(&body)
+                .send()
+                .await
+                .unwrap(),
+        )
+        .await
+    }
+}
+
+/// The `oncepay_db_batch_size` histogram: (statements, payments).
+async fn batches(app: &TestApp) -> (f64, f64) {
+    let metrics = app.metrics().await;
+    (
+        metric_value(&metrics, "oncepay_db_batch_size_count"),
+        metric_value(&metrics, "oncepay_db_batch_size_sum"),
+    )
+}
+
+#[tokio::test]
+async fn payments_that_wait_together_commit_in_one_statement_each_with_its_own_answer() {
+    let app = spawn_app_with(|s| {
+        s.db_batches_in_flight = 1;
+        s.db_batch_max = 32;
+    })
+    .await;
+    app.open_account("blocker", 1_000).await;
+    app.open_account("b", 1_000).await;
+    app.open_account("poor", 5).await;
+    let before = batches(&app).await;
+
+    // The one slot: a payment blocked on a locked account.
+    let mut lock = lock_account(&app, "blocker").await;
+    let first = tokio::spawn(pay_on(&app, &new_key(), "blocker", 1));
+    wait_blocked(&app, &mut lock, 1).await;
+
+    // These queue behind it, then leave together.
+    let (k1, k2, k3, k4) = (new_key(), new_key(), new_key(), new_key());
+    let queued = tokio::spawn(join_all([
+        pay_on(&app, &k1, "main", 10),
+        pay_on(&app, &k1, "main", 10),
+        pay_on(&app, &k2, "b", 20),
+        pay_on(&app, &k3, "poor", 50),
+        pay_on(&app, &k4, "nobody", 1),
+    ]));
+    // Every request reaches the queue well within this (they only parse and hash); the
+    // histogram below fails the test if one did not.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    sqlx::query("COMMIT").execute(&mut lock).await.unwrap();
+
+    assert_eq!(first.await.unwrap().status, 201);
+    let answers = queued.await.unwrap();
+    let after = batches(&app).await;
+    assert_eq!(
+        (after.0 - before.0, after.1 - before.1),
+        (2.0, 6.0),
+        "the blocked payment alone, then the five queued ones in one statement"
+    );
+
+    let (a, b) = (&answers[0], &answers[1]);
+    assert_eq!((a.status, b.status), (201, 201), "{} / {}", a.body, b.body);
+    assert_eq!(a.body, b.body, "the key's second request replays the first's answer");
+    let mut replayed = [a.replayed(), b.replayed()];
+    replayed.sort_unstable();
+    assert_eq!(replayed, [false, true], "one created, one replayed");
+    assert_eq!(answers[2].status, 201, "{}", answers[2].body);
+    answers[3].assert_problem(402, "insufficient_funds");
+    answers[4].assert_problem(404, "account_not_found");
+
+    assert_eq!(app.balance("main").await, MAIN_BALANCE - 10, "charged once");
+    assert_eq!(app.balance("b").await, 980);
+    assert_eq!(app.balance("poor").await, 5);
+    assert_eq!(app.balance("blocker").await, 999);
+    // Each stored result replays alone too, as in a statement of its own.
+    let again = pay_on(&app, &k1, "main", 10).await;
+    assert_eq!((again.status, again.replayed(), &again.body), (201, true, &a.body));
+    pay_on(&app, &k3, "poor", 50)
+        .await
+        .assert_problem(402, "insufficient_funds");
+}
+
+#[tokio::test]
+async fn a_batch_that_fails_as_a_whole_runs_its_payments_one_by_one() {
+    let app = spawn_app_with(|s| {
+        s.db_batches_in_flight = 2;
+        s.db_batch_max = 32;
+        s.inflight_wait = Duration::from_millis(300);
+    })
+    .await;
+    app.open_account("held", 1_000).await;
+    app.open_account("slow", 1_000).await;
+
+    // Slot 1: the original of key `h`, its key row written, blocked on its account.
+    let mut held = lock_account(&app, "held").await;
+    let h = new_key();
+    let original = tokio::spawn(pay_on(&app, &h, "held", 7));
+    wait_blocked(&app, &mut held, 1).await;
+    // Slot 2: another payment, blocked until we let it go.
+    let mut slow = lock_account(&app, "slow").await;
+    let second = tokio::spawn(pay_on(&app, &new_key(), "slow", 1));
+    wait_blocked(&app, &mut slow, 1).await;
+
+    // Queued: a duplicate of the in-flight `h`, and two good payments. In one statement the
+    // duplicate's wait for `h` times out (55P03) and fails the statement with it.
+    let queued = tokio::spawn(join_all([
+        pay_on(&app, &h, "held", 7),
+        pay_on(&app, &new_key(), "main", 10),
+        pay_on(&app, &new_key(), "main", 20),
+    ]));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    sqlx::query("COMMIT").execute(&mut slow).await.unwrap();
+    assert_eq!(second.await.unwrap().status, 201);
+
+    let answers = queued.await.unwrap();
+    answers[0].assert_problem(409, "request_in_progress");
+    assert_eq!(answers[1].status, 201, "{}", answers[1].body);
+    assert_eq!(answers[2].status, 201, "{}", answers[2].body);
+    assert_eq!(
+        app.balance("main").await,
+        MAIN_BALANCE - 30,
+        "both good payments, once each"
+    );
+    let metrics = app.metrics().await;
+    assert_eq!(
+        metric_value(&metrics, "oncepay_db_batches_split_total"),
+        1.0,
+        "the failed batch is counted:\n{metrics}"
+    );
+
+    sqlx::query("COMMIT").execute(&mut held).await.unwrap();
+    let original = original.await.unwrap();
+    assert_eq!(original.status, 201, "{}", original.body);
+    let retry = pay_on(&app, &h, "held", 7).await;
+    assert_eq!(
+        (retry.status, retry.replayed(), &retry.body),
+        (201, true, &original.body)
+    );
+    assert_eq!(app.balance("held").await, 993, "charged once");
+}
+
+#[tokio::test]
+async fn with_batching_off_each_payment_is_a_statement_of_its_own() {
+    let app = spawn_app_with(|s| s.db_batch_max = 1).await;
+    let answers = join_all((0..20).map(|_| pay_on(&app, &new_key(), "main", 1))).await;
+    assert!(answers.iter().all(|a| a.status == 201));
+    assert_eq!(app.balance("main").await, MAIN_BALANCE - 20);
+    assert_eq!(batches(&app).await, (0.0, 0.0), "no batcher runs");
+}
