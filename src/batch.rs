@@ -16,12 +16,17 @@
 //!   with its key, as after any lost answer). Any other failure (a duplicate that waited
 //!   too long for its in-flight original, a deadlock, a timeout) is one item's: each item
 //!   then runs again alone and gets its own answer.
+//! - A duplicate in a batch waits for its in-flight original at most
+//!   [`IN_BATCH_INFLIGHT_WAIT`], not `ONCEPAY_INFLIGHT_WAIT_MS`: meanwhile it holds the
+//!   account rows its batch's earlier items locked. Past that the batch splits, and alone it
+//!   waits the full time, holding nothing else.
 //! - Items run in the order of what they lock (the account), so two batches take their
 //!   account rows in one order and cannot deadlock on them; a key claimed twice with
 //!   different bodies can still make a cycle, which PostgreSQL breaks (40P01) and the
 //!   items then run alone.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use prometheus::{Histogram, IntCounter};
 use tokio::sync::{mpsc, oneshot, Semaphore};
@@ -29,6 +34,10 @@ use tokio::sync::{mpsc, oneshot, Semaphore};
 use crate::db::{Db, DbError};
 use crate::domain::TenantId;
 use crate::ledger::{Batched, ClaimArgs, Effect, Outcome};
+
+/// The longest a payment in a batch waits for its key's in-flight original before the batch
+/// gives up and splits. An original normally finishes within one batch's time (a few ms).
+pub const IN_BATCH_INFLIGHT_WAIT: Duration = Duration::from_millis(200);
 
 /// How batches are formed.
 #[derive(Clone, Copy, Debug)]
@@ -125,9 +134,16 @@ async fn execute<E: Batched>(db: &Db, mut batch: Vec<Job<E>>, counters: &Counter
         Ok(conn) => conn,
         Err(err) => return answer_all(batch, &err),
     };
+    let waits: Vec<i32> = batch
+        .iter_mut()
+        .map(|j| j.claim.cap_inflight_wait(IN_BATCH_INFLIGHT_WAIT))
+        .collect();
     let items: Vec<_> = batch.iter().map(|j| (j.tenant, &j.claim, &j.effect)).collect();
     let result = conn.run(async |c| E::run_batch(c, &items).await).await;
     drop(items);
+    for (job, wait) in batch.iter_mut().zip(waits) {
+        job.claim.restore_inflight_wait(wait);
+    }
     match result {
         Ok(outcomes) => {
             for (job, outcome) in batch.into_iter().zip(outcomes) {

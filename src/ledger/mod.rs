@@ -47,16 +47,32 @@ impl ClaimArgs {
             method: spec.method.to_owned(),
             path,
             window_secs: claim.map_or(0, Claim::window_secs),
-            inflight_wait_ms: i32::try_from(inflight_wait.as_millis()).unwrap_or(i32::MAX),
+            inflight_wait_ms: millis(inflight_wait),
             success_status: i16::try_from(spec.success_status).unwrap_or(i16::MAX),
             decline_statuses: spec.decline_statuses(),
         }
+    }
+
+    /// Shortens the wait for an in-flight original to at most `wait`; gives the wait it had.
+    pub fn cap_inflight_wait(&mut self, wait: std::time::Duration) -> i32 {
+        let had = self.inflight_wait_ms;
+        self.inflight_wait_ms = had.min(millis(wait));
+        had
+    }
+
+    /// Restores a wait given by [`ClaimArgs::cap_inflight_wait`].
+    pub fn restore_inflight_wait(&mut self, had: i32) {
+        self.inflight_wait_ms = had;
     }
 
     /// The idempotency key (`None` for a keyless request under policy `allow`).
     pub fn key(&self) -> Option<&str> {
         self.key.as_deref()
     }
+}
+
+fn millis(d: std::time::Duration) -> i32 {
+    i32::try_from(d.as_millis()).unwrap_or(i32::MAX)
 }
 
 /// The answer of an operation that was not refused.

@@ -5,7 +5,7 @@
 //! A slot is held busy by a payment on an account whose row the test keeps locked
 //! (`concurrency::lock_account`).
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures_util::future::join_all;
 use serde_json::json;
@@ -136,7 +136,7 @@ async fn a_batch_that_fails_as_a_whole_runs_its_payments_one_by_one() {
     let app = spawn_app_with(|s| {
         s.db_batches_in_flight = 2;
         s.db_batch_max = 32;
-        s.inflight_wait = Duration::from_millis(300);
+        s.inflight_wait = Duration::from_secs(3);
     })
     .await;
     app.open_account("held", 1_000).await;
@@ -153,17 +153,33 @@ async fn a_batch_that_fails_as_a_whole_runs_its_payments_one_by_one() {
     wait_blocked(&app, &mut slow, 1).await;
 
     // Queued: a duplicate of the in-flight `h`, and two good payments. In one statement the
-    // duplicate's wait for `h` times out (55P03) and fails the statement with it.
+    // duplicate's wait for `h` times out (55P03, after the in-batch wait of 200 ms rather
+    // than the 3 s it may wait alone) and fails the statement with it.
+    let timed = |answer| async move {
+        let start = Instant::now();
+        let answer = answer.await;
+        (answer, start.elapsed())
+    };
     let queued = tokio::spawn(join_all([
-        pay_on(&app, &h, "held", 7),
-        pay_on(&app, &new_key(), "main", 10),
-        pay_on(&app, &new_key(), "main", 20),
+        timed(pay_on(&app, &h, "held", 7)),
+        timed(pay_on(&app, &new_key(), "main", 10)),
+        timed(pay_on(&app, &new_key(), "main", 20)),
     ]));
     tokio::time::sleep(Duration::from_millis(500)).await;
     sqlx::query("COMMIT").execute(&mut slow).await.unwrap();
     assert_eq!(second.await.unwrap().status, 201);
 
-    let answers = queued.await.unwrap();
+    let (answers, took): (Vec<Answer>, Vec<Duration>) = queued.await.unwrap().into_iter().unzip();
+    // The good payments did not wait out the duplicate's 3 s (their batch split after
+    // 200 ms); the duplicate, alone, did. Margins of seconds: a busy machine passes.
+    assert!(
+        took[0] >= Duration::from_secs(3),
+        "the duplicate waited its full time: {took:?}"
+    );
+    assert!(
+        took[1] < Duration::from_millis(2_500) && took[2] < Duration::from_millis(2_500),
+        "the good payments were not held for the duplicate's full wait: {took:?}"
+    );
     answers[0].assert_problem(409, "request_in_progress");
     assert_eq!(answers[1].status, 201, "{}", answers[1].body);
     assert_eq!(answers[2].status, 201, "{}", answers[2].body);
