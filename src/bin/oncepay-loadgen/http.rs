@@ -62,7 +62,7 @@ impl Args {
     /// Requests the step sends at most: the key sets are fixed in size.
     fn quota(&self) -> Option<u64> {
         match self.step.scenario.as_str() {
-            "seed" | "storm-seed" => Some(self.replay_keys),
+            "seed" | "warm" | "storm-seed" => Some(self.replay_keys),
             "storm" => Some(self.replay_keys * self.passes),
             _ => self.requests,
         }
@@ -126,11 +126,12 @@ fn request(scenario: &str, worker: u64, seq: u64, args: &Args) -> anyhow::Result
             replayed: Some(true),
             instance: None,
         },
-        // Keys the replay scenario replays, each sent once: worker w takes w, w + n, ...
-        "seed" => Request {
+        // Keys the replay scenario replays, each sent once: worker w takes w, w + n, ...;
+        // made by `seed`, replayed once each by `warm` (which fills a replay cache).
+        "seed" | "warm" => Request {
             key: Some((REPLAY_KEY_BASE + seq * u64::from(args.step.concurrency) + worker).to_string()),
             body: json!({"amount": 1, "account": "0"}),
-            replayed: Some(false),
+            replayed: Some(scenario == "warm"),
             instance: None,
         },
         // No key, policy `fingerprint`: a unique amount keeps every body (and so its derived key) new.
@@ -140,7 +141,9 @@ fn request(scenario: &str, worker: u64, seq: u64, args: &Args) -> anyhow::Result
             replayed: Some(false),
             instance: None,
         },
-        other => bail!("unknown scenario {other:?} (new, hot, replay, seed, keyless, one-key, storm-seed, storm)"),
+        other => {
+            bail!("unknown scenario {other:?} (new, hot, replay, seed, warm, keyless, one-key, storm-seed, storm)")
+        }
     })
 }
 
