@@ -238,6 +238,23 @@ mod tests {
     }
 
     #[test]
+    fn batch_settings_out_of_range_are_refused() {
+        let base = settings("postgres://oncepay@127.0.0.1:55130/oncepay", None);
+        assert!(base.validate().is_ok());
+        let with = |max: usize, in_flight: usize| Settings {
+            db_batch_max: max,
+            db_batches_in_flight: in_flight,
+            ..base.clone()
+        };
+        assert!(with(1, 1).validate().is_ok(), "1: each payment alone");
+        assert!(with(1_000, 8).validate().is_ok());
+        for (max, in_flight) in [(0, 2), (1_001, 2), (32, 0)] {
+            let err = with(max, in_flight).validate().unwrap_err().to_string();
+            assert!(err.contains("ONCEPAY_DB_BATCH_MAX"), "{max}/{in_flight}: {err}");
+        }
+    }
+
+    #[test]
     fn debug_hides_the_database_password_and_the_admin_token() {
         let shown = format!(
             "{:?}",

@@ -214,3 +214,37 @@ async fn with_batching_off_each_payment_is_a_statement_of_its_own() {
     assert_eq!(app.balance("main").await, MAIN_BALANCE - 20);
     assert_eq!(batches(&app).await, (0.0, 0.0), "no batcher runs");
 }
+
+#[tokio::test]
+async fn payments_beyond_the_batch_queue_are_refused_as_overloaded_and_change_nothing() {
+    // One slot, batches of 2: the queue holds 2 x 1 x 4 = 8 payments.
+    let app = spawn_app_with(|s| {
+        s.db_batches_in_flight = 1;
+        s.db_batch_max = 2;
+    })
+    .await;
+    app.open_account("blocker", 1_000).await;
+    let mut lock = lock_account(&app, "blocker").await;
+    let first = tokio::spawn(pay_on(&app, &new_key(), "blocker", 1));
+    wait_blocked(&app, &mut lock, 1).await;
+
+    let sent = tokio::spawn(join_all(
+        (0..12).map(|_| pay_on(&app, &new_key(), "main", 1)).collect::<Vec<_>>(),
+    ));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    sqlx::query("COMMIT").execute(&mut lock).await.unwrap();
+    assert_eq!(first.await.unwrap().status, 201);
+
+    let answers = sent.await.unwrap();
+    let refused: Vec<&Answer> = answers.iter().filter(|a| a.status == 429).collect();
+    for answer in &refused {
+        answer.assert_problem(429, "overloaded");
+    }
+    assert_eq!(refused.len(), 4, "the four beyond the queue");
+    assert_eq!(answers.iter().filter(|a| a.status == 201).count(), 8);
+    assert_eq!(
+        app.balance("main").await,
+        MAIN_BALANCE - 8,
+        "a refused payment charged nothing"
+    );
+}
