@@ -10,16 +10,20 @@ use std::time::{Duration, Instant};
 use futures_util::future::join_all;
 use serde_json::json;
 use sqlx::PgConnection;
+use tokio::task::JoinHandle;
 
 use crate::concurrency::lock_account;
 use crate::helpers::{metric_value, new_key, spawn_app_with, Answer, TestApp, MAIN_BALANCE};
 
-/// Waits (bounded) until `n` of this app's payment statements are blocked by `lock`.
-async fn wait_blocked(app: &TestApp, lock: &mut PgConnection, n: i64) {
+/// Holds one batch slot busy: a payment with `key` on `account` (which must exist), blocked on
+/// the account's row, locked by the test until it commits the returned connection.
+async fn hold_slot(app: &TestApp, key: &str, account: &str) -> (PgConnection, JoinHandle<Answer>) {
+    let mut lock = lock_account(app, account).await;
     let holder: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
-        .fetch_one(&mut *lock)
+        .fetch_one(&mut lock)
         .await
         .unwrap();
+    let payment = tokio::spawn(pay_on(app, key, account, 1));
     for _ in 0..200 {
         let blocked: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'oncepay'
@@ -29,12 +33,12 @@ async fn wait_blocked(app: &TestApp, lock: &mut PgConnection, n: i64) {
         .fetch_one(&app.pool)
         .await
         .unwrap();
-        if blocked >= n {
-            return;
+        if blocked >= 1 {
+            return (lock, payment);
         }
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
-    panic!("fewer than {n} payments blocked on the lock within 5 s");
+    panic!("no payment blocked on the lock of {account} within 5 s");
 }
 
 fn pay_on(app: &TestApp, key: &str, account: &str, amount: i64) -> impl std::future::Future<Output = Answer> {
@@ -82,9 +86,7 @@ async fn payments_that_wait_together_commit_in_one_statement_each_with_its_own_a
     let before = batches(&app).await;
 
     // The one slot: a payment blocked on a locked account.
-    let mut lock = lock_account(&app, "blocker").await;
-    let first = tokio::spawn(pay_on(&app, &new_key(), "blocker", 1));
-    wait_blocked(&app, &mut lock, 1).await;
+    let (mut lock, first) = hold_slot(&app, &new_key(), "blocker").await;
 
     // These queue behind it, then leave together.
     let (k1, k2, k3, k4) = (new_key(), new_key(), new_key(), new_key());
@@ -143,14 +145,10 @@ async fn a_batch_that_fails_as_a_whole_runs_its_payments_one_by_one() {
     app.open_account("slow", 1_000).await;
 
     // Slot 1: the original of key `h`, its key row written, blocked on its account.
-    let mut held = lock_account(&app, "held").await;
     let h = new_key();
-    let original = tokio::spawn(pay_on(&app, &h, "held", 7));
-    wait_blocked(&app, &mut held, 1).await;
+    let (mut held, original) = hold_slot(&app, &h, "held").await;
     // Slot 2: another payment, blocked until we let it go.
-    let mut slow = lock_account(&app, "slow").await;
-    let second = tokio::spawn(pay_on(&app, &new_key(), "slow", 1));
-    wait_blocked(&app, &mut slow, 1).await;
+    let (mut slow, second) = hold_slot(&app, &new_key(), "slow").await;
 
     // Queued: a duplicate of the in-flight `h`, and two good payments. In one statement the
     // duplicate's wait for `h` times out (55P03, after the in-batch wait of 200 ms rather
@@ -161,7 +159,7 @@ async fn a_batch_that_fails_as_a_whole_runs_its_payments_one_by_one() {
         (answer, start.elapsed())
     };
     let queued = tokio::spawn(join_all([
-        timed(pay_on(&app, &h, "held", 7)),
+        timed(pay_on(&app, &h, "held", 1)),
         timed(pay_on(&app, &new_key(), "main", 10)),
         timed(pay_on(&app, &new_key(), "main", 20)),
     ]));
@@ -198,12 +196,12 @@ async fn a_batch_that_fails_as_a_whole_runs_its_payments_one_by_one() {
     sqlx::query("COMMIT").execute(&mut held).await.unwrap();
     let original = original.await.unwrap();
     assert_eq!(original.status, 201, "{}", original.body);
-    let retry = pay_on(&app, &h, "held", 7).await;
+    let retry = pay_on(&app, &h, "held", 1).await;
     assert_eq!(
         (retry.status, retry.replayed(), &retry.body),
         (201, true, &original.body)
     );
-    assert_eq!(app.balance("held").await, 993, "charged once");
+    assert_eq!(app.balance("held").await, 999, "charged once");
 }
 
 #[tokio::test]
@@ -224,9 +222,7 @@ async fn payments_beyond_the_batch_queue_are_refused_as_overloaded_and_change_no
     })
     .await;
     app.open_account("blocker", 1_000).await;
-    let mut lock = lock_account(&app, "blocker").await;
-    let first = tokio::spawn(pay_on(&app, &new_key(), "blocker", 1));
-    wait_blocked(&app, &mut lock, 1).await;
+    let (mut lock, first) = hold_slot(&app, &new_key(), "blocker").await;
 
     let sent = tokio::spawn(join_all(
         (0..12).map(|_| pay_on(&app, &new_key(), "main", 1)).collect::<Vec<_>>(),
