@@ -8,6 +8,10 @@
 //! `ONCEPAY_DB_BATCHES_IN_FLIGHT` statements are out per process; while they are, new
 //! payments queue and leave in the next one. At low load a payment leaves alone, at once.
 //!
+//! A payment waits for a slot at most `ONCEPAY_DB_ACQUIRE_TIMEOUT_MS`, as a request waits
+//! for a pooled connection, and is then refused (429) without having run; one already in a
+//! batch is always answered with what its batch did.
+//!
 //! What stays as it was, and why:
 //! - The key row and the debit still commit in one transaction (the batch's), so the retry
 //!   after a lost answer replays; each item is the same `oncepay_pay` call as alone.
@@ -25,6 +29,7 @@
 //!   different bodies can still make a cycle, which PostgreSQL breaks (40P01) and the
 //!   items then run alone.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -48,6 +53,11 @@ pub struct Limits {
     pub in_flight: usize,
     /// Items waiting beyond this many are refused as [`DbError::Saturated`].
     pub queue: usize,
+    /// An item still waiting for a slot after this long is refused as [`DbError::Saturated`]
+    /// (`ONCEPAY_DB_ACQUIRE_TIMEOUT_MS`, as a request waits for a pooled connection): when
+    /// the slots are stuck (a database that stopped answering), clients hear 429 at once
+    /// instead of queueing for the statement timeout.
+    pub queue_wait: Duration,
 }
 
 /// What a batcher counts, registered by the caller.
@@ -66,11 +76,15 @@ struct Job<E: Batched> {
     claim: ClaimArgs,
     effect: E,
     reply: Reply<E>,
+    /// Set by whichever comes first: the dispatcher taking the item into a batch, or its
+    /// waiter giving up after [`Limits::queue_wait`]. An item is never both run and refused.
+    taken: Arc<AtomicBool>,
 }
 
 /// Runs effects of one kind in batches (see the module's documentation).
 pub struct Batcher<E: Batched> {
     queue: mpsc::Sender<Job<E>>,
+    queue_wait: Duration,
 }
 
 impl<E: Batched> Batcher<E> {
@@ -79,26 +93,36 @@ impl<E: Batched> Batcher<E> {
     pub fn start(db: Db, limits: Limits, counters: Counters) -> Self {
         let (queue, jobs) = mpsc::channel(limits.queue.max(1));
         tokio::spawn(dispatch(db, jobs, limits, counters));
-        Self { queue }
+        Self {
+            queue,
+            queue_wait: limits.queue_wait,
+        }
     }
 
     /// Runs `effect` (in a batch when others are waiting) and gives its outcome.
     pub async fn run(&self, tenant: TenantId, claim: ClaimArgs, effect: E) -> Result<Outcome<E::Row>, DbError> {
-        let (reply, answer) = oneshot::channel();
+        let (reply, mut answer) = oneshot::channel();
+        let taken = Arc::new(AtomicBool::new(false));
         let job = Job {
             tenant,
             claim,
             effect,
             reply,
+            taken: Arc::clone(&taken),
         };
         self.queue.try_send(job).map_err(|err| match err {
             mpsc::error::TrySendError::Full(_) => DbError::Saturated,
             mpsc::error::TrySendError::Closed(_) => DbError::Transient(sqlx::Error::PoolClosed),
         })?;
         // The sender is dropped unanswered only if the batch's task died (a panic).
-        answer
-            .await
-            .unwrap_or(Err(DbError::Transient(sqlx::Error::WorkerCrashed)))
+        let crashed = || Err(DbError::Transient(sqlx::Error::WorkerCrashed));
+        match tokio::time::timeout(self.queue_wait, &mut answer).await {
+            Ok(result) => result.unwrap_or_else(|_| crashed()),
+            // Still queued: refused, and the dispatcher will skip it. Already in a batch: it
+            // runs, so its answer is awaited (a refusal now could hide a commit).
+            Err(_) if !taken.swap(true, Ordering::AcqRel) => Err(DbError::Saturated),
+            Err(_) => answer.await.unwrap_or_else(|_| crashed()),
+        }
     }
 }
 
@@ -112,6 +136,11 @@ async fn dispatch<E: Batched>(db: Db, mut jobs: mpsc::Receiver<Job<E>>, limits: 
         let mut batch = Vec::with_capacity(limits.max_items);
         if jobs.recv_many(&mut batch, limits.max_items.max(1)).await == 0 {
             return; // every sender is gone
+        }
+        // Those whose waiter gave up were answered 429 and must not run.
+        batch.retain(|job| !job.taken.swap(true, Ordering::AcqRel));
+        if batch.is_empty() {
+            continue;
         }
         let (db, counters) = (db.clone(), counters.clone());
         tokio::spawn(async move {

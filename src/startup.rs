@@ -44,6 +44,7 @@ impl Application {
                 in_flight: settings.db_batches_in_flight,
                 // As many as could wait for a pooled connection without batching.
                 queue: settings.db_batch_max * settings.db_batches_in_flight * 4,
+                queue_wait: settings.db_acquire_timeout,
             };
             Batcher::start(db.clone(), limits, metrics.batch.clone())
         });

@@ -244,3 +244,32 @@ async fn payments_beyond_the_batch_queue_are_refused_as_overloaded_and_change_no
         "a refused payment charged nothing"
     );
 }
+
+#[tokio::test]
+async fn a_payment_that_waits_for_a_slot_past_the_acquire_timeout_gets_429_and_never_runs() {
+    let app = spawn_app_with(|s| {
+        s.db_batches_in_flight = 1;
+        s.db_acquire_timeout = Duration::from_millis(300);
+    })
+    .await;
+    app.open_account("blocker", 1_000).await;
+    let (mut lock, first) = hold_slot(&app, &new_key(), "blocker").await;
+
+    let keys: Vec<String> = (0..5).map(|_| new_key()).collect();
+    let answers = join_all(keys.iter().map(|k| pay_on(&app, k, "main", 1))).await;
+    for answer in &answers {
+        answer.assert_problem(429, "overloaded");
+    }
+
+    sqlx::query("COMMIT").execute(&mut lock).await.unwrap();
+    assert_eq!(first.await.unwrap().status, 201);
+    // The slot is free again; the refused payments, still in the queue, are skipped.
+    let again = pay_on(&app, &keys[0], "main", 1).await;
+    assert_eq!((again.status, again.replayed()), (201, false), "{}", again.body);
+    assert_eq!(app.balance("main").await, MAIN_BALANCE - 1, "only the retry charged");
+    assert_eq!(
+        app.key_count().await,
+        3,
+        "the account's, the held payment's and the retry's"
+    );
+}

@@ -16,7 +16,15 @@ use crate::ledger::{self, Ledger, Outcome};
 async fn an_exhausted_pool_answers_429_at_once_instead_of_queueing() {
     let pool = harness::pool().await;
     let tenant = harness::tenant(&pool).await;
-    let server = Server::start(&[("ONCEPAY_DB_POOL_SIZE", "2"), ("ONCEPAY_DB_ACQUIRE_TIMEOUT_MS", "300")]).await;
+    // Each payment in a statement of its own, so that the two holders hold the pool's two
+    // connections (batched, they could share one statement and one connection). The batch
+    // queue's own bound is tests/api/batch.rs.
+    let server = Server::start(&[
+        ("ONCEPAY_DB_POOL_SIZE", "2"),
+        ("ONCEPAY_DB_ACQUIRE_TIMEOUT_MS", "300"),
+        ("ONCEPAY_DB_BATCH_MAX", "1"),
+    ])
+    .await;
     let client = ledger::client();
     let ledger = Ledger::new(42);
 
