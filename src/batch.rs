@@ -170,9 +170,6 @@ async fn execute<E: Batched>(db: &Db, mut batch: Vec<Job<E>>, counters: &Counter
     let items: Vec<_> = batch.iter().map(|j| (j.tenant, &j.claim, &j.effect)).collect();
     let result = conn.run(async |c| E::run_batch(c, &items).await).await;
     drop(items);
-    for (job, wait) in batch.iter_mut().zip(waits) {
-        job.claim.restore_inflight_wait(wait);
-    }
     match result {
         Ok(outcomes) => {
             for (job, outcome) in batch.into_iter().zip(outcomes) {
@@ -181,8 +178,12 @@ async fn execute<E: Batched>(db: &Db, mut batch: Vec<Job<E>>, counters: &Counter
         }
         Err(err) if conn.is_broken() => answer_all(batch, &err),
         Err(err) => {
-            // Nothing was committed: each item runs again alone and gets its own answer.
+            // Nothing was committed: each item runs again alone, with its full wait, and
+            // gets its own answer.
             drop(conn);
+            for (job, wait) in batch.iter_mut().zip(waits) {
+                job.claim.restore_inflight_wait(wait);
+            }
             counters.split.inc();
             tracing::info!(error = %err, items = batch.len(), "a batch failed as a whole; its items run alone");
             futures_util::future::join_all(batch.into_iter().map(async |job| {
