@@ -13,7 +13,8 @@ stop_pids() {
 bench_database() {
   local admin_url="$1" url="$2" bin="$3" accounts="$4" policy="${5:-fingerprint}" db tenant_json
   db="${url##*/}"
-  psql -X -q "$admin_url" -c "DROP DATABASE IF EXISTS $db WITH (FORCE)" -c "CREATE DATABASE $db" >/dev/null
+  psql -X -q "$admin_url" -c "SET client_min_messages = warning" -c "DROP DATABASE IF EXISTS $db WITH (FORCE)" \
+    -c "CREATE DATABASE $db" >/dev/null
   DATABASE_URL="$url" "$bin" migrate 2>/dev/null
   tenant_json="$(DATABASE_URL="$url" "$bin" tenant create --name bench --missing-key-policy "$policy" 2>/dev/null)"
   tenant="$(sed -n 's/.*"tenant_id":"\([^"]*\)".*/\1/p' <<<"$tenant_json")"

@@ -10,9 +10,9 @@
 # PNG charts to $BENCH_OUT (docs/bench for the full run, target/bench-quick for the quick one).
 #
 # It builds in release mode, starts the local PostgreSQL if needed (scripts/db.sh, port
-# ONCEPAY_PG_PORT), recreates the databases oncepay_bench and oncepay_yardstick, starts seven
-# oncepay instances on BENCH_PORT.. (RUST_LOG=warn: the per-request info line costs CPU that is
-# not oncepay's protocol) and stops them by pid on exit.
+# ONCEPAY_PG_PORT), recreates the databases oncepay_bench, oncepay_bench_empty and
+# oncepay_yardstick, starts eight oncepay instances on BENCH_PORT.. (RUST_LOG=warn: the
+# per-request info line costs CPU that is not oncepay's protocol) and stops them by pid on exit.
 set -euo pipefail
 top="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$top"
@@ -36,6 +36,8 @@ fi
 port="${BENCH_PORT:-18131}"
 db="${BENCH_DB:-oncepay_bench}"
 ydb="${BENCH_YARDSTICK_DB:-oncepay_yardstick}"
+# An empty key table measured next to the largest one (growth, below).
+edb="${db}_empty"
 replay_keys=10000
 accounts=10000
 # The retry storm replays each of its 10,000 keys this many times.
@@ -66,7 +68,7 @@ pids=()
 cleanup() {
   stop_pids
   psql -X -q "$admin_url" -c "DROP DATABASE IF EXISTS $db WITH (FORCE)" -c "DROP DATABASE IF EXISTS $ydb WITH (FORCE)" \
-    >/dev/null 2>&1 || true
+    -c "DROP DATABASE IF EXISTS $edb WITH (FORCE)" >/dev/null 2>&1 || true
 }
 trap cleanup EXIT
 
@@ -90,7 +92,8 @@ bench_database "$admin_url" "$url" "$bin" "$accounts"
 export DATABASE_URL="$url"
 
 say "yardstick database $ydb"
-psql -X -q "$admin_url" -c "DROP DATABASE IF EXISTS $ydb WITH (FORCE)" -c "CREATE DATABASE $ydb" >/dev/null
+psql -X -q "$admin_url" -c "SET client_min_messages = warning" -c "DROP DATABASE IF EXISTS $ydb WITH (FORCE)" \
+  -c "CREATE DATABASE $ydb" >/dev/null
 psql -X -q -v ON_ERROR_STOP=1 -v accounts="$accounts" -v replay_keys=100 -d "$yurl" -f "$yard/schema.sql" >/dev/null
 # As many finished keys as oncepay's table gets from the seeding below, made by its own
 # pay_once, then analysed: with its 100 keys alone the planner sees a two-page key table and
@@ -158,6 +161,8 @@ http() { # scenario concurrency key_rows round [side urls pids] [extra loadgen a
 # oncepay's connections carry these from their start-up packet (src/db.rs); pgbench's alone
 # get them (psql's fills must not inherit the statement timeout).
 pgoptions="-c lock_timeout=5000ms -c statement_timeout=15000ms -c idle_in_transaction_session_timeout=60s"
+# (http and pgb read `api_key`, `url` and `tenant` when called: `url=... tenant=... pgb ...` runs
+# one step on another database, as bash sets such assignments for the function's run only.)
 pgb() { # script scenario concurrency key_rows round [-D name=value ...]
   local script="$1" scenario="$2" c="$3" rows="$4" round="$5"
   shift 5
@@ -232,11 +237,25 @@ for round in $(seq "$rounds"); do
   storm "$round" off "$three_off" "$three_off_pids"
 done
 
-growth() { # rows
+# The largest table's new payments are compared with an empty table's measured next to them,
+# in the same round, rather than with the 0-row steps of minutes before: across minutes this
+# shared host drifts more than the table costs (the ratio read 0.76 from steps 10 minutes
+# apart at 11:42, and 1.03 alternated by hand at 12:31: docs/bench/analysis.md). The empty
+# table is a second database, made as the first, with an instance of its own; its steps carry
+# this note, which the report looks for (src/bin/oncepay-bench-report/summary.rs, BESIDE).
+beside="empty key table, beside the largest"
+beside_steps() { # round
+  url="$eurl" tenant="$etenant" pgb pay new 32 0 "$1" -D "accounts=$accounts" --note "$beside"
+  api_key="$eapi_key" http new 32 0 "$1" oncepay "$eu" "$epid" --note "$beside"
+}
+growth() { # rows [beside]
   for round in $(seq "$rounds"); do
-    say "round $round: $1 key rows"
+    say "round $round: $1 key rows${2:+, and an empty table beside}"
+    # Odd rounds measure the empty table first, even ones last: neither goes first every time.
+    if [ -n "${2:-}" ] && [ $((round % 2)) = 1 ]; then beside_steps "$round"; fi
     pgb pay new 32 "$1" "$round" -D "accounts=$accounts"
     http new 32 "$1" "$round"
+    if [ -n "${2:-}" ] && [ $((round % 2)) = 0 ]; then beside_steps "$round"; fi
     pgb replay replay 32 "$1" "$round" -D "replay_keys=$replay_keys" -D account=0
     http replay 32 "$1" "$round"
   done
@@ -261,8 +280,21 @@ echo "milliseconds: $((($(date +%s%N) - purge_started) / 1000000))" >>"$out/purg
 
 say "filling $big key rows"
 sql -v tenant="$tenant" -v rows="$big" -v age='0 days' -f bench/sql/fill_keys.sql
+say "database $edb (an empty key table) and its instance"
+main_tenant="$tenant" main_api_key="$api_key"
+eurl="$(scripts/db.sh url "$edb")"
+bench_database "$admin_url" "$eurl" "$bin" "$accounts"
+etenant="$tenant" eapi_key="$api_key" tenant="$main_tenant" api_key="$main_api_key"
+start 7 DATABASE_URL="$eurl"
+eu="http://127.0.0.1:$((port + 7))" epid="${pids[-1]}"
+servers=("${pids[@]}")
+# A fresh instance's first seconds are slower (its pool fills; 3,756/s against 4,792 and
+# 5,115 by hand at 12:31): warm it, unmeasured.
+"$lg" http --urls "$eu" --api-key "$eapi_key" --scenario new --concurrency 32 --duration-secs 3 \
+  --accounts "$accounts" >/dev/null
+psql -X -q -v ON_ERROR_STOP=1 "$eurl" -c "VACUUM (ANALYZE)"
 settle
-growth "$big"
+growth "$big" beside
 
 say "report"
 target/release/oncepay-bench-report --input "$results" --machine "$out/machine.txt" --out "$out" --font "$font"
