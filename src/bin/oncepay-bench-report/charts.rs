@@ -6,7 +6,7 @@ use std::path::Path;
 use plotters::prelude::*;
 use plotters::style::{register_font, FontStyle};
 
-use crate::summary::{cpu_groups, key, sizes, Groups};
+use crate::summary::{beside_largest, cpu_groups, key, sizes, Groups};
 
 struct Chart<'a> {
     file: &'a str,
@@ -64,6 +64,14 @@ pub fn draw(groups: &Groups, out: &Path, font: &'static [u8]) -> anyhow::Result<
         {
             let sizes = sizes(groups);
             let at = |side: &str, scenario: &str| sizes.iter().map(|&s| throughput(side, scenario, 32, s)).collect();
+            // The empty table measured in the largest one's rounds: one point, above the largest
+            // size, which says what the machine did in those minutes without the rows.
+            let beside = |side: &str| {
+                let last = sizes.len().saturating_sub(1);
+                (0..sizes.len())
+                    .map(|i| beside_largest(groups, side).filter(|_| i == last).map(|g| g.throughput))
+                    .collect()
+            };
             Chart {
                 file: "throughput_vs_key_rows.png",
                 title: "Throughput against key-table size, concurrency 32",
@@ -75,6 +83,8 @@ pub fn draw(groups: &Groups, out: &Path, font: &'static [u8]) -> anyhow::Result<
                     ("oncepay new".into(), at("oncepay", "new")),
                     ("pgbench replay".into(), at("pgbench", "replay")),
                     ("oncepay replay".into(), at("oncepay", "replay")),
+                    ("pgbench new, empty table, same rounds".into(), beside("pgbench")),
+                    ("oncepay new, empty table, same rounds".into(), beside("oncepay")),
                 ],
             }
         },

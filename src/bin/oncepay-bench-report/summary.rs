@@ -115,7 +115,16 @@ pub const YARDSTICK: &str = "yardstick";
 /// The note of the new-payment steps on an empty key table that scripts/bench.sh runs in each
 /// round next to the largest table's: the largest table is compared with these, not with the
 /// 0-row steps of minutes before, across which the shared host drifts.
-pub const BESIDE: &str = "empty key table, beside the largest";
+const BESIDE: &str = "empty key table, beside the largest";
+
+/// The new-payment group of `side` (oncepay or pgbench) on the empty key table that ran in the
+/// largest table's rounds (c=32).
+pub fn beside_largest<'a>(groups: &'a Groups, side: &str) -> Option<&'a Group> {
+    groups.get(&Key {
+        note: BESIDE.to_owned(),
+        ..key(side, "new", 32, 0)
+    })
+}
 
 fn is_limit(side: &str) -> bool {
     side == "pgbench" || side == YARDSTICK
@@ -228,12 +237,6 @@ fn yardstick_targets(groups: &Groups) -> Vec<Target> {
 
 fn targets(groups: &Groups) -> Vec<Target> {
     let get = |side: &str, scenario: &str, c: u32, rows: u64| groups.get(&key(side, scenario, c, rows));
-    let beside = |side: &str| {
-        groups.get(&Key {
-            note: BESIDE.to_owned(),
-            ..key(side, "new", 32, 0)
-        })
-    };
     let sizes = sizes(groups);
     let (small, big) = (sizes.get(1).copied(), sizes.last().copied().filter(|&b| b > 0));
     let new32 = get("oncepay", "new", 32, 0);
@@ -279,11 +282,11 @@ fn targets(groups: &Groups) -> Vec<Target> {
             goal: ">= 0.8",
             value: big
                 .and_then(|b| get("oncepay", "new", 32, b))
-                .zip(beside("oncepay"))
+                .zip(beside_largest(groups, "oncepay"))
                 .map(|(b, z)| b.throughput / z.throughput),
             limit: big
                 .and_then(|b| get("pgbench", "new", 32, b))
-                .zip(beside("pgbench"))
+                .zip(beside_largest(groups, "pgbench"))
                 .map(|(b, z)| b.throughput / z.throughput),
             met: |v| v >= 0.8,
         },
