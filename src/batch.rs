@@ -9,39 +9,48 @@
 //! payments queue and leave in the next one. At low load a payment leaves alone, at once.
 //!
 //! A payment waits for a slot at most `ONCEPAY_DB_ACQUIRE_TIMEOUT_MS`, as a request waits
-//! for a pooled connection, and is then refused (429) without having run; one already in a
+//! for a pooled connection, and is then refused (429) without having run; one held back as a
+//! duplicate of a payment still running (below) waits as a duplicate does, up to
+//! `ONCEPAY_INFLIGHT_WAIT_MS`, then answers 409 `request_in_progress`. One already in a
 //! batch is always answered with what its batch did.
 //!
-//! What stays as it was, and why:
-//! - The key row and the debit still commit in one transaction (the batch's), so the retry
+//! The rules that keep the promise, and why:
+//! - **The key row and the debit commit in one transaction** (the batch's), so the retry
 //!   after a lost answer replays; each item is the same `oncepay_pay` call as alone.
-//! - A failed statement commits nothing. When the connection broke, every item gets the
-//!   same transient failure (the commit may or may not have happened: the client retries
-//!   with its key, as after any lost answer). Any other failure (a duplicate that waited
-//!   too long for its in-flight original, a deadlock, a timeout) is one item's: each item
-//!   then runs again alone and gets its own answer.
-//! - A duplicate in a batch waits for its in-flight original at most
-//!   [`IN_BATCH_INFLIGHT_WAIT`], not `ONCEPAY_INFLIGHT_WAIT_MS`: meanwhile it holds the
-//!   account rows its batch's earlier items locked. Past that the batch splits, and alone it
-//!   waits the full time, holding nothing else.
-//! - Items run in the order of what they lock (the account), so two batches take their
-//!   account rows in one order and cannot deadlock on them; a key claimed twice with
-//!   different bodies can still make a cycle, which PostgreSQL breaks (40P01) and the
-//!   items then run alone.
+//! - **Nothing that may have committed runs again.** A batch splits (its items run again
+//!   one by one, each with its own answer) only when PostgreSQL answered the statement with
+//!   an error that proves the rollback *and* belongs to an item: a duplicate that waited too
+//!   long for its original, a deadlock, a data error ([`DbError::is_one_items`]). After a
+//!   broken connection, or rows that could not be read, the outcome is unknown: every item
+//!   answers 503 and the log says "outcome unknown"; a keyed retry replays whatever
+//!   committed. After a statement timeout or an out-of-resources error every item answers
+//!   503 at once: 32 statements instead of one would feed the overload.
+//! - **One lock order everywhere**: the items of a batch run in the order of (tenant,
+//!   account) compared as bytes, the order `oncepay_transfer` takes its two rows in
+//!   (`COLLATE "C"`, migrations/V6), so no two batches, nor a batch and a transfer, can wait
+//!   on each other's rows in a cycle, whatever the database's collation.
+//! - **Tenants kept apart in a process**: an item whose account or key is in a statement
+//!   still out is held back in the dispatcher, not sent to wait on the row lock in another
+//!   statement, so a hot account or a client's duplicate occupies one slot, never all of
+//!   them, and never delays the items of other accounts batched with it. (Across replicas
+//!   the row lock still orders them; a duplicate of a key in flight on another replica
+//!   waits at most [`IN_BATCH_INFLIGHT_WAIT`] before its batch splits.)
 
+use std::collections::{HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use prometheus::{Histogram, IntCounter};
-use tokio::sync::{mpsc, oneshot, Semaphore};
+use prometheus::{Histogram, IntCounter, IntCounterVec};
+use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 
 use crate::db::{Db, DbError};
 use crate::domain::TenantId;
 use crate::ledger::{Batched, ClaimArgs, Effect, Outcome};
 
-/// The longest a payment in a batch waits for its key's in-flight original before the batch
-/// gives up and splits. An original normally finishes within one batch's time (a few ms).
+/// The longest a payment in a batch waits for its key's in-flight original (on another
+/// replica: one in this process is held back instead) before the batch gives up and splits.
+/// An original normally finishes within one batch's time (a few ms).
 pub const IN_BATCH_INFLIGHT_WAIT: Duration = Duration::from_millis(200);
 
 /// How batches are formed.
@@ -63,13 +72,28 @@ pub struct Limits {
 /// What a batcher counts, registered by the caller.
 #[derive(Clone)]
 pub struct Counters {
-    /// Items per statement.
+    /// Items per committed statement.
     pub size: Histogram,
     /// Batches that failed as a whole and whose items ran again alone.
     pub split: IntCounter,
+    /// Batches that failed as a whole, by what their items were answered:
+    /// `split` (ran again one by one), `unknown` (the outcome is unknown: 503, nothing run
+    /// again), `refused` (PostgreSQL refused the statement for its own state, a timeout or
+    /// an overload: 503 at once).
+    pub failed: IntCounterVec,
+    /// Items held back because their account or key was in a statement still out.
+    pub held_back: IntCounter,
 }
 
 type Reply<E> = oneshot::Sender<Result<Outcome<<E as Effect>::Row>, DbError>>;
+
+/// What an item's statement locks or claims, besides rows no other item touches: its
+/// account row and its key (`None` for a keyless payment).
+#[derive(Clone, Debug)]
+struct Holds {
+    account: (TenantId, String),
+    key: Option<(TenantId, String)>,
+}
 
 struct Job<E: Batched> {
     tenant: TenantId,
@@ -79,6 +103,24 @@ struct Job<E: Batched> {
     /// Set by whichever comes first: the dispatcher taking the item into a batch, or its
     /// waiter giving up after [`Limits::queue_wait`]. An item is never both run and refused.
     taken: Arc<AtomicBool>,
+    /// Set by the dispatcher when it holds the item back because its key is in a statement
+    /// still out: the waiter then waits as a duplicate does, up to its in-flight wait, and
+    /// answers 409 `request_in_progress` rather than 429.
+    duplicate: Arc<AtomicBool>,
+}
+
+impl<E: Batched> Job<E> {
+    fn holds(&self) -> Holds {
+        Holds {
+            account: (self.tenant, self.effect.lock_order().to_owned()),
+            key: self.claim.key().map(|k| (self.tenant, k.to_owned())),
+        }
+    }
+
+    /// The order items run in within a statement: (tenant, account) as bytes, then the key.
+    fn order(&self) -> (TenantId, &[u8], Option<&str>) {
+        (self.tenant, self.effect.lock_order().as_bytes(), self.claim.key())
+    }
 }
 
 /// Runs effects of one kind in batches (see the module's documentation).
@@ -92,7 +134,7 @@ impl<E: Batched> Batcher<E> {
     /// batcher is dropped and the queued items have left.
     pub fn start(db: Db, limits: Limits, counters: Counters) -> Self {
         let (queue, jobs) = mpsc::channel(limits.queue.max(1));
-        tokio::spawn(dispatch(db, jobs, limits, counters));
+        tokio::spawn(Dispatcher::new(db, jobs, limits, counters).run());
         Self {
             queue,
             queue_wait: limits.queue_wait,
@@ -103,62 +145,249 @@ impl<E: Batched> Batcher<E> {
     pub async fn run(&self, tenant: TenantId, claim: ClaimArgs, effect: E) -> Result<Outcome<E::Row>, DbError> {
         let (reply, mut answer) = oneshot::channel();
         let taken = Arc::new(AtomicBool::new(false));
+        let duplicate = Arc::new(AtomicBool::new(false));
+        let inflight_wait = claim.inflight_wait();
         let job = Job {
             tenant,
             claim,
             effect,
             reply,
             taken: Arc::clone(&taken),
+            duplicate: Arc::clone(&duplicate),
         };
         self.queue.try_send(job).map_err(|err| match err {
             mpsc::error::TrySendError::Full(_) => DbError::Saturated,
             mpsc::error::TrySendError::Closed(_) => DbError::Transient(sqlx::Error::PoolClosed),
         })?;
-        // The sender is dropped unanswered only if the batch's task died (a panic).
-        let crashed = || Err(DbError::Transient(sqlx::Error::WorkerCrashed));
-        match tokio::time::timeout(self.queue_wait, &mut answer).await {
-            Ok(result) => result.unwrap_or_else(|_| crashed()),
-            // Still queued: refused, and the dispatcher will skip it. Already in a batch: it
-            // runs, so its answer is awaited (a refusal now could hide a commit).
-            Err(_) if !taken.swap(true, Ordering::AcqRel) => Err(DbError::Saturated),
-            Err(_) => answer.await.unwrap_or_else(|_| crashed()),
+        // The sender is dropped unanswered only if the batch's task died (a panic), which
+        // may have been after its commit.
+        let crashed = || Err(DbError::Unknown(sqlx::Error::WorkerCrashed));
+        if let Ok(result) = tokio::time::timeout(self.queue_wait, &mut answer).await {
+            return result.unwrap_or_else(|_| crashed());
+        }
+        // A duplicate held back for its in-flight original waits as long as it would have
+        // waited on the key's row.
+        let duplicate = duplicate.load(Ordering::Acquire);
+        if duplicate {
+            if let Ok(result) = tokio::time::timeout(inflight_wait.saturating_sub(self.queue_wait), &mut answer).await {
+                return result.unwrap_or_else(|_| crashed());
+            }
+        }
+        if !taken.swap(true, Ordering::AcqRel) {
+            // Still queued or held back: refused, and the dispatcher will skip it.
+            return Err(if duplicate {
+                DbError::InProgress
+            } else {
+                DbError::Saturated
+            });
+        }
+        // Already in a batch: it runs, so its answer is awaited (a refusal now could hide a
+        // commit).
+        answer.await.unwrap_or_else(|_| crashed())
+    }
+}
+
+/// Forms batches: waits for a free slot, then takes the held-back items that are free to go
+/// and every waiting item (up to the limit) into one statement.
+struct Dispatcher<E: Batched> {
+    db: Db,
+    jobs: mpsc::Receiver<Job<E>>,
+    /// The queue is closed (the batcher was dropped).
+    closed: bool,
+    limits: Limits,
+    counters: Counters,
+    slots: Arc<Semaphore>,
+    /// What the statements still out hold.
+    out: Out,
+    /// Items whose account or key was out when they arrived, oldest first.
+    held: VecDeque<Job<E>>,
+    /// Items received while the dispatcher waited, not yet considered.
+    arrived: Vec<Job<E>>,
+    done: (mpsc::UnboundedSender<Vec<Holds>>, mpsc::UnboundedReceiver<Vec<Holds>>),
+}
+
+impl<E: Batched> Dispatcher<E> {
+    fn new(db: Db, jobs: mpsc::Receiver<Job<E>>, limits: Limits, counters: Counters) -> Self {
+        Self {
+            db,
+            jobs,
+            closed: false,
+            slots: Arc::new(Semaphore::new(limits.in_flight.max(1))),
+            limits,
+            counters,
+            out: Out::default(),
+            held: VecDeque::new(),
+            arrived: Vec::new(),
+            done: mpsc::unbounded_channel(),
+        }
+    }
+
+    async fn run(mut self) {
+        loop {
+            let Ok(slot) = Arc::clone(&self.slots).acquire_owned().await else {
+                return;
+            };
+            let Some(batch) = self.next_batch().await else {
+                return; // the batcher is gone and every item has left
+            };
+            self.launch(batch, slot);
+        }
+    }
+
+    /// The next batch to run: at least one item, none of which conflicts with a statement
+    /// still out. `None` once the queue is closed and nothing is left.
+    async fn next_batch(&mut self) -> Option<Vec<Job<E>>> {
+        loop {
+            while let Ok(finished) = self.done.1.try_recv() {
+                self.release(finished);
+            }
+            let batch = self.gather();
+            if !batch.is_empty() {
+                return Some(batch);
+            }
+            // Nothing can go now: wait for an arrival or for a statement to come back.
+            if self.closed && self.held.is_empty() && self.arrived.is_empty() && self.jobs.is_empty() {
+                return None;
+            }
+            tokio::select! {
+                finished = self.done.1.recv() => {
+                    // The dispatcher holds a sender itself, so this never ends.
+                    if let Some(finished) = finished {
+                        self.release(finished);
+                    }
+                }
+                arrived = self.jobs.recv(), if !self.closed => match arrived {
+                    Some(job) => self.arrived.push(job),
+                    None => self.closed = true,
+                },
+            }
+        }
+    }
+
+    /// Takes the held-back items now free to go, then the waiting ones, into a batch; holds
+    /// back those whose account or key is out. Skips items whose waiter gave up (429).
+    fn gather(&mut self) -> Vec<Job<E>> {
+        let max = self.limits.max_items.max(1);
+        let mut batch = Vec::new();
+        let mut still_held = VecDeque::new();
+        // Held back before: already counted.
+        for job in std::mem::take(&mut self.held) {
+            self.consider(job, false, max, &mut batch, &mut still_held);
+        }
+        // Received while the dispatcher waited, then what waits in the queue. Held-back
+        // items count against the queue's bound: past it, arrivals stay in the channel,
+        // which then refuses new ones (429).
+        for job in std::mem::take(&mut self.arrived) {
+            self.consider(job, true, max, &mut batch, &mut still_held);
+        }
+        while batch.len() < max && still_held.len() < self.limits.queue {
+            let Ok(job) = self.jobs.try_recv() else { break };
+            self.consider(job, true, max, &mut batch, &mut still_held);
+        }
+        self.held = still_held;
+        // An item is run only if its waiter has not given up meanwhile (then it never will).
+        batch.retain(|job| !job.taken.swap(true, Ordering::AcqRel));
+        batch
+    }
+
+    /// Puts `job` in the batch, or holds it back (counted when `new`) if its account or key
+    /// is out or the batch is full; drops it if its waiter gave up.
+    fn consider(&self, job: Job<E>, new: bool, max: usize, batch: &mut Vec<Job<E>>, held: &mut VecDeque<Job<E>>) {
+        if job.taken.load(Ordering::Acquire) {
+            return; // refused while it waited
+        }
+        match self.out.blocks(&job.holds()) {
+            None if batch.len() < max => batch.push(job),
+            None => held.push_back(job),
+            Some(blocked) => {
+                if new {
+                    self.counters.held_back.inc();
+                }
+                if blocked == Blocked::Key {
+                    job.duplicate.store(true, Ordering::Release);
+                }
+                held.push_back(job);
+            }
+        }
+    }
+
+    /// Marks what the batch holds as out, and runs it on its own task; what it held is
+    /// released when it comes back.
+    fn launch(&mut self, batch: Vec<Job<E>>, slot: OwnedSemaphorePermit) {
+        let holds: Vec<Holds> = batch.iter().map(Job::holds).collect();
+        for h in &holds {
+            self.out.insert(h);
+        }
+        let (db, counters, done) = (self.db.clone(), self.counters.clone(), self.done.0.clone());
+        tokio::spawn(async move {
+            execute(&db, batch, &counters).await;
+            let _ = done.send(holds);
+            drop(slot);
+        });
+    }
+
+    fn release(&mut self, finished: Vec<Holds>) {
+        for h in &finished {
+            self.out.remove(h);
         }
     }
 }
 
-/// Waits for a free slot, then takes every waiting item (up to the limit) into one batch.
-async fn dispatch<E: Batched>(db: Db, mut jobs: mpsc::Receiver<Job<E>>, limits: Limits, counters: Counters) {
-    let slots = Arc::new(Semaphore::new(limits.in_flight.max(1)));
-    loop {
-        let Ok(slot) = Arc::clone(&slots).acquire_owned().await else {
-            return;
-        };
-        let mut batch = Vec::with_capacity(limits.max_items);
-        if jobs.recv_many(&mut batch, limits.max_items.max(1)).await == 0 {
-            return; // every sender is gone
+/// The accounts and keys of the statements still out. No two statements share one (an item
+/// that would is held back), so a set suffices: a batch with several items on one account
+/// inserts and removes it once.
+#[derive(Default)]
+struct Out {
+    accounts: HashSet<(TenantId, String)>,
+    keys: HashSet<(TenantId, String)>,
+}
+
+/// Why an item cannot go now.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Blocked {
+    /// Its key is out: it is a duplicate of an item still running.
+    Key,
+    /// Its account is out.
+    Account,
+}
+
+impl Out {
+    fn blocks(&self, holds: &Holds) -> Option<Blocked> {
+        if holds.key.as_ref().is_some_and(|k| self.keys.contains(k)) {
+            Some(Blocked::Key)
+        } else if self.accounts.contains(&holds.account) {
+            Some(Blocked::Account)
+        } else {
+            None
         }
-        // Those whose waiter gave up were answered 429 and must not run.
-        batch.retain(|job| !job.taken.swap(true, Ordering::AcqRel));
-        if batch.is_empty() {
-            continue;
+    }
+
+    fn insert(&mut self, holds: &Holds) {
+        self.accounts.insert(holds.account.clone());
+        if let Some(key) = &holds.key {
+            self.keys.insert(key.clone());
         }
-        let (db, counters) = (db.clone(), counters.clone());
-        tokio::spawn(async move {
-            execute(&db, batch, &counters).await;
-            drop(slot);
-        });
+    }
+
+    fn remove(&mut self, holds: &Holds) {
+        self.accounts.remove(&holds.account);
+        if let Some(key) = &holds.key {
+            self.keys.remove(key);
+        }
     }
 }
 
 async fn execute<E: Batched>(db: &Db, mut batch: Vec<Job<E>>, counters: &Counters) {
-    counters.size.observe(batch.len() as f64);
     if batch.len() == 1 {
         let job = batch.pop().expect("one job");
         let result = alone(db, &job).await;
+        if result.is_ok() {
+            counters.size.observe(1.0);
+        }
         let _ = job.reply.send(result);
         return;
     }
-    batch.sort_by(|a, b| (a.effect.lock_order(), a.claim.key()).cmp(&(b.effect.lock_order(), b.claim.key())));
+    batch.sort_by(|a, b| a.order().cmp(&b.order()));
     let mut conn = match db.conn().await {
         Ok(conn) => conn,
         Err(err) => return answer_all(batch, &err),
@@ -168,29 +397,43 @@ async fn execute<E: Batched>(db: &Db, mut batch: Vec<Job<E>>, counters: &Counter
         .map(|j| j.claim.cap_inflight_wait(IN_BATCH_INFLIGHT_WAIT))
         .collect();
     let items: Vec<_> = batch.iter().map(|j| (j.tenant, &j.claim, &j.effect)).collect();
+    let started = std::time::Instant::now();
     let result = conn.run(async |c| E::run_batch(c, &items).await).await;
     drop(items);
     match result {
         Ok(outcomes) => {
+            counters.size.observe(batch.len() as f64);
             for (job, outcome) in batch.into_iter().zip(outcomes) {
                 let _ = job.reply.send(Ok(outcome));
             }
         }
-        Err(err) if conn.is_broken() => answer_all(batch, &err),
-        Err(err) => {
-            // Nothing was committed: each item runs again alone, with its full wait, and
-            // gets its own answer.
+        Err(err) if err.is_one_items() => {
+            // PostgreSQL rolled the statement back: each item runs again alone, with what is
+            // left of its wait, and gets its own answer.
             drop(conn);
+            let spent = i32::try_from(started.elapsed().as_millis()).unwrap_or(i32::MAX);
             for (job, wait) in batch.iter_mut().zip(waits) {
-                job.claim.restore_inflight_wait(wait);
+                job.claim.restore_inflight_wait(wait.saturating_sub(spent).max(1));
             }
             counters.split.inc();
-            tracing::info!(error = %err, items = batch.len(), "a batch failed as a whole; its items run alone");
+            counters.failed.with_label_values(&["split"]).inc();
+            tracing::info!(error = %err, items = batch.len(), "a batch was rolled back for one of its items; its items run alone");
             futures_util::future::join_all(batch.into_iter().map(async |job| {
                 let result = alone(db, &job).await;
                 let _ = job.reply.send(result);
             }))
             .await;
+        }
+        Err(err) => {
+            let outcome = if matches!(err, DbError::Unknown(_)) {
+                tracing::error!(error = %err, items = batch.len(), "a batch's outcome unknown: it may have committed; nothing runs again, every item answers 503");
+                "unknown"
+            } else {
+                tracing::warn!(error = %err, items = batch.len(), "a batch refused as a whole; every item answers 503");
+                "refused"
+            };
+            counters.failed.with_label_values(&[outcome]).inc();
+            answer_all(batch, &err);
         }
     }
 }
@@ -200,15 +443,10 @@ async fn alone<E: Batched>(db: &Db, job: &Job<E>) -> Result<Outcome<E::Row>, DbE
     db.run(async |c| job.effect.run(c, job.tenant, &job.claim).await).await
 }
 
-/// The same failure for every item of a batch that could not run, or whose connection broke.
+/// The same failure for every item of a batch that could not run, or whose outcome is not
+/// known.
 fn answer_all<E: Batched>(batch: Vec<Job<E>>, err: &DbError) {
     for job in batch {
-        let copy = match err {
-            DbError::InProgress => DbError::InProgress,
-            DbError::Saturated => DbError::Saturated,
-            DbError::Transient(e) => DbError::Transient(sqlx::Error::Protocol(e.to_string())),
-            DbError::Other(e) => DbError::Other(sqlx::Error::Decode(e.to_string().into())),
-        };
-        let _ = job.reply.send(Err(copy));
+        let _ = job.reply.send(Err(err.copy()));
     }
 }

@@ -184,7 +184,14 @@ impl From<DbError> for ApiError {
             DbError::InProgress => Self::InProgress,
             DbError::Saturated => Self::Overloaded,
             DbError::Transient(err) => {
-                tracing::warn!(error = %err, "transient database failure, nothing committed");
+                tracing::warn!(error = %err, "transient database failure, rolled back");
+                Self::Unavailable
+            }
+            DbError::Unknown(err) => {
+                tracing::error!(
+                    error = %err,
+                    "database outcome unknown: the call may have committed; a retry with its key replays it"
+                );
                 Self::Unavailable
             }
             DbError::Other(err) => Self::Internal(err.into()),

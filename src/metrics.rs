@@ -121,7 +121,7 @@ impl Metrics {
             size: Histogram::with_opts(
                 HistogramOpts::new(
                     "oncepay_db_batch_size",
-                    "Payments per database statement (ONCEPAY_DB_BATCH_MAX)",
+                    "Payments per committed database statement (ONCEPAY_DB_BATCH_MAX)",
                 )
                 .buckets(vec![1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0]),
             )
@@ -129,6 +129,22 @@ impl Metrics {
             split: IntCounter::new(
                 "oncepay_db_batches_split_total",
                 "Batches of payments that failed as a whole, whose payments then ran one by one",
+            )
+            .expect("valid metric"),
+            failed: IntCounterVec::new(
+                Opts::new(
+                    "oncepay_db_batches_failed_total",
+                    "Batches of payments that failed as a whole, by what their payments were answered: \
+                     split (rolled back for one item; each ran again alone), unknown (the outcome is \
+                     unknown; 503, nothing ran again), refused (PostgreSQL refused it for its own state: a timeout, an \
+                     overload, a node that cannot write; 503 at once)",
+                ),
+                &["outcome"],
+            )
+            .expect("valid metric"),
+            held_back: IntCounter::new(
+                "oncepay_db_batch_held_back_total",
+                "Payments held back from a batch because their account or key was in a statement still out",
             )
             .expect("valid metric"),
         };
@@ -165,6 +181,8 @@ impl Metrics {
             Box::new(replay_cache_entries.clone()),
             Box::new(batch.size.clone()),
             Box::new(batch.split.clone()),
+            Box::new(batch.failed.clone()),
+            Box::new(batch.held_back.clone()),
             Box::new(ready.clone()),
             Box::new(oldest_key_age.clone()),
             Box::new(retention.clone()),

@@ -27,12 +27,16 @@ pub trait Effect: Send + Sync {
 /// An effect that can also run as one of many in a single statement (`crate::batch`): one
 /// transaction, one commit, for all of them.
 pub trait Batched: Effect + Sized + 'static {
-    /// What its statement locks, in the order the items of a batch run: two batches that
-    /// lock rows in one order cannot deadlock on them.
+    /// The account row its statement locks. The items of a batch run in the order of
+    /// (tenant, this) compared as bytes, the order every statement that locks two accounts
+    /// takes them in (`oncepay_transfer`, `COLLATE "C"`): so none can wait on another in a
+    /// cycle.
     fn lock_order(&self) -> &str;
 
     /// Runs every item in order in one statement (one transaction) and answers with their
-    /// outcomes in the same order. It fails as a whole: then nothing was committed.
+    /// outcomes in the same order. It fails as a whole; whether it committed depends on the
+    /// failure (`DbError`: PostgreSQL's error rolled it back, a broken connection or an
+    /// unreadable answer leaves the outcome unknown).
     fn run_batch(
         conn: &mut PgConnection,
         items: &[(TenantId, &ClaimArgs, &Self)],

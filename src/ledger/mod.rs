@@ -65,6 +65,11 @@ impl ClaimArgs {
         self.inflight_wait_ms = had;
     }
 
+    /// How long a duplicate waits for its key's in-flight original.
+    pub fn inflight_wait(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(u64::try_from(self.inflight_wait_ms).unwrap_or(0))
+    }
+
     /// The idempotency key (`None` for a keyless request under policy `allow`).
     pub fn key(&self) -> Option<&str> {
         self.key.as_deref()

@@ -1,5 +1,8 @@
 //! The resources' rows as the SQL functions return them (whole-row composites, fields in
-//! table order: a test reads each through its function, so a column change fails loudly).
+//! table order: a test reads each through its function, so a changed or reordered column
+//! fails loudly). A column added at the end is left unread: sqlx decodes a composite field
+//! by field from the start, which is what lets a schema change add one while replicas of
+//! the previous version serve (tests/api/schema_change.rs).
 
 use chrono::{DateTime, Utc};
 use uuid::Uuid;

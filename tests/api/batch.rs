@@ -9,28 +9,37 @@ use std::time::{Duration, Instant};
 
 use futures_util::future::join_all;
 use serde_json::json;
-use sqlx::PgConnection;
+use sqlx::{Connection, PgConnection};
 use tokio::task::JoinHandle;
 
-use crate::concurrency::lock_account;
-use crate::helpers::{metric_value, new_key, spawn_app_with, Answer, TestApp, MAIN_BALANCE};
+use crate::concurrency::lock_account_at;
+use crate::helpers::{
+    direct_url, metric_value, new_key, spawn_app_with, waiting_behind, Answer, TestApp, MAIN_BALANCE,
+};
 
 /// Holds one batch slot busy: a payment with `key` on `account` (which must exist), blocked on
 /// the account's row, locked by the test until it commits the returned connection.
-async fn hold_slot(app: &TestApp, key: &str, account: &str) -> (PgConnection, JoinHandle<Answer>) {
-    let mut lock = lock_account(app, account).await;
+pub async fn hold_slot(app: &TestApp, key: &str, account: &str) -> (PgConnection, JoinHandle<Answer>) {
+    hold_slot_at(app, &direct_url(&app.state), key, account).await
+}
+
+/// [`hold_slot`] with the lock taken, and the blocked payment watched, on the database at
+/// `url` (a server reaching its database through a relay that the test cuts).
+pub async fn hold_slot_at(app: &TestApp, url: &str, key: &str, account: &str) -> (PgConnection, JoinHandle<Answer>) {
+    let mut lock = lock_account_at(url, app.tenant_id, account).await;
     let holder: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
         .fetch_one(&mut lock)
         .await
         .unwrap();
     let payment = tokio::spawn(pay_on(app, key, account, 1));
+    let mut watch = PgConnection::connect(url).await.unwrap();
     for _ in 0..200 {
         let blocked: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'oncepay'
               AND $1 = ANY(pg_blocking_pids(pid)) AND query LIKE '%oncepay_pay%'",
         )
         .bind(holder)
-        .fetch_one(&app.pool)
+        .fetch_one(&mut watch)
         .await
         .unwrap();
         if blocked >= 1 {
@@ -41,7 +50,7 @@ async fn hold_slot(app: &TestApp, key: &str, account: &str) -> (PgConnection, Jo
     panic!("no payment blocked on the lock of {account} within 5 s");
 }
 
-fn pay_on(app: &TestApp, key: &str, account: &str, amount: i64) -> impl std::future::Future<Output = Answer> {
+pub fn pay_on(app: &TestApp, key: &str, account: &str, amount: i64) -> impl std::future::Future<Output = Answer> {
     let (client, url, api_key, key) = (
         app.client.clone(),
         app.url("/payments"),
@@ -108,7 +117,13 @@ async fn payments_that_wait_together_commit_in_one_statement_each_with_its_own_a
     assert_eq!(
         (after.0 - before.0, after.1 - before.1),
         (2.0, 6.0),
-        "the blocked payment alone, then the five queued ones in one statement"
+        "two statements committed: the blocked payment alone, then the five queued ones together"
+    );
+    let metrics = app.metrics().await;
+    assert_eq!(
+        metric_value(&metrics, "oncepay_db_batches_split_total"),
+        0.0,
+        "the five did not fail and run again one by one:\n{metrics}"
     );
 
     let (a, b) = (&answers[0], &answers[1]);
@@ -134,38 +149,44 @@ async fn payments_that_wait_together_commit_in_one_statement_each_with_its_own_a
 }
 
 #[tokio::test]
-async fn a_batch_that_fails_as_a_whole_runs_its_payments_one_by_one() {
-    let app = spawn_app_with(|s| {
-        s.db_batches_in_flight = 2;
-        s.db_batch_max = 32;
-        s.inflight_wait = Duration::from_secs(3);
-    })
-    .await;
-    app.open_account("held", 1_000).await;
-    app.open_account("slow", 1_000).await;
+async fn a_batch_rolled_back_for_one_payment_runs_its_payments_one_by_one() {
+    // Two replicas: the duplicate's original runs on the first, so the second, which cannot
+    // see it in flight, batches the duplicate and meets the original's key in PostgreSQL.
+    let apps = TestApp::builder()
+        .settings(|s| {
+            s.db_batches_in_flight = 1;
+            s.db_batch_max = 32;
+            s.inflight_wait = Duration::from_secs(3);
+        })
+        .spawn_instances(2)
+        .await;
+    let (first, second) = (&apps[0], &apps[1]);
+    first.open_account("held", 1_000).await;
+    first.open_account("slow", 1_000).await;
 
-    // Slot 1: the original of key `h`, its key row written, blocked on its account.
+    // Replica 1: the original of key `h`, its key row written, blocked on its account.
     let h = new_key();
-    let (mut held, original) = hold_slot(&app, &h, "held").await;
-    // Slot 2: another payment, blocked until we let it go.
-    let (mut slow, second) = hold_slot(&app, &new_key(), "slow").await;
+    let (mut held, original) = hold_slot(first, &h, "held").await;
+    // Replica 2's one slot: another payment, blocked until we let it go.
+    let (mut slow, blocked) = hold_slot(second, &new_key(), "slow").await;
 
-    // Queued: a duplicate of the in-flight `h`, and two good payments. In one statement the
-    // duplicate's wait for `h` times out (55P03, after the in-batch wait of 200 ms rather
-    // than the 3 s it may wait alone) and fails the statement with it.
+    // Queued on replica 2: a duplicate of the in-flight `h`, and two good payments. In one
+    // statement the duplicate's wait for `h` times out (55P03, after the in-batch wait of
+    // 200 ms rather than the 3 s it may wait alone), which PostgreSQL answers by rolling the
+    // statement back: the batch splits.
     let timed = |answer| async move {
         let start = Instant::now();
         let answer = answer.await;
         (answer, start.elapsed())
     };
     let queued = tokio::spawn(join_all([
-        timed(pay_on(&app, &h, "held", 1)),
-        timed(pay_on(&app, &new_key(), "main", 10)),
-        timed(pay_on(&app, &new_key(), "main", 20)),
+        timed(pay_on(second, &h, "held", 1)),
+        timed(pay_on(second, &new_key(), "main", 10)),
+        timed(pay_on(second, &new_key(), "main", 20)),
     ]));
     tokio::time::sleep(Duration::from_millis(500)).await;
     sqlx::query("COMMIT").execute(&mut slow).await.unwrap();
-    assert_eq!(second.await.unwrap().status, 201);
+    assert_eq!(blocked.await.unwrap().status, 201);
 
     let (answers, took): (Vec<Answer>, Vec<Duration>) = queued.await.unwrap().into_iter().unzip();
     // The good payments did not wait out the duplicate's 3 s (their batch split after
@@ -182,11 +203,11 @@ async fn a_batch_that_fails_as_a_whole_runs_its_payments_one_by_one() {
     assert_eq!(answers[1].status, 201, "{}", answers[1].body);
     assert_eq!(answers[2].status, 201, "{}", answers[2].body);
     assert_eq!(
-        app.balance("main").await,
+        first.balance("main").await,
         MAIN_BALANCE - 30,
         "both good payments, once each"
     );
-    let metrics = app.metrics().await;
+    let metrics = second.metrics().await;
     assert_eq!(
         metric_value(&metrics, "oncepay_db_batches_split_total"),
         1.0,
@@ -196,21 +217,97 @@ async fn a_batch_that_fails_as_a_whole_runs_its_payments_one_by_one() {
     sqlx::query("COMMIT").execute(&mut held).await.unwrap();
     let original = original.await.unwrap();
     assert_eq!(original.status, 201, "{}", original.body);
-    let retry = pay_on(&app, &h, "held", 1).await;
+    let retry = pay_on(second, &h, "held", 1).await;
     assert_eq!(
         (retry.status, retry.replayed(), &retry.body),
         (201, true, &original.body)
     );
-    assert_eq!(app.balance("held").await, 999, "charged once");
+    assert_eq!(first.balance("held").await, 999, "charged once");
+}
+
+#[tokio::test]
+async fn a_hot_account_or_a_duplicate_holds_one_slot_and_delays_no_other_payment() {
+    let app = spawn_app_with(|s| {
+        s.db_batches_in_flight = 2;
+        s.db_batch_max = 32;
+        s.inflight_wait = Duration::from_secs(3);
+    })
+    .await;
+    app.open_account("hot", 1_000).await;
+    let before = metric_value(&app.metrics().await, "oncepay_db_batch_held_back_total");
+
+    // Slot 1: a payment on the hot account, blocked on its row.
+    let h = new_key();
+    let (mut hot, original) = hold_slot(&app, &h, "hot").await;
+    // More payments on the hot account and a duplicate of the blocked one: before, they
+    // took slot 2 and waited on the row (or on the key) with whatever was batched with them.
+    let on_hot = tokio::spawn(join_all([
+        pay_on(&app, &new_key(), "hot", 2),
+        pay_on(&app, &new_key(), "hot", 3),
+        pay_on(&app, &h, "hot", 1),
+    ]));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Slot 2 is free for everyone else: these are answered while the hot row is held.
+    let started = Instant::now();
+    let others = join_all((0..5).map(|i| pay_on(&app, &new_key(), "main", 10 + i))).await;
+    for answer in &others {
+        assert_eq!(answer.status, 201, "{}", answer.body);
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "other accounts' payments did not wait for the hot row: {:?}",
+        started.elapsed()
+    );
+    assert!(!on_hot.is_finished(), "the hot account's payments wait for its row");
+    let held_back = metric_value(&app.metrics().await, "oncepay_db_batch_held_back_total") - before;
+    assert!(
+        held_back >= 3.0,
+        "the three were held back, not sent to wait: {held_back}"
+    );
+
+    sqlx::query("COMMIT").execute(&mut hot).await.unwrap();
+    let original = original.await.unwrap();
+    assert_eq!(original.status, 201, "{}", original.body);
+    let answers = on_hot.await.unwrap();
+    assert_eq!((answers[0].status, answers[1].status), (201, 201));
+    assert_eq!(
+        (answers[2].status, answers[2].replayed(), &answers[2].body),
+        (201, true, &original.body),
+        "the duplicate, let go when its original committed, replays it"
+    );
+    assert_eq!(app.balance("hot").await, 1_000 - 1 - 2 - 3);
+    assert_eq!(app.balance("main").await, MAIN_BALANCE - (10..15).sum::<i64>());
+    let metrics = app.metrics().await;
+    assert_eq!(
+        metric_value(&metrics, "oncepay_db_batches_split_total"),
+        0.0,
+        "{metrics}"
+    );
 }
 
 #[tokio::test]
 async fn with_batching_off_each_payment_is_a_statement_of_its_own() {
     let app = spawn_app_with(|s| s.db_batch_max = 1).await;
-    let answers = join_all((0..20).map(|_| pay_on(&app, &new_key(), "main", 1))).await;
-    assert!(answers.iter().all(|a| a.status == 201));
-    assert_eq!(app.balance("main").await, MAIN_BALANCE - 20);
-    assert_eq!(batches(&app).await, (0.0, 0.0), "no batcher runs");
+    // Five payments on a row we hold: batched, they would wait in one statement (or two);
+    // each alone, five backends wait on our lock.
+    let mut lock = lock_account_at(&direct_url(&app.state), app.tenant_id, "main").await;
+    let holder: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut lock)
+        .await
+        .unwrap();
+    let paying = tokio::spawn(join_all((0..5).map(|_| pay_on(&app, &new_key(), "main", 1))));
+    let mut waiting = 0;
+    for _ in 0..200 {
+        waiting = waiting_behind(&app.pool, holder).await;
+        if waiting >= 5 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    sqlx::query("COMMIT").execute(&mut lock).await.unwrap();
+    assert_eq!(waiting, 5, "five statements, one per payment, waited on the row");
+    assert!(paying.await.unwrap().iter().all(|a| a.status == 201));
+    assert_eq!(app.balance("main").await, MAIN_BALANCE - 5);
 }
 
 #[tokio::test]

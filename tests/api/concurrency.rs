@@ -7,7 +7,7 @@ use futures_util::future::join_all;
 use serde_json::json;
 use sqlx::Connection;
 
-use crate::helpers::{database_url, new_key, spawn_app, spawn_app_with, spawn_instances, TestApp, MAIN_BALANCE};
+use crate::helpers::{direct_url, new_key, spawn_app, spawn_app_with, spawn_instances, TestApp, MAIN_BALANCE};
 
 #[tokio::test]
 async fn fifty_concurrent_requests_with_one_key_over_three_instances_charge_once() {
@@ -63,14 +63,27 @@ pub async fn lock_main_account(app: &TestApp) -> sqlx::PgConnection {
 
 /// Holds the row lock of one of the tenant's accounts in an open transaction.
 pub async fn lock_account(app: &TestApp, account: &str) -> sqlx::PgConnection {
-    let mut conn = sqlx::PgConnection::connect(&database_url()).await.unwrap();
+    lock_account_at(&direct_url(&app.state), app.tenant_id, account).await
+}
+
+/// [`lock_account`] on the database at `url`, for a tenant's account.
+pub async fn lock_account_at(url: &str, tenant: uuid::Uuid, account: &str) -> sqlx::PgConnection {
+    lock_accounts_at(url, &[(tenant, account)]).await
+}
+
+/// Holds the row locks of `rows` (tenant, account), taken in the order given, in one open
+/// transaction on the database at `url`.
+pub async fn lock_accounts_at(url: &str, rows: &[(uuid::Uuid, &str)]) -> sqlx::PgConnection {
+    let mut conn = sqlx::PgConnection::connect(url).await.unwrap();
     sqlx::query("BEGIN").execute(&mut conn).await.unwrap();
-    sqlx::query("SELECT 1 FROM accounts WHERE tenant_id = $1 AND account_id = $2 FOR UPDATE")
-        .bind(app.tenant_id)
-        .bind(account)
-        .execute(&mut conn)
-        .await
-        .unwrap();
+    for (tenant, account) in rows {
+        sqlx::query("SELECT 1 FROM accounts WHERE tenant_id = $1 AND account_id = $2 FOR UPDATE")
+            .bind(tenant)
+            .bind(account)
+            .execute(&mut conn)
+            .await
+            .unwrap();
+    }
     conn
 }
 
@@ -234,7 +247,10 @@ async fn a_transaction_broken_mid_flight_answers_503_commits_nothing_and_the_ret
 }
 
 #[tokio::test]
-async fn a_restarted_server_forgets_no_key() {
+/// Keys live in the database, not in a server: a server started afresh (its own pool, no
+/// replay cache of the first one) replays what another, whose pool is closed, committed.
+/// (A real process killed and started again: tests/chaos/kill.rs.)
+async fn a_fresh_server_replays_the_keys_of_one_whose_pool_is_closed() {
     let first = spawn_app().await;
     let key = new_key();
     let original = first.pay(Some(&key), 100).await;

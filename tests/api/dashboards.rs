@@ -9,8 +9,8 @@ use std::time::Duration;
 use serde_json::json;
 use sqlx::{Connection, PgConnection};
 
-use crate::concurrency::lock_main_account;
-use crate::helpers::{database_url, new_key, spawn_app_with, Answer, TestApp};
+use crate::concurrency::lock_accounts_at;
+use crate::helpers::{database_url, direct_url, new_key, spawn_app_with, Answer, TestApp};
 use crate::promql::{dashboard_queries, recorded_names, rule_exprs, selectors, SCRAPE_SERIES};
 
 const RULES: &str = include_str!("../../ops/prometheus/rules.yml");
@@ -142,20 +142,27 @@ async fn requests_of_every_kind(app: &TestApp) {
         .await
         .assert_problem(402, "insufficient_funds");
 
-    // Two payments wait on the locked account and hold both pooled connections.
-    let mut lock = lock_main_account(app).await;
+    // Two payments wait on locked accounts and hold both pooled connections (on two
+    // accounts: a second payment on the same account would be held back in the server while
+    // the first one's statement is out, not sent to wait in the database).
+    app.open_account("other", 1_000).await;
+    let mut lock = lock_accounts_at(
+        &direct_url(&app.state),
+        &[(app.tenant_id, "main"), (app.tenant_id, "other")],
+    )
+    .await;
     let mut observer = PgConnection::connect(&database_url()).await.unwrap();
     let holder: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
         .fetch_one(&mut lock)
         .await
         .unwrap();
     let in_flight_key = new_key();
-    let original = spawn_payment(app, &in_flight_key);
+    let original = spawn_payment(app, &in_flight_key, "main");
     let original_pid = blocked_by(&mut observer, holder, 1).await[0];
     app.pay(Some(&in_flight_key), 100)
         .await
         .assert_problem(409, "request_in_progress");
-    let second = spawn_payment(app, &new_key());
+    let second = spawn_payment(app, &new_key(), "other");
     blocked_by(&mut observer, holder, 2).await;
     app.get("/accounts/main").await.assert_problem(429, "overloaded");
     // A busy pool is not a database that does not answer, and the scrape does not wait.
@@ -180,13 +187,13 @@ async fn requests_of_every_kind(app: &TestApp) {
     assert_eq!(Answer::from(second.await.unwrap()).await.status, 201);
 }
 
-fn spawn_payment(app: &TestApp, key: &str) -> tokio::task::JoinHandle<reqwest::Response> {
+fn spawn_payment(app: &TestApp, key: &str, account: &str) -> tokio::task::JoinHandle<reqwest::Response> {
     let request = app
         .client
         .post(app.url("/payments"))
         .bearer_auth(&app.api_key)
         .header("Idempotency-Key", key)
-        .json(&json!({ "amount": 100 }));
+        .json(&json!({ "amount": 100, "account": account }));
     tokio::spawn(async move { request.send().await.unwrap() })
 }
 

@@ -8,7 +8,9 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 use sqlx::{Connection, Executor, PgConnection};
 
-use crate::helpers::{client, database_url, drop_database, metric_value, new_key, spawn_app_on_own_database, Answer};
+use crate::helpers::{
+    client, database_url, drop_database, metric_value, new_key, spawn_app_on_own_database_with, Answer,
+};
 
 /// Runs `sql` from the test cluster's main test database (the scratch one turns read-only).
 async fn admin(sql: &str) {
@@ -27,7 +29,7 @@ async fn terminate_sessions(name: &str) {
 
 #[tokio::test]
 async fn a_database_turned_read_only_answers_503_commits_nothing_and_the_pool_recovers() {
-    let (app, url) = spawn_app_on_own_database("failover").await;
+    let (app, url) = spawn_app_on_own_database_with("failover", |s| s.replay_cache_entries = 0).await;
     let name = url.rsplit('/').next().unwrap().to_owned();
     let (address, api_key, pool) = (app.address.clone(), app.api_key.clone(), app.pool.clone());
     let http = client();
@@ -44,6 +46,11 @@ async fn a_database_turned_read_only_answers_503_commits_nothing_and_the_pool_re
         async move { request.send().await.unwrap().status().as_u16() }
     };
     assert_eq!(pay(new_key()).await.status, 201, "a first payment warms the pool");
+    // A key finished before the failover, replayed during it from the database (the server's
+    // replay cache is off): a read-only node answers a replay, or 503, never 500.
+    let finished = new_key();
+    let original = pay(finished.clone()).await;
+    assert_eq!(original.status, 201);
     assert_eq!(readyz().await, 200);
     let payments_before: i64 = sqlx::query_scalar("SELECT count(*) FROM payments")
         .fetch_one(&pool)
@@ -65,6 +72,12 @@ async fn a_database_turned_read_only_answers_503_commits_nothing_and_the_pool_re
         );
     }
     assert_eq!(readyz().await, 503, "not ready while the database cannot take writes");
+    let replay = pay(finished.clone()).await;
+    assert_eq!(
+        (replay.status, replay.replayed(), &replay.body),
+        (201, true, &original.body),
+        "a replay needs no write (no synchronous standby to wait for)"
+    );
     let metrics = app.metrics().await;
     assert!(
         metric_value(&metrics, r#"oncepay_db_connections_closed_total{reason="broken"}"#) >= 1.0,

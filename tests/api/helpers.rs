@@ -38,15 +38,19 @@ pub fn through_pooler() -> bool {
     pooler_prefixes().is_some()
 }
 
-/// A pool for the test's own queries on a server's database, bypassing any pooler.
-pub fn admin_pool(state: &AppState) -> PgPool {
-    let url = match pooler_prefixes() {
+/// The URL of a server's database, bypassing any pooler.
+pub fn direct_url(state: &AppState) -> String {
+    match pooler_prefixes() {
         None => state.settings.database_url.clone(),
         Some((pooler, direct)) => state.settings.database_url.replacen(&pooler, &direct, 1),
-    };
+    }
+}
+
+/// A pool for the test's own queries on a server's database, bypassing any pooler.
+pub fn admin_pool(state: &AppState) -> PgPool {
     PgPoolOptions::new()
         .max_connections(4)
-        .connect_lazy(&url)
+        .connect_lazy(&direct_url(state))
         .expect("a valid URL")
 }
 
@@ -69,6 +73,8 @@ pub fn test_settings() -> Settings {
     settings
 }
 
+/// A handle on a running server (cloning it shares the server).
+#[derive(Clone)]
 pub struct TestApp {
     pub address: String,
     pub client: reqwest::Client,
@@ -113,6 +119,12 @@ impl TestAppBuilder {
     /// Serves `other`'s tenant instead of creating one: another replica of the same service.
     pub fn tenant_of(mut self, other: &TestApp) -> Self {
         self.tenant = Some((other.tenant_id, other.api_key.clone()));
+        self
+    }
+
+    /// Serves the tenant `tenant` (made by the test) instead of creating one.
+    pub fn with_tenant(mut self, tenant: Uuid, api_key: String) -> Self {
+        self.tenant = Some((tenant, api_key));
         self
     }
 
@@ -402,10 +414,18 @@ pub async fn empty_database(name_hint: &str) -> String {
 /// A server on a migrated database of the test's own (for tests that cut its sessions or
 /// turn it read-only); returns the server and the database's direct URL.
 pub async fn spawn_app_on_own_database(name_hint: &str) -> (TestApp, String) {
+    spawn_app_on_own_database_with(name_hint, |_| {}).await
+}
+
+/// [`spawn_app_on_own_database`] with adjusted settings.
+pub async fn spawn_app_on_own_database_with(name_hint: &str, adjust: impl FnOnce(&mut Settings)) -> (TestApp, String) {
     let url = empty_database(name_hint).await;
     oncepay::db::migrate(&url).await.unwrap();
     let app = TestApp::builder()
-        .settings(|s| s.database_url = server_url(&url))
+        .settings(|s| {
+            s.database_url = server_url(&url);
+            adjust(s);
+        })
         .spawn()
         .await;
     (app, url)
@@ -417,4 +437,23 @@ pub async fn drop_database(url: &str) {
     conn.execute(format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)").as_str())
         .await
         .unwrap();
+}
+
+/// How many of oncepay's backends wait, directly or in the queue behind another waiter, for a
+/// lock that the backend `holder` holds. (A row's second waiter waits for the first one's
+/// tuple lock, so `pg_blocking_pids` names the holder only for the first.)
+pub async fn waiting_behind(pool: &PgPool, holder: i32) -> i64 {
+    sqlx::query_scalar(
+        "WITH RECURSIVE waiting AS (
+             SELECT pid FROM pg_stat_activity
+              WHERE application_name = 'oncepay' AND $1 = ANY(pg_blocking_pids(pid))
+             UNION
+             SELECT a.pid FROM pg_stat_activity a JOIN waiting w ON w.pid = ANY(pg_blocking_pids(a.pid))
+              WHERE a.application_name = 'oncepay')
+         SELECT count(*) FROM waiting",
+    )
+    .bind(holder)
+    .fetch_one(pool)
+    .await
+    .unwrap()
 }

@@ -6,6 +6,7 @@
 
 mod audit;
 mod batch;
+mod batch_faults;
 mod bench_sql;
 mod brownout;
 mod cli;
@@ -23,6 +24,7 @@ mod fuzz;
 mod hardening;
 mod helpers;
 mod limits;
+mod lock_order;
 mod openapi;
 mod operations;
 mod payments;
@@ -32,6 +34,7 @@ mod pooler;
 mod promql;
 mod purge;
 mod replay_cache;
+mod schema_change;
 mod security;
 mod sql_functions;
 mod tcp_cut;

@@ -1,0 +1,155 @@
+//! [`DbError`]: what a failed database call means for the request that made it, decided from
+//! what PostgreSQL said (its SQLSTATE) or from the fact that it said nothing.
+//!
+//! The line that matters most is between a call that PostgreSQL *answered with an error*
+//! (it rolled the statement back: nothing committed) and one whose answer never arrived or
+//! could not be read (it may have committed). Only the first may be run again by the server;
+//! the second is [`DbError::Unknown`], and only the client's retry with the same key, which
+//! replays a commit, may resolve it.
+
+use std::borrow::Cow;
+
+/// A database failure, classified for the layers above.
+#[derive(Debug, thiserror::Error)]
+pub enum DbError {
+    /// SQLSTATE 55P03: a duplicate waited `ONCEPAY_INFLIGHT_WAIT_MS` for the key's original
+    /// transaction, which is still running.
+    #[error("the key's original request is still in flight")]
+    InProgress,
+    /// Every pooled connection (or batch slot) is busy: the process is at capacity.
+    #[error("every database connection is busy")]
+    Saturated,
+    /// PostgreSQL refused or rolled back the call, or the call never reached it: nothing was
+    /// committed, and the same request may succeed later (a deadlock, a serialization
+    /// failure, a statement timeout, a node that cannot write, no connection to be had).
+    #[error("transient database failure, rolled back: {0}")]
+    Transient(#[source] sqlx::Error),
+    /// The call may have committed: its connection broke while it was out, or PostgreSQL's
+    /// answer could not be read after the statement ran. Never run again by the server; a
+    /// retry with the request's key replays the commit if there was one.
+    #[error("database outcome unknown, the call may have committed: {0}")]
+    Unknown(#[source] sqlx::Error),
+    /// Anything else that PostgreSQL reported: a bug or a broken invariant (rolled back).
+    #[error(transparent)]
+    Other(sqlx::Error),
+}
+
+impl DbError {
+    /// Whether PostgreSQL answered the call with an error, which proves that the statement
+    /// (and, with autocommit, its transaction) was rolled back, *and* the error belongs to
+    /// one of a batch's items rather than to the database's state: a duplicate that waited
+    /// too long, a deadlock or serialization failure, a data error. Then the batch's items
+    /// may run again one by one. Not after a statement timeout or an out-of-resources error
+    /// (running 32 statements instead of one would only feed an overload), nor after
+    /// anything whose outcome is unknown.
+    pub fn is_one_items(&self) -> bool {
+        match self {
+            Self::InProgress => true,
+            Self::Transient(err) => matches!(sqlstate(err).as_deref(), Some("40001" | "40P01")),
+            Self::Other(err) => matches!(err, sqlx::Error::Database(_)),
+            Self::Saturated | Self::Unknown(_) => false,
+        }
+    }
+
+    /// The same failure again, for each item of a batch that shares it.
+    pub fn copy(&self) -> Self {
+        let text = |e: &sqlx::Error| sqlx::Error::Protocol(e.to_string());
+        match self {
+            Self::InProgress => Self::InProgress,
+            Self::Saturated => Self::Saturated,
+            Self::Transient(e) => Self::Transient(text(e)),
+            Self::Unknown(e) => Self::Unknown(text(e)),
+            Self::Other(e) => Self::Other(sqlx::Error::Decode(e.to_string().into())),
+        }
+    }
+}
+
+impl From<sqlx::Error> for DbError {
+    fn from(err: sqlx::Error) -> Self {
+        if is_in_progress(&err) {
+            Self::InProgress
+        } else if is_outcome_unknown(&err) {
+            Self::Unknown(err)
+        } else if is_transient(&err) {
+            Self::Transient(err)
+        } else {
+            Self::Other(err)
+        }
+    }
+}
+
+/// The SQLSTATE of an error PostgreSQL reported.
+pub(super) fn sqlstate(err: &sqlx::Error) -> Option<String> {
+    match err {
+        sqlx::Error::Database(db) => db.code().map(Cow::into_owned),
+        _ => None,
+    }
+}
+
+fn message(err: &sqlx::Error) -> Cow<'_, str> {
+    match err {
+        sqlx::Error::Database(db) => Cow::Borrowed(db.message()),
+        _ => Cow::Borrowed(""),
+    }
+}
+
+/// SQLSTATE 55P03: the key's original transaction outlived `lock_timeout`.
+fn is_in_progress(err: &sqlx::Error) -> bool {
+    sqlstate(err).as_deref() == Some("55P03")
+}
+
+/// The node cannot take this call: it is a standby, in recovery, or shutting down (a
+/// failover, seen through a proxy that still points at the old primary). Every way
+/// PostgreSQL 15 says so, as seen in failovers:
+/// - 25006 read_only_sql_transaction: a write on a standby;
+/// - XX000 "cannot assign TransactionIds during recovery": a transaction that needs an id
+///   (a replay's commit marker, `pg_logical_emit_message`) on a node in recovery;
+/// - 55000 "recovery is in progress": a WAL function on a standby;
+/// - 57P01..57P04: the server is shutting down, crashed, starting up or dropped the database;
+/// - class 08: the connection itself failed.
+///
+/// Only a new connection (which a proxy sends to the new primary) can succeed.
+pub(super) fn is_node_failure(err: &sqlx::Error) -> bool {
+    let Some(code) = sqlstate(err) else {
+        return false;
+    };
+    code == "25006"
+        || code.starts_with("08")
+        || code.starts_with("57P")
+        || (matches!(code.as_str(), "XX000" | "55000") && message(err).contains("recovery"))
+}
+
+/// Connection-level failures, after which the connection is closed rather than reused.
+pub(super) fn is_connection_broken(err: &sqlx::Error) -> bool {
+    matches!(err, sqlx::Error::Io(_) | sqlx::Error::Protocol(_) | sqlx::Error::Tls(_)) || is_node_failure(err)
+}
+
+/// The call was out when its connection failed, or its rows arrived and could not be read:
+/// PostgreSQL may have committed it. A server that shuts down or crashes (57P01, 57P02)
+/// while a commit waits for its standbys may have committed it locally, so they count too.
+fn is_outcome_unknown(err: &sqlx::Error) -> bool {
+    match err {
+        sqlx::Error::Io(_) | sqlx::Error::Protocol(_) | sqlx::Error::Tls(_) => true,
+        sqlx::Error::Decode(_) | sqlx::Error::ColumnDecode { .. } => true,
+        sqlx::Error::Database(_) => {
+            sqlstate(err).is_some_and(|c| c.starts_with("08") || matches!(c.as_str(), "57P01" | "57P02"))
+        }
+        _ => false,
+    }
+}
+
+/// PostgreSQL rolled the call back, or it never ran; the same request may succeed later.
+fn is_transient(err: &sqlx::Error) -> bool {
+    match err {
+        sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed | sqlx::Error::WorkerCrashed => true,
+        sqlx::Error::Database(_) => {
+            is_node_failure(err)
+                || sqlstate(err).is_some_and(|c| {
+                    // serialization, deadlock, statement timeout, lock not available,
+                    // object in use, and class 53: insufficient resources
+                    matches!(c.as_str(), "40001" | "40P01" | "57014" | "55P03" | "55006") || c.starts_with("53")
+                })
+        }
+        _ => false,
+    }
+}

@@ -1,0 +1,172 @@
+//! The PostgreSQL side, by subject: the pool ([`pool`]), a connection's calls ([`Conn`]),
+//! the classes of database failure the layers above decide on ([`DbError`]), and the schema
+//! (migrations, the version check).
+
+mod conn;
+mod error;
+mod pool;
+mod schema;
+
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use prometheus::IntCounterVec;
+use sqlx::postgres::PgConnectOptions;
+use sqlx::{Connection, PgConnection};
+
+use crate::config::{Pooler, Settings};
+
+pub use conn::Conn;
+pub use error::DbError;
+pub use pool::PoolStatus;
+pub use schema::{check_schema, embedded_migration_count, expected_schema_version, migrate};
+
+use pool::{acquire, pool, Pool};
+
+/// Application name of the service's connections (visible in `pg_stat_activity`).
+pub const APPLICATION_NAME: &str = "oncepay";
+
+/// How long a transaction may sit idle (a stalled process must not hold row locks).
+const IDLE_IN_TRANSACTION: &str = "60s";
+
+/// The connection options for `settings.db_pooler`.
+///
+/// `none`: connections carry their statement timeout from the start-up packet, so no
+/// request pays a round trip for a `SET`, and sqlx keeps each statement prepared (named)
+/// per connection: one round trip per call.
+///
+/// `transaction`: a transaction-mode pooler refuses start-up options and hands each
+/// transaction to any server connection, so the start-up packet carries nothing but the
+/// application name, and no statement is cached: the settings travel in each call's
+/// `BEGIN` instead (see [`Conn::run`]).
+fn connect_options(settings: &Settings) -> anyhow::Result<PgConnectOptions> {
+    let options = PgConnectOptions::from_str(&settings.database_url)
+        .context("DATABASE_URL is not a valid PostgreSQL URL")?
+        .application_name(APPLICATION_NAME);
+    Ok(match settings.db_pooler {
+        Pooler::None => options.options([
+            (
+                "statement_timeout",
+                format!("{}ms", settings.statement_timeout.as_millis()),
+            ),
+            ("idle_in_transaction_session_timeout", IDLE_IN_TRANSACTION.to_owned()),
+        ]),
+        // PgBouncer 1.18 also refuses `extra_float_digits` unless told to ignore it; sqlx
+        // reads floats in binary, so the server's default does as well.
+        Pooler::Transaction => options.statement_cache_capacity(0).extra_float_digits(None),
+    })
+}
+
+/// The database as the service uses it: a pool, and how each call runs on it
+/// (`ONCEPAY_DB_POOLER`). Every query goes through [`Conn::run`] or [`Conn::transaction`].
+#[derive(Clone, Debug)]
+pub struct Db {
+    pool: Pool,
+    session: Arc<Session>,
+}
+
+/// The statements that open and close an explicit transaction, for one pooler mode.
+#[derive(Debug)]
+struct Session {
+    pooler: Pooler,
+    begin: String,
+    commit: &'static str,
+    rollback: &'static str,
+}
+
+impl Session {
+    fn new(pooler: Pooler, statement_timeout: Duration) -> Self {
+        match pooler {
+            Pooler::None => Self {
+                pooler,
+                begin: "BEGIN".to_owned(),
+                commit: "COMMIT",
+                rollback: "ROLLBACK",
+            },
+            // One simple-protocol message each way. sqlx's own type look-ups still prepare
+            // named statements (with no statement cache it never closes them), so the
+            // transaction deallocates everything before the pooler may hand its server
+            // connection to another client; on the way out of a failed transaction only
+            // after the ROLLBACK, since an aborted transaction refuses everything else.
+            Pooler::Transaction => Self {
+                pooler,
+                begin: format!(
+                    "BEGIN; SET LOCAL statement_timeout = '{}ms'; SET LOCAL idle_in_transaction_session_timeout = '{IDLE_IN_TRANSACTION}'",
+                    statement_timeout.as_millis()
+                ),
+                commit: "DEALLOCATE ALL; COMMIT",
+                rollback: "ROLLBACK; DEALLOCATE ALL",
+            },
+        }
+    }
+}
+
+impl Db {
+    pub fn new(settings: &Settings) -> anyhow::Result<Self> {
+        Ok(Self {
+            pool: pool(
+                connect_options(settings)?,
+                settings.db_pool_size as usize,
+                settings.db_acquire_timeout,
+            ),
+            session: Arc::new(Session::new(settings.db_pooler, settings.statement_timeout)),
+        })
+    }
+
+    /// A pool of `size` direct connections made with `options` as they are (tools and
+    /// tests): mode `none`, no timeouts added.
+    pub fn direct(options: PgConnectOptions, size: usize) -> Self {
+        Self {
+            pool: pool(options, size, Duration::from_secs(30)),
+            session: Arc::new(Session::new(Pooler::None, Duration::ZERO)),
+        }
+    }
+
+    /// A pool of its own (two connections) with the connection options of a sqlx pool: for
+    /// tests and tools holding one.
+    pub fn beside(pool: &sqlx::PgPool) -> Self {
+        Self::direct((*pool.connect_options()).clone(), 2)
+    }
+
+    pub fn status(&self) -> PoolStatus {
+        let status = self.pool.status();
+        PoolStatus {
+            size: status.size,
+            idle: status.available,
+            max: status.max_size,
+        }
+    }
+
+    /// Closes the idle connections (a clean `Terminate` each) and refuses further calls;
+    /// connections in use are closed when their call returns them.
+    pub async fn close(&self) {
+        let idle = self.pool.retain(|_, _| false).removed;
+        self.pool.close();
+        futures_util::future::join_all(idle.into_iter().map(Connection::close)).await;
+    }
+
+    /// `oncepay_db_connections_closed_total{reason}`, for the process's metrics registry.
+    pub fn connections_closed(&self) -> &IntCounterVec {
+        &self.pool.manager().closed
+    }
+
+    /// A pooled connection (see [`acquire`] for the errors).
+    pub async fn conn(&self) -> Result<Conn, DbError> {
+        Ok(Conn::new(acquire(&self.pool).await?, Arc::clone(&self.session)))
+    }
+
+    /// One call on a connection of its own: see [`Conn::run`].
+    pub async fn run<T>(&self, f: impl AsyncFnOnce(&mut PgConnection) -> Result<T, sqlx::Error>) -> Result<T, DbError> {
+        self.conn().await?.run(f).await
+    }
+
+    /// One transaction on a connection of its own: see [`Conn::transaction`].
+    pub async fn transaction<T>(
+        &self,
+        f: impl AsyncFnOnce(&mut PgConnection) -> Result<T, sqlx::Error>,
+    ) -> Result<T, DbError> {
+        self.conn().await?.transaction(f).await
+    }
+}

@@ -1,0 +1,100 @@
+//! The pool: deadpool over sqlx connections, checked only when they sat idle.
+
+use std::time::Duration;
+
+use deadpool::managed::{Manager, Metrics, Object, PoolError, RecycleResult, TimeoutType};
+use prometheus::{IntCounterVec, Opts};
+use sqlx::postgres::PgConnectOptions;
+use sqlx::{Connection, PgConnection};
+
+use super::DbError;
+
+/// A connection that sat unused this long is pinged before it is handed out: it may have
+/// been cut while idle (a failover, a pooler restart). One used more recently answered its
+/// last call, so it is handed out as it is.
+const IDLE_BEFORE_PING: Duration = Duration::from_secs(1);
+
+/// Opens and hands out the pool's connections (deadpool's [`Manager`]).
+///
+/// Why not sqlx's own pool: it sends a `Sync` and waits for the answer every time a
+/// connection goes back to the pool (`ping` on release, sqlx-core 0.8 and 0.9), so each
+/// request cost PostgreSQL a second wake-up and the server a second round trip: measured
+/// with `make bench-ab`, new payments ran 1.23x faster without it (docs/bench/analysis.md).
+/// Here a connection is checked only when it leaves the pool after [`IDLE_BEFORE_PING`];
+/// one whose call failed at the connection level, or that was dropped in the middle of a
+/// call or a transaction, is closed instead of returned ([`Conn`]).
+#[derive(Debug)]
+pub(super) struct Connector {
+    options: PgConnectOptions,
+    pub(super) closed: IntCounterVec,
+}
+
+impl Manager for Connector {
+    type Type = PgConnection;
+    type Error = sqlx::Error;
+
+    async fn create(&self) -> Result<PgConnection, sqlx::Error> {
+        PgConnection::connect_with(&self.options).await
+    }
+
+    async fn recycle(&self, conn: &mut PgConnection, metrics: &Metrics) -> RecycleResult<sqlx::Error> {
+        if metrics.last_used() >= IDLE_BEFORE_PING {
+            if let Err(err) = conn.ping().await {
+                self.closed.with_label_values(&["dead_idle"]).inc();
+                return Err(err.into());
+            }
+        }
+        Ok(())
+    }
+}
+
+pub(super) type Pool = deadpool::managed::Pool<Connector>;
+
+/// A pool of at most `size` connections, opened when first needed; a caller waits at most
+/// `acquire_timeout` for one (also for opening it).
+pub(super) fn pool(options: PgConnectOptions, size: usize, acquire_timeout: Duration) -> Pool {
+    let closed = IntCounterVec::new(
+        Opts::new(
+            "oncepay_db_connections_closed_total",
+            "Pooled connections closed instead of reused: broken (a connection-level failure or a \
+             read-only node), abandoned (a call or transaction cancelled midway), dead_idle (failed \
+             the ping after sitting idle)",
+        ),
+        &["reason"],
+    )
+    .expect("valid metric");
+    Pool::builder(Connector { options, closed })
+        .max_size(size)
+        .wait_timeout(Some(acquire_timeout))
+        .create_timeout(Some(acquire_timeout))
+        .recycle_timeout(Some(acquire_timeout))
+        .runtime(deadpool::Runtime::Tokio1)
+        .build()
+        .expect("a runtime is set, so the timeouts are valid")
+}
+
+/// What the pool holds now: connections open, of which idle, and the most it may open.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PoolStatus {
+    pub size: usize,
+    pub idle: usize,
+    pub max: usize,
+}
+
+/// Takes a connection from the pool: [`DbError::Saturated`] when every connection stayed
+/// busy, [`DbError::Transient`] when none can be opened (database down).
+pub(super) async fn acquire(pool: &Pool) -> Result<Object<Connector>, DbError> {
+    let err = match pool.get().await {
+        Ok(conn) => return Ok(conn),
+        // Waiting for a permit: every connection is checked out.
+        Err(PoolError::Timeout(TimeoutType::Wait)) => return Err(DbError::Saturated),
+        Err(PoolError::Backend(err)) => err,
+        Err(PoolError::Closed) => sqlx::Error::PoolClosed,
+        Err(PoolError::Timeout(_)) => sqlx::Error::PoolTimedOut,
+        Err(PoolError::NoRuntimeSpecified | PoolError::PostCreateHook(_)) => {
+            unreachable!("the pool has a runtime and no hooks")
+        }
+    };
+    tracing::warn!(error = %err, "no database connection");
+    Err(DbError::Transient(err))
+}

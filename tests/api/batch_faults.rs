@@ -1,0 +1,336 @@
+//! What a batch of payments answers when it fails after PostgreSQL may have committed it,
+//! and when the node it reached cannot write (src/batch.rs, src/db/error.rs).
+//!
+//! Each test runs on a database of its own, where `oncepay_pay` is wrapped by a function that
+//! misbehaves *after* the real one ran, for a few magic amounts: its row does not decode, it
+//! answers one row too many, it answers a combination no real call gives, it sleeps (so that
+//! the test can cut the connection while the statement runs), or it raises the error a node
+//! in recovery raises. With autocommit (`ONCEPAY_DB_POOLER=none`) the batch's statement has
+//! committed by then; the promise is that nothing is run again and nothing is said that is
+//! not known: every payment answers 503, none says it was replayed, each is charged once,
+//! and a retry with its key replays it.
+
+use std::time::Duration;
+
+use futures_util::future::join_all;
+use oncepay::domain::MissingKeyPolicy;
+use serde_json::json;
+use sqlx::{Connection, PgConnection, PgPool};
+
+use crate::batch::{hold_slot, hold_slot_at, pay_on};
+use crate::helpers::{
+    drop_database, empty_database, metric_value, new_key, new_tenant, server_url, through_pooler, Answer, TestApp,
+    MAIN_BALANCE,
+};
+use crate::tcp_relay::TcpRelay;
+
+/// Magic amounts of the wrapped `oncepay_pay`.
+const UNDECODABLE: i64 = 13;
+const ROW_TOO_MANY: i64 = 14;
+const IMPOSSIBLE: i64 = 15;
+const SLOW: i64 = 16;
+const IN_RECOVERY: i64 = 17;
+
+const FAULTS: &str = r#"
+ALTER FUNCTION oncepay_pay(uuid, oncepay_claim_args, text, bigint) RENAME TO oncepay_pay_unfaulted;
+CREATE FUNCTION oncepay_pay(p_tenant uuid, p oncepay_claim_args, p_account text, p_amount bigint)
+RETURNS TABLE (outcome oncepay_outcome, decline oncepay_decline, expires_at timestamptz,
+               resource payments)
+LANGUAGE plpgsql AS $$
+DECLARE
+    r record;
+BEGIN
+    IF p_amount = 17 THEN
+        RAISE EXCEPTION 'cannot assign TransactionIds during recovery' USING ERRCODE = 'XX000';
+    END IF;
+    SELECT * INTO r FROM oncepay_pay_unfaulted(p_tenant, p, p_account, p_amount) AS x;
+    outcome := r.outcome; decline := r.decline; expires_at := r.expires_at; resource := r.resource;
+    IF p_amount = 13 THEN outcome := NULL; END IF;
+    IF p_amount = 14 THEN RETURN NEXT; END IF;
+    IF p_amount = 15 THEN decline := 'insufficient_funds'; END IF;
+    IF p_amount = 16 THEN PERFORM pg_sleep(1.5); END IF;
+    RETURN NEXT;
+END
+$$;
+"#;
+
+/// A migrated database of the test's own with the faulty `oncepay_pay`; its direct URL.
+async fn faulty_database(hint: &str) -> String {
+    let url = empty_database(hint).await;
+    oncepay::db::migrate(&url).await.unwrap();
+    let mut conn = PgConnection::connect(&url).await.unwrap();
+    sqlx::raw_sql(FAULTS).execute(&mut conn).await.unwrap();
+    url
+}
+
+/// One batch slot, batches of up to 32, a tenant whose keyless payments are allowed.
+async fn batching_app(url: &str) -> TestApp {
+    let app = TestApp::builder()
+        .settings(|s| {
+            s.database_url = server_url(url);
+            s.db_batches_in_flight = 1;
+            s.db_batch_max = 32;
+        })
+        .spawn()
+        .await;
+    app.set_policy("allow").await;
+    app.open_account("blocker", 1_000).await;
+    app
+}
+
+fn pay_keyless(app: &TestApp, amount: i64) -> impl std::future::Future<Output = Answer> {
+    let (client, url, api_key) = (app.client.clone(), app.url("/payments"), app.api_key.clone());
+    async move {
+        Answer::from(
+            client
+                .post(url)
+                .bearer_auth(api_key)
+                .json(&json!({ "amount": amount, "account": "main" }))
+                .send()
+                .await
+                .unwrap(),
+        )
+        .await
+    }
+}
+
+/// Payments of `amount` on main, by the tenant: how many there are.
+async fn charged(pool: &PgPool, tenant: uuid::Uuid, amount: i64) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM payments WHERE tenant_id = $1 AND account_id = 'main' AND amount = $2")
+        .bind(tenant)
+        .bind(amount)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn a_batch_whose_answer_cannot_be_read_after_it_ran_answers_503_and_runs_nothing_again() {
+    let url = faulty_database("batch_unreadable").await;
+    let app = batching_app(&url).await;
+    let mut expected_main = MAIN_BALANCE;
+    // Amounts per round, so each round's payments are told apart: a keyed one, a keyless
+    // one, and the faulty item that breaks the batch's answer.
+    for (round, fault) in [UNDECODABLE, ROW_TOO_MANY, IMPOSSIBLE].into_iter().enumerate() {
+        let round = i64::try_from(round).unwrap();
+        let (keyed, keyless) = (100 + round, 200 + round);
+        let (mut lock, first) = hold_slot(&app, &new_key(), "blocker").await;
+        let key = new_key();
+        let queued = tokio::spawn(join_all([
+            Box::pin(pay_on(&app, &key, "main", keyed))
+                as std::pin::Pin<Box<dyn std::future::Future<Output = Answer> + Send>>,
+            Box::pin(pay_keyless(&app, keyless)),
+            Box::pin(pay_on(&app, &new_key(), "main", fault)),
+        ]));
+        // Every request reaches the queue well within this; the metric below shows they
+        // left in one statement.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        sqlx::query("COMMIT").execute(&mut lock).await.unwrap();
+        assert_eq!(first.await.unwrap().status, 201);
+        let answers = queued.await.unwrap();
+
+        for answer in &answers {
+            answer.assert_problem(503, "temporarily_unavailable");
+            assert!(
+                !answer.replayed(),
+                "a first answer never says replayed: {}",
+                answer.body
+            );
+        }
+        if !through_pooler() {
+            // Autocommit: the statement committed before its rows were read. Each payment
+            // once, the keyless one included; nothing ran again.
+            expected_main -= keyed + keyless + fault;
+            assert_eq!(
+                charged(&app.pool, app.tenant_id, keyless).await,
+                1,
+                "fault {fault}: keyless charged once"
+            );
+        } else {
+            // In a transaction, the failure is seen before COMMIT: rolled back.
+            assert_eq!(
+                charged(&app.pool, app.tenant_id, keyless).await,
+                0,
+                "fault {fault}: rolled back"
+            );
+        }
+        assert_eq!(app.balance("main").await, expected_main, "fault {fault}");
+        assert_eq!(
+            charged(&app.pool, app.tenant_id, keyed).await,
+            i64::from(!through_pooler())
+        );
+
+        // The client's retry with its key settles it: the stored result, or a first run.
+        let retry = pay_on(&app, &key, "main", keyed).await;
+        assert_eq!(retry.status, 201, "{}", retry.body);
+        assert_eq!(retry.replayed(), !through_pooler(), "{}", retry.body);
+        if through_pooler() {
+            expected_main -= keyed;
+        }
+        assert_eq!(
+            charged(&app.pool, app.tenant_id, keyed).await,
+            1,
+            "fault {fault}: charged once in all"
+        );
+        assert_eq!(app.balance("main").await, expected_main, "fault {fault}");
+    }
+    let metrics = app.metrics().await;
+    assert_eq!(
+        metric_value(&metrics, "oncepay_db_batches_failed_total{outcome=\"unknown\"}"),
+        3.0,
+        "{metrics}"
+    );
+    assert_eq!(
+        metric_value(&metrics, "oncepay_db_batches_split_total"),
+        0.0,
+        "{metrics}"
+    );
+    drop_database(&url).await;
+}
+
+#[tokio::test]
+async fn a_batch_whose_connection_breaks_while_it_runs_is_not_run_again() {
+    let url = faulty_database("batch_cut").await;
+    let mut relayed = reqwest::Url::parse(&url).unwrap();
+    let upstream = format!("{}:{}", relayed.host_str().unwrap(), relayed.port().unwrap_or(5432));
+    let relay = TcpRelay::start(upstream).await;
+    relayed.set_host(Some("127.0.0.1")).unwrap();
+    relayed.set_port(Some(relay.port)).unwrap();
+    let pool = PgPool::connect(&url).await.unwrap();
+    let (tenant_id, api_key) = new_tenant(&pool, MissingKeyPolicy::Allow).await;
+    sqlx::query(
+        "INSERT INTO accounts (tenant_id, account_id, balance, opening_balance) VALUES ($1, 'blocker', 1000, 1000)",
+    )
+    .bind(tenant_id)
+    .execute(&pool)
+    .await
+    .unwrap();
+    // The server reaches PostgreSQL through the relay only (never through a pooler here).
+    let app = TestApp::builder()
+        .settings(|s| {
+            s.database_url = relayed.to_string();
+            s.db_batches_in_flight = 1;
+            s.db_batch_max = 32;
+        })
+        .with_tenant(tenant_id, api_key.clone())
+        .spawn()
+        .await;
+
+    let (mut lock, first) = hold_slot_at(&app, &url, &new_key(), "blocker").await;
+    let key = new_key();
+    let queued = tokio::spawn(join_all([
+        Box::pin(pay_on(&app, &key, "main", 40)) as std::pin::Pin<Box<dyn std::future::Future<Output = Answer> + Send>>,
+        Box::pin(pay_keyless(&app, 41)),
+        Box::pin(pay_on(&app, &new_key(), "main", SLOW)),
+    ]));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    sqlx::query("COMMIT").execute(&mut lock).await.unwrap();
+    let _ = first.await.unwrap();
+    // Cut while the batch's statement sleeps inside PostgreSQL.
+    let mut running = false;
+    for _ in 0..100 {
+        let sleeping: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'oncepay' AND wait_event = 'PgSleep'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        if sleeping > 0 {
+            running = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(running, "the batch reached its statement");
+    relay.cut().await;
+    let answers = queued.await.unwrap();
+    for answer in &answers {
+        answer.assert_problem(503, "temporarily_unavailable");
+        assert!(!answer.replayed(), "{}", answer.body);
+    }
+    // Wait for PostgreSQL to finish the statement its client left.
+    for _ in 0..100 {
+        let left: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'oncepay' AND state = 'active'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        if left == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let count = |amount: i64| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>("SELECT count(*) FROM payments WHERE tenant_id = $1 AND amount = $2")
+                .bind(tenant_id)
+                .bind(amount)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    // With autocommit, the Sync that commits was sent with the statement: it committed
+    // although its client was gone. The keyless payment exists once, not twice.
+    assert_eq!((count(40).await, count(41).await, count(SLOW).await), (1, 1, 1));
+
+    // Another replica, straight to the database: the retry with the key replays.
+    let replica = TestApp::builder()
+        .settings(|s| s.database_url = url.clone())
+        .with_tenant(tenant_id, api_key)
+        .spawn()
+        .await;
+    let retry = pay_on(&replica, &key, "main", 40).await;
+    assert_eq!((retry.status, retry.replayed()), (201, true), "{}", retry.body);
+    assert_eq!(count(40).await, 1);
+    assert_eq!(replica.balance("main").await, MAIN_BALANCE - 40 - 41 - SLOW);
+    let metrics = app.metrics().await;
+    assert_eq!(
+        metric_value(&metrics, "oncepay_db_batches_failed_total{outcome=\"unknown\"}"),
+        1.0,
+        "{metrics}"
+    );
+    pool.close().await;
+    drop_database(&url).await;
+}
+
+#[tokio::test]
+async fn a_node_in_recovery_answers_503_alone_and_in_a_batch_and_its_connection_is_dropped() {
+    let url = faulty_database("batch_recovery").await;
+    let app = batching_app(&url).await;
+    let closed = |metrics: &str| metric_value(metrics, "oncepay_db_connections_closed_total{reason=\"broken\"}");
+    let before = closed(&app.metrics().await);
+
+    // Alone.
+    pay_on(&app, &new_key(), "main", IN_RECOVERY)
+        .await
+        .assert_problem(503, "temporarily_unavailable");
+    // In a batch with a good payment: PostgreSQL refused the statement for the node's state,
+    // not for an item, so the batch is not split (the good payment would only hit the same
+    // node again): both answer 503 and nothing is charged.
+    let (mut lock, first) = hold_slot(&app, &new_key(), "blocker").await;
+    let good = new_key();
+    let queued = tokio::spawn(join_all([
+        pay_on(&app, &good, "main", 50),
+        pay_on(&app, &new_key(), "main", IN_RECOVERY),
+    ]));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    sqlx::query("COMMIT").execute(&mut lock).await.unwrap();
+    assert_eq!(first.await.unwrap().status, 201);
+    for answer in queued.await.unwrap() {
+        answer.assert_problem(503, "temporarily_unavailable");
+    }
+    assert_eq!(app.balance("main").await, MAIN_BALANCE, "nothing charged");
+    let retry = pay_on(&app, &good, "main", 50).await;
+    assert_eq!((retry.status, retry.replayed()), (201, false), "{}", retry.body);
+
+    let metrics = app.metrics().await;
+    assert!(
+        closed(&metrics) >= before + 2.0,
+        "each connection that reached the node was closed, not reused:\n{metrics}"
+    );
+    assert_eq!(metric_value(&metrics, "oncepay_db_batches_split_total"), 0.0);
+    drop_database(&url).await;
+}
