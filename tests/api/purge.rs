@@ -114,21 +114,45 @@ async fn three_concurrent_purges_delete_each_row_once() {
 #[tokio::test]
 async fn a_purge_running_while_payments_flow_fails_none_of_them() {
     let (url, pool) = own_database("purgeload").await;
-    fill_keys(&pool, 5_000, "10 days", 0).await;
+    fill_keys(&pool, 20_000, "10 days", 0).await;
     let app = spawn_app_with(|s| s.database_url = url.clone()).await;
-    let keys: Vec<String> = (0..100).map(|_| new_key()).collect();
 
-    let payments = futures_util::future::join_all(keys.iter().map(|k| app.pay(Some(k), 1)));
+    // Payments flow from before the purge starts until after it ends (bounded: 2,000).
+    let purging = std::sync::atomic::AtomicBool::new(true);
+    let started = Instant::now();
+    let payments = async {
+        let mut answers = Vec::new();
+        let mut during = 0;
+        while answers.len() < 2_000 && (purging.load(std::sync::atomic::Ordering::Acquire) || answers.len() < 20) {
+            let keys: Vec<String> = (0..10).map(|_| new_key()).collect();
+            let batch = futures_util::future::join_all(keys.iter().map(|k| app.pay(Some(k), 1))).await;
+            if purging.load(std::sync::atomic::Ordering::Acquire) {
+                during += batch.len();
+            }
+            answers.extend(batch);
+        }
+        (answers, during)
+    };
     let db = Db::beside(&pool);
-    let purge = oncepay::purge::purge(&db, RETENTION, 50);
-    let (answers, purged) = tokio::join!(payments, purge);
+    let purge = async {
+        let purged = oncepay::purge::purge(&db, RETENTION, 50).await;
+        purging.store(false, std::sync::atomic::Ordering::Release);
+        (purged, started.elapsed())
+    };
+    let ((answers, during), (purged, took)) = tokio::join!(payments, purge);
 
-    assert_eq!(purged.unwrap(), 5_000);
-    for answer in answers {
+    assert_eq!(purged.unwrap(), 20_000);
+    assert!(
+        during >= 10,
+        "payments were answered while the purge ran ({during} in {took:?})"
+    );
+    println!("{during} payments answered during a purge of 20,000 keys in 400 batches ({took:?})");
+    for answer in &answers {
         assert_eq!(answer.status, 201, "{}", answer.body);
     }
-    assert_eq!(app.balance("main").await, MAIN_BALANCE - 100);
-    assert_eq!(app.key_count().await, 100, "the payments' own keys are young and kept");
+    let paid = i64::try_from(answers.len()).unwrap();
+    assert_eq!(app.balance("main").await, MAIN_BALANCE - paid);
+    assert_eq!(app.key_count().await, paid, "the payments' own keys are young and kept");
     app.state.db.close().await;
     pool.close().await;
     drop_database(&url).await;

@@ -38,19 +38,34 @@ async fn a_cached_replay_equals_the_databases_replay() {
     assert_eq!(apps[0].balance("main").await, MAIN_BALANCE - 100);
 }
 
+/// With the pool closed, a replay the process remembers answers all the same. Only while
+/// the tenant is cached too (`auth::TENANT_CACHE_TTL`, 500 ms after its last look-up): past
+/// that, authenticating any request needs the database, replay or not. The test checks that
+/// its requests were made inside that time, so that a slow machine fails it loudly rather
+/// than letting it pass for another reason.
 #[tokio::test]
-async fn a_cached_replay_needs_no_database() {
+async fn a_cached_replay_needs_no_database_while_its_tenant_is_cached() {
     let app = spawn_app().await;
     let key = new_key();
     let first = app.pay(Some(&key), 100).await;
     let declined_key = new_key();
     app.pay(Some(&declined_key), MAIN_BALANCE + 1).await;
 
+    // The tenant's cache entry lives from its look-up: let it expire, look it up afresh,
+    // then close the pool at once.
+    tokio::time::sleep(oncepay::auth::TENANT_CACHE_TTL + std::time::Duration::from_millis(100)).await;
+    let cached_since = std::time::Instant::now();
+    assert_eq!(app.get("/accounts/main").await.status, 200);
     app.state.db.close().await;
     let replay = app.pay(Some(&key), 100).await;
     let declined = app.pay(Some(&declined_key), MAIN_BALANCE + 1).await;
     let reused = app.pay(Some(&key), 999).await;
+    let within = cached_since.elapsed();
     let fresh = app.pay(Some(&new_key()), 100).await;
+    assert!(
+        within < oncepay::auth::TENANT_CACHE_TTL,
+        "the replays were made {within:?} after the tenant was cached, past its TTL: inconclusive"
+    );
 
     assert_eq!(replay.status, 201);
     assert!(replay.replayed());
