@@ -12,8 +12,12 @@
 //! 3. parse and validate the body (400): nothing is claimed for a malformed request;
 //! 4. a key this process saw finish, inside its window, is answered from memory
 //!    ([`cache`]): the stored result, or 422 for another fingerprint;
-//! 5. call the operation's SQL function (migrations/V4), **one statement, one round trip, one
-//!    transaction**, whose claim (`oncepay_claim`, shared by every operation):
+//! 5. call the operation's SQL function (migrations/V4 to V6), **one call, in one transaction**.
+//!    A refund, a deposit, a transfer or a new account is a statement of its own (one round
+//!    trip, one commit); so is a payment at low load, but under load payments that arrive
+//!    while the server's payment statements are out share one statement, one transaction and
+//!    one commit, each its own `oncepay_pay` call with its own answer (`crate::batch`). The
+//!    claim (`oncepay_claim`, shared by every operation):
 //!    - reads the key row first: a finished key answers without any write: expired (422),
 //!      another fingerprint (422), or the stored result, rebuilt from the resource it names
 //!      (a replay);
@@ -23,16 +27,26 @@
 //!      `lock_timeout` of `ONCEPAY_INFLIGHT_WAIT_MS` set for this transaction only (so it
 //!      holds through a transaction-mode pooler); its expiry is SQLSTATE 55P03, answered 409
 //!      `request_in_progress`. Once the key is claimed the timeout is lifted for the rest of
-//!      the transaction (the `statement_timeout` still bounds it);
+//!      the transaction (the `statement_timeout` still bounds it). In a batch the wait is at
+//!      most 200 ms (the duplicate holds its batch's earlier rows meanwhile), after which the
+//!      batch is rolled back and its payments run again one by one, the duplicate with its
+//!      full wait; a duplicate of a payment still out in the same process is held back
+//!      before the database instead, for as long;
 //!    - then the effect runs (debit, refund, deposit, account, transfer) and a deterministic
 //!      decline (402, 404, 409) rewrites the key row to the stored failure.
 //!
 //! What is locked and for how long: the key's index entry and the account row, from the
-//! claim to the commit of that single statement (well under a millisecond of work).
-//! What a crash leaves behind: nothing. The key row and the effect commit together; a
-//! transaction that dies (process killed, connection cut, backend terminated, timeout)
-//! rolls back both, so the key is free again and the retry runs for real (503 with
-//! `Retry-After` when the server lives to answer).
+//! claim to the commit of the statement (well under a millisecond of work for one call; in
+//! a batch, until the batch commits). Every statement takes account rows in one order,
+//! (tenant, account id) as bytes, so none waits on another in a cycle.
+//! What a crash leaves behind: nothing half done. The key row and the effect commit
+//! together; a transaction that dies before its commit (process killed, connection cut,
+//! backend terminated, timeout) rolls back both, so the key is free again and the retry
+//! runs for real. When the server cannot tell whether the commit happened (the connection
+//! broke while the call was out, or its answer could not be read) it answers 503 with
+//! `Retry-After` and runs nothing again: the client's retry with the same key replays the
+//! commit if there was one, and runs for real if there was not. A keyless request under
+//! `allow` has no such retry: its client must find out before it sends again.
 
 pub mod cache;
 pub mod fingerprint;
