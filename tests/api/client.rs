@@ -13,7 +13,7 @@ use uuid::Uuid;
 
 use crate::concurrency::{blocked_payment_backend, lock_main_account};
 use crate::fault_proxy::{Action, FaultProxy};
-use crate::helpers::{spawn_app, spawn_app_with, TestApp, MAIN_BALANCE};
+use crate::helpers::{spawn_app, spawn_app_with, tenant_endpoints, TestApp, MAIN_BALANCE};
 
 /// Short waits so that the tests stay fast; the budget large enough not to bind here.
 pub fn fast_config() -> ClientConfig {
@@ -293,6 +293,16 @@ async fn every_tenant_endpoint_has_a_typed_call() {
         .await
         .unwrap();
     let state = client.payment(payment.value.id).await.unwrap();
+    client
+        .open_account("u2", None, &IdempotencyKey::generate())
+        .await
+        .unwrap();
+    let transfer = client
+        .transfer("u1", "u2", 50, &IdempotencyKey::generate())
+        .await
+        .unwrap();
+    let moved = client.get_transfer(transfer.value.id).await.unwrap();
+    assert_eq!((transfer.status, moved.value.amount), (201, 50));
     let account = client.account("u1").await.unwrap();
 
     assert_eq!((opened.status, opened.value.balance), (201, 500));
@@ -315,8 +325,26 @@ async fn every_tenant_endpoint_has_a_typed_call() {
         refunded_at.is_some_and(|at| at >= created_at),
         "refunded after created: {refunded_at:?}"
     );
-    assert_eq!(account.value.balance, 750);
-    assert_eq!(app.balance("u1").await, 750);
+    assert_eq!(account.value.balance, 700);
+    assert_eq!(app.balance("u1").await, 700);
+
+    // Every documented tenant endpoint was reached through a typed call: the server counts
+    // requests by route template, and only this client called it.
+    let metrics = app.metrics().await;
+    let reached: HashSet<&str> = metrics
+        .lines()
+        .filter(|line| line.starts_with("oncepay_requests_total{") && !line.ends_with(" 0"))
+        .filter_map(|line| line.split("route=\"").nth(1)?.split('"').next())
+        .collect();
+    for (method, template) in tenant_endpoints() {
+        // `POST /pay` is the alias of `POST /payments`: the same typed call.
+        if template != "/pay" {
+            assert!(
+                reached.contains(template.as_str()),
+                "{method} {template} has no typed call: {reached:?}"
+            );
+        }
+    }
     let err = client.deposit("a/b", 1, &IdempotencyKey::generate()).await.unwrap_err();
     assert_eq!(err.code(), "invalid_request", "a path id is encoded, not split: {err}");
     assert!(matches!(err, ClientError::Problem(_)));

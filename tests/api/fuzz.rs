@@ -8,9 +8,9 @@ use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
 use reqwest::header::HeaderValue;
 use serde_json::{json, Value};
 
-use crate::helpers::{spawn_app, Answer, TestApp};
+use crate::helpers::{fill, spawn_app, tenant_endpoints, Answer, TestApp};
 
-const CASES: usize = 120;
+const CASES: usize = 300;
 
 fn json_value() -> impl Strategy<Value = Value> {
     let leaf = prop_oneof![
@@ -33,7 +33,8 @@ fn json_value() -> impl Strategy<Value = Value> {
     })
 }
 
-/// Bodies: mostly near-valid payments and deposits, some arbitrary JSON, some arbitrary bytes.
+/// Bodies: mostly near-valid payments, deposits and transfers, some arbitrary JSON, some
+/// arbitrary bytes.
 fn body() -> impl Strategy<Value = Vec<u8>> {
     let amount = prop_oneof![4 => (1i64..2_000).prop_map(|n| json!(n)), 1 => json_value()];
     let account = prop_oneof![
@@ -42,7 +43,10 @@ fn body() -> impl Strategy<Value = Vec<u8>> {
         1 => json_value().prop_map(Some),
     ];
     let extra = prop_oneof![4 => Just(None), 1 => json_value().prop_map(Some)];
+    let transfer = prop_oneof![4 => (1i64..2_000).prop_map(|n| json!(n)), 1 => json_value()]
+        .prop_map(|amount| serde_json::to_vec(&json!({ "from": "main", "to": "side", "amount": amount })).unwrap());
     prop_oneof![
+        2 => transfer,
         5 => (amount, account, extra).prop_map(|(amount, account, extra)| {
             let mut body = json!({ "amount": amount });
             if let Some(account) = account {
@@ -68,8 +72,21 @@ fn key() -> impl Strategy<Value = Option<Vec<u8>>> {
     ]
 }
 
-fn path() -> impl Strategy<Value = &'static str> {
-    prop::sample::select(vec!["/payments", "/pay", "/accounts/main/deposits"])
+/// Every documented tenant POST, its path parameter an existing account or a random id.
+fn path() -> impl Strategy<Value = String> {
+    let paths: Vec<String> = tenant_endpoints()
+        .into_iter()
+        .filter(|(method, _)| method == reqwest::Method::POST)
+        .map(|(_, template)| {
+            let param = if template.starts_with("/accounts/") {
+                "main".to_owned()
+            } else {
+                uuid::Uuid::new_v4().to_string()
+            };
+            fill(&template, &param)
+        })
+        .collect();
+    prop::sample::select(paths)
 }
 
 fn content_type() -> impl Strategy<Value = Option<&'static str>> {
@@ -94,6 +111,7 @@ async fn state(app: &TestApp) -> (i64, i64, i64) {
 #[tokio::test]
 async fn random_requests_never_get_a_5xx_and_malformed_ones_change_nothing() {
     let app = spawn_app().await;
+    app.open_account("side", 0).await;
     let strategy = (path(), body(), key(), content_type());
     let rng = TestRng::from_seed(RngAlgorithm::ChaCha, &[7; 32]);
     let mut runner = TestRunner::new_with_rng(Config::default(), rng);
@@ -103,7 +121,7 @@ async fn random_requests_never_get_a_5xx_and_malformed_ones_change_nothing() {
         let (path, body, key, content_type) = strategy.new_tree(&mut runner).unwrap().current();
         let mut request = app
             .client
-            .post(app.url(path))
+            .post(app.url(&path))
             .bearer_auth(&app.api_key)
             .body(body.clone());
         if let Some(key) = key.as_deref().and_then(|k| HeaderValue::from_bytes(k).ok()) {

@@ -6,7 +6,7 @@ use oncepay_client::protocol::ProblemCode;
 use reqwest::Method;
 use serde_json::json;
 
-use crate::helpers::{new_key, spawn_app, Answer, TestApp, ADMIN_TOKEN};
+use crate::helpers::{documented_endpoints, fill, new_key, spawn_app, tenant_endpoints, Answer, TestApp, ADMIN_TOKEN};
 
 /// What must never reach a client: SQL, driver and PostgreSQL messages, Rust panics and
 /// backtraces.
@@ -123,11 +123,23 @@ async fn hostile_input_on_every_endpoint_answers_a_clean_problem() {
         }
     }
     let id = "%27%20OR%201=1%20--";
-    let tenant_posts = ["/payments", "/pay", "/accounts", "/accounts/main/deposits"];
-    let refund = format!("/payments/{}/refund", uuid::Uuid::new_v4());
+    // Every documented tenant POST, its path parameter an existing account or an unknown id.
+    let tenant_posts: Vec<String> = tenant_endpoints()
+        .into_iter()
+        .filter(|(method, _)| method == Method::POST)
+        .map(|(_, template)| {
+            let param = if template.starts_with("/accounts/") {
+                "main".to_owned()
+            } else {
+                uuid::Uuid::new_v4().to_string()
+            };
+            fill(&template, &param)
+        })
+        .collect();
+    assert!(tenant_posts.iter().any(|p| p == "/transfers"), "{tenant_posts:?}");
 
     for body in &bodies {
-        for path in tenant_posts.iter().copied().chain([refund.as_str()]) {
+        for path in &tenant_posts {
             let answer = send(
                 &app,
                 Method::POST,
@@ -168,16 +180,21 @@ async fn hostile_input_on_every_endpoint_answers_a_clean_problem() {
         .await;
         assert_clean_problem(&answer, &format!("key {key}"));
     }
-    for path in [
-        format!("/payments/{id}"),
-        format!("/accounts/{id}"),
-        format!("/accounts/{id}/deposits"),
-        format!("/payments/{id}/refund"),
-        format!("/admin/tenants/{id}"),
+    // Every documented path with a parameter, the parameter hostile; and a few broken paths.
+    let hostile_paths = documented_endpoints()
+        .into_iter()
+        .filter(|(_, template)| template.contains('{'))
+        .map(|(_, template)| fill(&template, id))
+        .collect::<std::collections::BTreeSet<_>>();
+    assert!(
+        hostile_paths.iter().any(|p| p.starts_with("/transfers/")),
+        "{hostile_paths:?}"
+    );
+    for path in hostile_paths.into_iter().chain([
         "/accounts/%FF%FE".to_owned(),
         "/payments/%00".to_owned(),
         "/nowhere/%ZZ".to_owned(),
-    ] {
+    ]) {
         for method in [Method::GET, Method::POST, Method::PATCH, Method::DELETE] {
             let token = if path.starts_with("/admin") {
                 ADMIN_TOKEN

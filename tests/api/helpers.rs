@@ -457,3 +457,38 @@ pub async fn waiting_behind(pool: &PgPool, holder: i32) -> i64 {
     .await
     .unwrap()
 }
+
+/// Every endpoint the server documents (its OpenAPI document, generated from the operation
+/// table and the routes): (method, path template). Tests that claim "every endpoint" start
+/// from this list, so that a new endpoint fails them until they cover it.
+pub fn documented_endpoints() -> Vec<(Method, String)> {
+    let document: Value = serde_json::from_str(&oncepay::routes::openapi_document()).expect("the document is JSON");
+    let mut endpoints = Vec::new();
+    for (path, operations) in document["paths"].as_object().expect("paths") {
+        for method in operations.as_object().expect("operations").keys() {
+            let method = Method::from_bytes(method.to_uppercase().as_bytes()).expect("an HTTP method");
+            endpoints.push((method, path.clone()));
+        }
+    }
+    endpoints
+}
+
+/// The documented endpoints a tenant calls with its API key (not the admin's, not the
+/// unauthenticated operations endpoints).
+pub fn tenant_endpoints() -> Vec<(Method, String)> {
+    documented_endpoints()
+        .into_iter()
+        .filter(|(_, path)| {
+            !path.starts_with("/admin")
+                && !matches!(path.as_str(), "/healthz" | "/readyz" | "/metrics" | "/openapi.json")
+        })
+        .collect()
+}
+
+/// `template` with its one path parameter (`{id}`, `{tenant_id}`) replaced by `id`.
+pub fn fill(template: &str, id: &str) -> String {
+    match (template.find('{'), template.find('}')) {
+        (Some(start), Some(end)) => format!("{}{id}{}", &template[..start], &template[end + 1..]),
+        _ => template.to_owned(),
+    }
+}

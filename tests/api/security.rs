@@ -11,7 +11,9 @@ use reqwest::Method;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
-use crate::helpers::{new_key, new_tenant, spawn_app, Answer, TestApp, ADMIN_TOKEN, MAIN_BALANCE};
+use crate::helpers::{
+    fill, new_key, new_tenant, spawn_app, tenant_endpoints, Answer, TestApp, ADMIN_TOKEN, MAIN_BALANCE,
+};
 
 /// Found by schemathesis: a NUL in a tenant's name reached PostgreSQL (which refuses it in
 /// text) and answered 500. Control characters are now refused up front.
@@ -69,35 +71,47 @@ async fn another_tenants_ids_answer_404_on_every_endpoint_and_change_nothing() {
     let paid = app.pay(Some(&new_key()), 100).await;
     let payment = paid.body["id"].as_str().unwrap().to_owned();
     app.open_account("private", 50).await;
+    app.open_account("private2", 0).await;
+    let moved = app.transfer(Some(&new_key()), "private", "private2", 10).await;
+    assert_eq!(moved.status, 201, "{}", moved.body);
+    let transfer = moved.body["id"].as_str().unwrap().to_owned();
 
-    app.get_as(&intruder, &format!("/payments/{payment}"))
-        .await
-        .assert_problem(404, "not_found");
-    let refund = format!("/payments/{payment}/refund");
-    app.post_as(&intruder, &refund, Some(&new_key()), &json!({}))
-        .await
-        .assert_problem(404, "not_found");
-    app.get_as(&intruder, "/accounts/private")
-        .await
-        .assert_problem(404, "account_not_found");
-    app.post_as(
-        &intruder,
-        "/accounts/private/deposits",
-        Some(&new_key()),
-        &json!({ "amount": 5 }),
-    )
-    .await
-    .assert_problem(404, "account_not_found");
-    for path in ["/payments", "/pay"] {
-        app.post_as(
-            &intruder,
-            path,
-            Some(&new_key()),
-            &json!({ "amount": 5, "account": "private" }),
-        )
-        .await
-        .assert_problem(404, "account_not_found");
+    // Every documented tenant endpoint, aimed at the victim's resources: the one in its path,
+    // or the account its body names. Creating an account is the one call that names no
+    // resource of another tenant (ids are per tenant): checked below.
+    let mut covered = std::collections::BTreeSet::new();
+    for (method, template) in tenant_endpoints() {
+        let id = if template.starts_with("/payments/{id}") {
+            payment.as_str()
+        } else if template.starts_with("/transfers/{id}") {
+            transfer.as_str()
+        } else if template.starts_with("/accounts/{id}") {
+            "private"
+        } else {
+            ""
+        };
+        let path = fill(&template, id);
+        let (body, expected) = match (method.as_str(), template.as_str()) {
+            ("GET", t) if t.starts_with("/accounts") => (None, "account_not_found"),
+            ("GET", _) => (None, "not_found"),
+            ("POST", "/payments" | "/pay") => (Some(json!({ "amount": 5, "account": "private" })), "account_not_found"),
+            ("POST", "/transfers") => (
+                Some(json!({ "from": "private", "to": "private2", "amount": 5 })),
+                "account_not_found",
+            ),
+            ("POST", "/accounts") => continue,
+            ("POST", t) if t.ends_with("/refund") => (Some(json!({})), "not_found"),
+            ("POST", t) if t.ends_with("/deposits") => (Some(json!({ "amount": 5 })), "account_not_found"),
+            (method, template) => panic!("{method} {template}: a tenant endpoint this test does not cover yet"),
+        };
+        let answer = match body {
+            Some(body) => app.post_as(&intruder, &path, Some(&new_key()), &body).await,
+            None => app.get_as(&intruder, &path).await,
+        };
+        answer.assert_problem(404, expected);
+        covered.insert((method.to_string(), template));
     }
+    assert!(covered.len() >= 8, "the documented endpoints were found: {covered:?}");
     // Account ids are per tenant: the same id is free in another tenant, and a 409 would tell
     // the intruder that it exists elsewhere.
     let own = app
@@ -123,7 +137,8 @@ async fn another_tenants_ids_answer_404_on_every_endpoint_and_change_nothing() {
     patch.assert_problem(401, "unauthorized");
 
     assert_eq!(app.balance("main").await, MAIN_BALANCE - 100);
-    assert_eq!(app.balance("private").await, 50);
+    assert_eq!(app.balance("private").await, 40);
+    assert_eq!(app.balance("private2").await, 10);
     assert_eq!(app.payment_count().await, 1);
     let mine = app.get(&format!("/payments/{payment}")).await;
     assert_eq!(mine.body["status"], "succeeded");
