@@ -13,6 +13,7 @@
 use std::time::Duration;
 
 use futures_util::future::join_all;
+use oncepay::config::Pooler;
 use oncepay::domain::MissingKeyPolicy;
 use serde_json::json;
 use sqlx::{Connection, PgConnection, PgPool};
@@ -205,10 +206,12 @@ async fn a_batch_whose_connection_breaks_while_it_runs_is_not_run_again() {
     .execute(&pool)
     .await
     .unwrap();
-    // The server reaches PostgreSQL through the relay only (never through a pooler here).
+    // The server reaches PostgreSQL through the relay only, never through a pooler here, and
+    // in autocommit: the case where a statement commits with nobody left to hear it.
     let app = TestApp::builder()
         .settings(|s| {
             s.database_url = relayed.to_string();
+            s.db_pooler = Pooler::None;
             s.db_batches_in_flight = 1;
             s.db_batch_max = 32;
         })
@@ -278,7 +281,10 @@ async fn a_batch_whose_connection_breaks_while_it_runs_is_not_run_again() {
 
     // Another replica, straight to the database: the retry with the key replays.
     let replica = TestApp::builder()
-        .settings(|s| s.database_url = url.clone())
+        .settings(|s| {
+            s.database_url = url.clone();
+            s.db_pooler = Pooler::None;
+        })
         .with_tenant(tenant_id, api_key)
         .spawn()
         .await;
