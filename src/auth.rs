@@ -50,6 +50,9 @@ fn bearer(req: &HttpRequest) -> Option<&str> {
 /// with the same key share one database lookup.
 pub async fn tenant(req: &HttpRequest, db: &crate::db::Db, cache: &TenantCache) -> Result<Tenant, ApiError> {
     let token = bearer(req).ok_or(ApiError::Unauthorized)?;
+    if !tenants::is_api_key_form(token) {
+        return Err(ApiError::Unauthorized);
+    }
     let hash = tenants::hash_api_key(token);
     let found = cache
         .0

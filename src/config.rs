@@ -125,6 +125,15 @@ impl Settings {
         if self.db_pool_size == 0 || self.workers == 0 || self.max_body_bytes == 0 || self.purge_batch_size <= 0 {
             bail!("pool size, workers, body limit and purge batch size must be positive");
         }
+        if let Some(token) = &self.admin_token {
+            let length = token.chars().count();
+            if length < MIN_ADMIN_TOKEN_CHARS {
+                bail!(
+                    "ONCEPAY_ADMIN_TOKEN is {length} characters long; it must have at least {MIN_ADMIN_TOKEN_CHARS} \
+                     (e.g. `head -c 24 /dev/urandom | base64`)"
+                );
+            }
+        }
         match (&self.tls_cert, &self.tls_key) {
             (Some(_), None) => {
                 bail!("ONCEPAY_TLS_CERT is set but ONCEPAY_TLS_KEY is not: set both to serve HTTPS, or neither")
@@ -227,6 +236,10 @@ fn number<T: std::str::FromStr>(name: &str, default: T) -> anyhow::Result<T> {
     }
 }
 
+/// The shortest admin token `serve` accepts: a guessable operator credential opens every
+/// tenant's settings and the purge.
+pub const MIN_ADMIN_TOKEN_CHARS: usize = 32;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -235,6 +248,19 @@ mod tests {
         let mut settings = Settings::from_env_with_database(database_url.to_owned()).unwrap();
         settings.admin_token = admin_token.map(str::to_owned);
         settings
+    }
+
+    #[test]
+    fn an_admin_token_shorter_than_32_characters_is_refused_naming_the_variable() {
+        let base = settings("postgres://oncepay@127.0.0.1:55130/oncepay", None);
+        let with = |token: &str| Settings {
+            admin_token: Some(token.to_owned()),
+            ..base.clone()
+        };
+        let err = with(&"x".repeat(31)).validate().unwrap_err().to_string();
+        assert!(err.contains("ONCEPAY_ADMIN_TOKEN") && err.contains("31"), "{err}");
+        assert!(with(&"x".repeat(32)).validate().is_ok());
+        assert!(base.validate().is_ok(), "unset: the admin API is off, nothing to check");
     }
 
     #[test]

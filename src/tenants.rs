@@ -14,8 +14,20 @@ pub const API_KEY_PREFIX: &str = "opk_";
 
 pub type ApiKeyHash = [u8; 32];
 
+/// Bytes of randomness in an API key: written as twice as many lowercase hex digits.
+const API_KEY_SECRET_BYTES: usize = 32;
+
 pub fn hash_api_key(api_key: &str) -> ApiKeyHash {
     Sha256::digest(api_key.as_bytes()).into()
+}
+
+/// Whether `token` has the form every API key has (`opk_` and 64 lowercase hex digits). A
+/// bearer of any other form is refused without a database look-up, so that random bearers
+/// cost an attacker more than they cost the database.
+pub fn is_api_key_form(token: &str) -> bool {
+    token.strip_prefix(API_KEY_PREFIX).is_some_and(|secret| {
+        secret.len() == 2 * API_KEY_SECRET_BYTES && secret.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+    })
 }
 
 /// What an authenticated request knows about its tenant.
@@ -48,7 +60,7 @@ pub async fn create(
     policy: MissingKeyPolicy,
     main_balance: OpeningBalance,
 ) -> Result<CreatedTenant, DbError> {
-    let mut secret = [0u8; 32];
+    let mut secret = [0u8; API_KEY_SECRET_BYTES];
     rand::rngs::OsRng.fill_bytes(&mut secret);
     let api_key = format!("{API_KEY_PREFIX}{}", hex::encode(secret));
     let tenant_id = TenantId::new_random();
@@ -115,4 +127,27 @@ pub async fn find_by_key_hash(conn: &mut PgConnection, hash: &ApiKeyHash) -> Res
         })
     })
     .transpose()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_form_of_a_made_key_is_an_api_key_form() {
+        let made = format!("{API_KEY_PREFIX}{}", "0123456789abcdef".repeat(4));
+        assert!(is_api_key_form(&made));
+        for wrong in [
+            String::new(),
+            "opk_".to_owned(),
+            made[..made.len() - 1].to_owned(),
+            format!("{made}0"),
+            made.to_uppercase(),
+            made.replacen("opk_", "sk_", 1),
+            made.replacen('a', "g", 1),
+            made.replacen('a', "é", 1),
+        ] {
+            assert!(!is_api_key_form(&wrong), "{wrong:?}");
+        }
+    }
 }

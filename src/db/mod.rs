@@ -61,7 +61,10 @@ fn connect_options(settings: &Settings) -> anyhow::Result<PgConnectOptions> {
 
 /// The database as the service uses it: a pool, and how each call runs on it
 /// (`ONCEPAY_DB_POOLER`). Every query goes through [`Conn::run`] or [`Conn::transaction`].
-#[derive(Clone, Debug)]
+///
+/// Its `Debug` shows the pool's state and the pooler mode, never the connect options (they
+/// hold the database password).
+#[derive(Clone)]
 pub struct Db {
     pool: Pool,
     session: Arc<Session>,
@@ -100,6 +103,15 @@ impl Session {
                 rollback: "ROLLBACK; DEALLOCATE ALL",
             },
         }
+    }
+}
+
+impl std::fmt::Debug for Db {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Db")
+            .field("pool", &self.status())
+            .field("pooler", &self.session.pooler)
+            .finish_non_exhaustive()
     }
 }
 
@@ -168,5 +180,33 @@ impl Db {
         f: impl AsyncFnOnce(&mut PgConnection) -> Result<T, sqlx::Error>,
     ) -> Result<T, DbError> {
         self.conn().await?.transaction(f).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn debug_shows_no_password_of_the_pool_nor_of_what_holds_it() {
+        let settings =
+            Settings::from_env_with_database("postgres://oncepay:s3cret-pw@db.example:5432/oncepay".to_owned())
+                .unwrap();
+        let db = Db::new(&settings).unwrap();
+        let schedule = crate::purge::Schedule {
+            db: db.clone(),
+            retention: Duration::from_secs(1),
+            batch: 1,
+            every: Duration::from_secs(1),
+        };
+        for shown in [
+            format!("{db:?}"),
+            format!("{schedule:?}"),
+            format!("{:?}", db.pool.manager()),
+        ] {
+            assert!(!shown.contains("s3cret"), "{shown}");
+            assert!(!shown.contains("db.example"), "{shown}");
+        }
+        assert!(format!("{db:?}").contains("pooler"), "it still tells something");
     }
 }

@@ -22,11 +22,17 @@ const IDLE_BEFORE_PING: Duration = Duration::from_secs(1);
 /// with `make bench-ab`, new payments ran 1.23x faster without it (docs/bench/analysis.md).
 /// Here a connection is checked only when it leaves the pool after [`IDLE_BEFORE_PING`];
 /// one whose call failed at the connection level, or that was dropped in the middle of a
-/// call or a transaction, is closed instead of returned ([`Conn`]).
-#[derive(Debug)]
+/// call or a transaction, is closed instead of returned ([`super::Conn`]).
 pub(super) struct Connector {
     options: PgConnectOptions,
     pub(super) closed: IntCounterVec,
+}
+
+/// Without the connect options: they hold the database password.
+impl std::fmt::Debug for Connector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Connector").finish_non_exhaustive()
+    }
 }
 
 impl Manager for Connector {

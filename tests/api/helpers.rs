@@ -15,7 +15,7 @@ use sqlx::postgres::PgPoolOptions;
 use sqlx::{Connection, Executor, PgPool};
 use uuid::Uuid;
 
-pub const ADMIN_TOKEN: &str = "test-admin-token";
+pub const ADMIN_TOKEN: &str = "test-admin-token-of-at-least-32-characters";
 pub const MAIN_BALANCE: i64 = 10_000;
 
 static TRACING: Once = Once::new();

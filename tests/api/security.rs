@@ -212,6 +212,29 @@ async fn api_keys_are_random_and_stored_only_as_their_sha256() {
 /// admin token is compared as SHA-256 digests with `subtle::ConstantTimeEq`, and an API key
 /// is hashed first and then looked up by its hash, so no comparison ever runs over the
 /// secret's bytes. What a test can check: every near miss, of any length, is a plain 401.
+/// A bearer that is not of an API key's form is refused before any look-up: with the pool
+/// closed it is still 401, where a well-formed unknown key needs the database (503).
+#[tokio::test]
+async fn a_bearer_not_of_the_api_key_form_is_refused_without_the_database() {
+    let app = spawn_app().await;
+    let well_formed_unknown = format!("opk_{}", "ab".repeat(32));
+    app.state.db.close().await;
+    for bearer in [
+        "x".to_owned(),
+        "opk_".to_owned(),
+        app.api_key.to_uppercase(),
+        format!("{}0", app.api_key),
+        "A".repeat(5_000),
+    ] {
+        app.get_as(&bearer, "/accounts/main")
+            .await
+            .assert_problem(401, "unauthorized");
+    }
+    app.get_as(&well_formed_unknown, "/accounts/main")
+        .await
+        .assert_problem(503, "temporarily_unavailable");
+}
+
 #[tokio::test]
 async fn near_misses_of_either_credential_are_401_whatever_their_length() {
     let app = spawn_app().await;
