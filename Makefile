@@ -134,12 +134,15 @@ check: sqlx-check client-deps-check
 	cargo clippy --workspace --all-targets --locked --features oncepay/bench -- -D warnings
 	cargo clippy -p oncepay-client --all-targets --locked -- -D warnings
 
-# The client crate compiles no server crate (contract section 1): fails if `cargo tree` shows one.
+# The client crate, and the protocol crate it shares with the server, compile no server crate
+# (contract section 1): fails if `cargo tree` shows one.
 client-deps-check:
-	@deps="$$(cargo tree --locked -p oncepay-client --all-features -e normal --prefix none --format '{p}')"; \
-	server="$$(grep -E '^(actix-|sqlx|refinery|tokio-postgres)' <<<"$$deps" | awk '{print $$1, $$2}' | sort -u)"; \
-	if [ -n "$$server" ]; then echo "oncepay-client depends on server crates:"; echo "$$server"; exit 1; fi; \
-	echo "oncepay-client: $$(sort -u <<<"$$deps" | wc -l) crates, no actix-web, sqlx or refinery"
+	@for package in oncepay-protocol oncepay-client; do \
+		deps="$$(cargo tree --locked -p $$package --all-features -e normal --prefix none --format '{p}')" || exit 1; \
+		server="$$(grep -E '^(actix-|sqlx|refinery|tokio-postgres)' <<<"$$deps" | awk '{print $$1, $$2}' | sort -u)"; \
+		if [ -n "$$server" ]; then echo "$$package depends on server crates:"; echo "$$server"; exit 1; fi; \
+		echo "$$package: $$(sort -u <<<"$$deps" | wc -l) crates, no actix-web, sqlx, refinery or tokio-postgres"; \
+	done
 
 # The query cache as the macros write it from a scratch database with the migrations applied
 # by psql (no sqlx-cli needed: compiling online, they write to SQLX_OFFLINE_DIR). Touching

@@ -8,13 +8,13 @@ use serde::Serialize;
 use crate::db::DbError;
 use crate::operation::Decline;
 
-pub use oncepay_client::protocol::ProblemCode;
+pub use oncepay_protocol::ProblemCode;
 
 /// Seconds a client is told to wait (`Retry-After`) on 409 in progress, 429 and 503.
 pub const RETRY_AFTER_SECS: u64 = 1;
 
 /// Header marking a replayed answer.
-pub use oncepay_client::protocol::REPLAYED_HEADER;
+pub use oncepay_protocol::REPLAYED_HEADER;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {

@@ -31,7 +31,7 @@ use actix_http::{HttpService, Request, Response};
 use actix_service::{fn_service, map_config, IntoServiceFactory, Service, ServiceFactory, ServiceFactoryExt};
 use actix_web::dev::{AppConfig, Server};
 use memchr::memmem;
-use oncepay_client::protocol::ProblemCode;
+use oncepay_protocol::ProblemCode;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio_rustls::TlsAcceptor;

@@ -12,7 +12,8 @@
 //!    (which only composes).
 //!
 //! The other side, a Rust client (and the CLI's client commands) that retries safely, is the
-//! crate `oncepay-client` (`client/`); the rules both sides share live in its `protocol`.
+//! crate `oncepay-client` (`client/`); the rules both sides share (key syntax, header names,
+//! problem codes) are the crate `oncepay-protocol` (`protocol/`), which both depend on.
 
 pub mod audit;
 pub mod auth;

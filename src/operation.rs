@@ -7,13 +7,13 @@
 //! audit and the tests all read them from here. The enum types below are PostgreSQL enums
 //! (migrations/V4) mapped with `sqlx::Type`; a test checks both sides name the same labels.
 //!
-//! Problem codes and their statuses are the client crate's (`oncepay_client::protocol`),
-//! shared with every client.
+//! Problem codes and their statuses are the crate `oncepay-protocol`'s, shared with every
+//! client.
 //!
 //! Adding an operation: a variant and its [`Spec`] here, its SQL function, a
 //! `ledger::Effect` and a `routes::pipeline::Endpoint` (ARCHITECTURE.md walks through it).
 
-use oncepay_client::protocol::ProblemCode;
+use oncepay_protocol::ProblemCode;
 
 /// An idempotent operation (PostgreSQL `oncepay_operation`, stored with each key).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, sqlx::Type)]

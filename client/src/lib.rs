@@ -1,6 +1,6 @@
 //! `oncepay-client`: a client of the oncepay tenant API that retries safely. It depends on
-//! no server crate (no actix-web, sqlx or refinery); the server depends on it for the rules
-//! both sides share ([`protocol`]).
+//! no server crate (no actix-web, sqlx or refinery). The rules it shares with the server are
+//! the crate `oncepay-protocol`, re-exported here as [`protocol`].
 //!
 //! - **One key per logical operation.** Every POST takes an [`IdempotencyKey`]; each
 //!   retry of the call sends that same key, so the server processes the operation at most
@@ -26,7 +26,6 @@ mod config;
 mod error;
 mod key;
 pub mod policy;
-pub mod protocol;
 mod retry;
 mod tls;
 mod transfers;
@@ -44,6 +43,10 @@ pub use key::IdempotencyKey;
 pub use transfers::{Transfer, TransferState};
 
 use budget::RetryBudget;
+
+/// The rules shared with the server (key syntax, header names, problem codes): the crate
+/// `oncepay-protocol`, under the name client code has always used.
+pub use oncepay_protocol as protocol;
 
 /// A successful answer.
 #[derive(Clone, Debug, PartialEq)]

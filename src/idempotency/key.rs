@@ -1,11 +1,11 @@
 //! The `Idempotency-Key` header (contract section 5, rule 1). The syntax is the one the
-//! client obeys too, written once in `oncepay_client::protocol`; reading it out of the
+//! client obeys too, written once in the crate `oncepay-protocol`; reading it out of the
 //! request's headers is the server's part.
 
 use actix_web::http::header::HeaderMap;
-use oncepay_client::protocol::parse_key_header;
+use oncepay_protocol::parse_key_header;
 
-pub use oncepay_client::protocol::{KEY_HEADER as HEADER, KEY_MAX_LEN as MAX_LEN};
+pub use oncepay_protocol::{KEY_HEADER as HEADER, KEY_MAX_LEN as MAX_LEN};
 
 /// A client's key: 1..=255 characters of visible ASCII (0x21-0x7E).
 #[derive(Clone, Debug, PartialEq, Eq)]

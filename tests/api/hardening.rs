@@ -2,7 +2,7 @@
 //! application answers, whatever the input.
 
 use oncepay::routes::schemas::PROBLEM_CODES;
-use oncepay_client::protocol::ProblemCode;
+use oncepay_protocol::ProblemCode;
 use reqwest::Method;
 use serde_json::json;
 

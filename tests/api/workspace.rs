@@ -1,5 +1,6 @@
 //! The workspace's promise (contract section 1): a program that depends on `oncepay-client`
-//! alone compiles no actix-web, sqlx or refinery.
+//! alone compiles no actix-web, sqlx or refinery; nor does `oncepay-protocol`, the rules the
+//! client shares with the server.
 
 use std::process::Command;
 
@@ -38,14 +39,24 @@ fn server_crates_among(dependencies: &[String]) -> Vec<&str> {
     found
 }
 
+/// `package`'s tree has no server crate; `one_it_has` proves the tree was read at all.
+fn assert_no_server_crate(package: &str, one_it_has: &str) {
+    let dependencies = normal_dependencies(package);
+    assert!(
+        dependencies.iter().any(|name| name == one_it_has),
+        "the tree was read: {dependencies:?}"
+    );
+    assert_eq!(server_crates_among(&dependencies), Vec::<&str>::new(), "in {package}");
+}
+
 #[test]
 fn the_client_crate_compiles_no_server_crate() {
-    let client = normal_dependencies("oncepay-client");
-    assert!(
-        client.iter().any(|name| name == "reqwest"),
-        "the tree was read: {client:?}"
-    );
-    assert_eq!(server_crates_among(&client), Vec::<&str>::new());
+    assert_no_server_crate("oncepay-client", "reqwest");
+}
+
+#[test]
+fn the_protocol_crate_compiles_no_server_crate() {
+    assert_no_server_crate("oncepay-protocol", "serde");
 }
 
 /// The same check finds them in the server's tree, so it is not a check that cannot fail.

@@ -1,9 +1,11 @@
-//! The rules the client and the server share, written once (the server depends on this
-//! crate): the header names, the `Idempotency-Key` syntax (contract section 5, rule 1) and
-//! the problem codes (contract section 6).
+//! `oncepay-protocol`: the rules the client and the server share, written once (both depend
+//! on this crate; the client re-exports it as `oncepay_client::protocol`): the header names,
+//! the `Idempotency-Key` syntax (contract section 5, rule 1) and the problem codes (contract
+//! section 6).
 //!
 //! Nothing here knows HTTP libraries: the server reads its actix headers and the client
-//! writes its reqwest headers with these names and rules.
+//! writes its reqwest headers with these names and rules. It depends on serde alone (the
+//! problem codes' wire form), so neither side pulls in the other's crates through it.
 
 mod codes;
 mod key;
