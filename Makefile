@@ -131,7 +131,6 @@ chaos:
 check: sqlx-check client-deps-check
 	cargo fmt --all --check
 	cargo clippy --workspace --all-targets --locked -- -D warnings
-	cargo clippy --workspace --all-targets --locked --features oncepay/bench -- -D warnings
 	cargo clippy -p oncepay-client --all-targets --locked -- -D warnings
 
 # The client crate, and the protocol crate it shares with the server, compile no server crate
@@ -208,6 +207,8 @@ bench-ab: db-up
 # High availability (issue 11, docs/ha.md): etcd, three PostgreSQL 15 nodes under Patroni with
 # strict synchronous replication, HAProxy to the leader, three oncepay instances, in network
 # namespaces of its own; five faults under load, then the books verified on the final leader.
-# Needs root; installs etcd, HAProxy and Patroni (PyPI, in a virtualenv) when missing.
-ha: build
+# Needs root; installs etcd, HAProxy and Patroni (PyPI, in a virtualenv) when missing. The
+# driver is the workspace's tools/ha (package oncepay-ha), built with the server in one go.
+ha:
+	cargo build --release --locked -p oncepay -p oncepay-ha
 	@scripts/ha.sh run

@@ -23,7 +23,7 @@ port="${BENCH_AB_PORT:-18310}"
 accounts=10000
 replay_keys=10000
 lg=target/release/oncepay-loadgen
-[ "${BENCH_NO_BUILD:-0}" = 1 ] || SQLX_OFFLINE=true cargo build --release --locked --features bench --quiet
+[ "${BENCH_NO_BUILD:-0}" = 1 ] || SQLX_OFFLINE=true cargo build --release --locked -p oncepay -p oncepay-bench --quiet
 [ -x "$base_bin/oncepay" ] || { echo "bench-ab: $base_bin/oncepay not found" >&2; exit 1; }
 say() { echo "bench-ab: $(date +%T) $*" >&2; }
 

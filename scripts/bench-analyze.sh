@@ -51,7 +51,7 @@ pg_pid="$(head -n 1 "$ONCEPAY_PGDATA/postmaster.pid")"
 clk="$(getconf CLK_TCK)"
 
 # BENCH_NO_BUILD=1 uses the release binaries as they are (e.g. while another cargo holds the lock).
-[ "${BENCH_NO_BUILD:-0}" = 1 ] || SQLX_OFFLINE=true cargo build --release --locked --features bench --quiet
+[ "${BENCH_NO_BUILD:-0}" = 1 ] || SQLX_OFFLINE=true cargo build --release --locked -p oncepay -p oncepay-bench --quiet
 bin=target/release/oncepay
 lg=target/release/oncepay-loadgen
 

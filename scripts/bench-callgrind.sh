@@ -35,7 +35,7 @@ scripts/db.sh up
 url="$(scripts/db.sh url "$db")"
 admin_url="$(scripts/db.sh url postgres)"
 # BENCH_NO_BUILD=1 uses the release binaries as they are (e.g. while another cargo holds the lock).
-[ "${BENCH_NO_BUILD:-0}" = 1 ] || SQLX_OFFLINE=true cargo build --release --locked --features bench --quiet
+[ "${BENCH_NO_BUILD:-0}" = 1 ] || SQLX_OFFLINE=true cargo build --release --locked -p oncepay -p oncepay-bench --quiet
 bin="${CALLGRIND_BIN:-target/release/oncepay}"  # another build: compare before and after
 lg=target/release/oncepay-loadgen
 rm -rf "$out" && mkdir -p "$out"

@@ -55,7 +55,7 @@ yurl="$(scripts/db.sh url "$ydb")"
 admin_url="$(scripts/db.sh url postgres)"
 # The cluster's postmaster: the CPU of all its processes is charged to each step.
 pg_pid="$(head -n 1 "$(scripts/db.sh datadir)/postmaster.pid")"
-SQLX_OFFLINE=true cargo build --release --locked --features bench --quiet
+SQLX_OFFLINE=true cargo build --release --locked -p oncepay -p oncepay-bench --quiet
 bin=target/release/oncepay
 lg=target/release/oncepay-loadgen
 mkdir -p "$out"
@@ -242,7 +242,7 @@ done
 # shared host drifts more than the table costs (the ratio read 0.76 from steps 10 minutes
 # apart at 11:42, and 1.03 alternated by hand at 12:31: docs/bench/analysis.md). The empty
 # table is a second database, made as the first, with an instance of its own; its steps carry
-# this note, which the report looks for (src/bin/oncepay-bench-report/summary.rs, BESIDE).
+# this note, which the report looks for (tools/bench/src/bin/oncepay-bench-report/summary.rs, BESIDE).
 beside="empty key table, beside the largest"
 beside_steps() { # round
   url="$eurl" tenant="$etenant" pgb pay new 32 0 "$1" -D "accounts=$accounts" --note "$beside"

@@ -358,7 +358,7 @@ node_of() { echo "${1#n}"; }
 up() {
   [ "$(id -u)" = 0 ] || die "make ha needs root (network namespaces); PostgreSQL and Patroni run as postgres"
   ensure_packages
-  [ -x "$bin" ] || die "$bin is missing: run cargo build --release first"
+  [ -x "$bin" ] || die "$bin is missing: run cargo build --release -p oncepay -p oncepay-ha first"
   id postgres >/dev/null 2>&1 || die "no postgres user (the postgresql package creates it)"
   down_quiet
   # The previous run's logs stay, one generation, for a failure to be read after the next run.
@@ -585,7 +585,7 @@ sync_wait_check() {
 # ---------------------------------------------------------------- run
 
 run() {
-  [ -x "$driver" ] || die "$driver is missing: run cargo build --release first"
+  [ -x "$driver" ] || die "$driver is missing: run cargo build --release -p oncepay -p oncepay-ha first"
   # The verdict is the driver's last line: what stopping prints goes to the log folder.
   trap 'status=$?; down 2>>"$dir/logs/down.log"; exit $status' EXIT
   trap 'exit 130' INT TERM

@@ -28,7 +28,7 @@ lg=target/release/oncepay-loadgen
 results=target/pgbouncer-bench.jsonl
 
 scripts/db.sh up
-cargo build --release --locked --features bench --quiet
+cargo build --release --locked -p oncepay -p oncepay-bench --quiet
 admin_url="$(scripts/db.sh url postgres)"
 direct_url="$(scripts/db.sh url "$db")"
 pooled_url="$(scripts/pgbouncer.sh url "$db")"

@@ -18,8 +18,6 @@
 pub mod audit;
 pub mod auth;
 pub mod batch;
-#[cfg(feature = "bench")]
-pub mod bench;
 pub mod config;
 pub mod db;
 pub mod domain;

@@ -10,7 +10,7 @@ use hyper::body::Bytes;
 use hyper::client::conn::http1::SendRequest;
 use hyper::header::{HeaderValue, AUTHORIZATION, CONTENT_TYPE, HOST};
 use hyper_util::rt::TokioIo;
-use oncepay::bench::{histogram, percentiles_ms, Record};
+use oncepay_bench::{histogram, percentiles_ms, Record};
 use rand::Rng;
 use serde_json::json;
 

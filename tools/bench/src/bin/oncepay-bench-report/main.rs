@@ -11,7 +11,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Parser;
-use oncepay::bench::Record;
+use oncepay_bench::Record;
 
 #[derive(Parser)]
 #[command(about = "Writes REPORT.md and charts from the bench's results")]

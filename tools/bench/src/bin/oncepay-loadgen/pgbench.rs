@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::process::Command;
 
 use anyhow::{bail, Context};
-use oncepay::bench::{histogram, percentiles_ms, Record};
+use oncepay_bench::{histogram, percentiles_ms, Record};
 
 use crate::cpu::{Client, Meter};
 use crate::Step;

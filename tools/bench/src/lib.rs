@@ -1,5 +1,6 @@
-//! Shared by the benchmark binaries (`make bench`, feature `bench`): the one-line JSON record
-//! each measured step writes, and how it is summarised.
+//! What the benchmark binaries of `make bench` share (`oncepay-loadgen` writes it,
+//! `oncepay-bench-report` reads it): the one-line JSON record each measured step writes, and
+//! how its latencies are summarised.
 
 use hdrhistogram::Histogram;
 use serde::{Deserialize, Serialize};

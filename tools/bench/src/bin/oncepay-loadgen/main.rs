@@ -17,7 +17,7 @@ mod pgbench;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use oncepay::bench::Record;
+use oncepay_bench::Record;
 
 #[derive(Parser)]
 #[command(about = "oncepay's benchmark load generator (closed loop)")]

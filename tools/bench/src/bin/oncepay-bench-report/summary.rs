@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write;
 
-use oncepay::bench::Record;
+use oncepay_bench::Record;
 
 /// What identifies a group of rounds.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
