@@ -43,6 +43,10 @@ struct Books {
     statuses: HashMap<String, u64>,
     unfinished: u64,
     rejected: u64,
+    /// Acknowledged payments sent again, on purpose, with their key.
+    replays: u64,
+    /// Replays whose answer named another payment than the first answer did.
+    replay_mismatches: u64,
 }
 
 pub struct Journal {
@@ -58,6 +62,8 @@ pub struct Summary {
     pub refunds: u64,
     pub transfers: u64,
     pub statuses: HashMap<String, u64>,
+    pub replays: u64,
+    pub replay_mismatches: u64,
 }
 
 /// What a failed attempt is counted as: its HTTP status, or the transport failure's code.
@@ -126,6 +132,8 @@ impl Journal {
             refunds: count(Kind::Refund),
             transfers: count(Kind::Transfer),
             statuses: books.statuses.clone(),
+            replays: books.replays,
+            replay_mismatches: books.replay_mismatches,
         }
     }
 
@@ -137,7 +145,22 @@ impl Journal {
         F: Fn(IdempotencyKey) -> Fut,
         Fut: Future<Output = Result<Reply<T>, ClientError>>,
     {
-        let key = IdempotencyKey::generate();
+        self.operation_with(kind, IdempotencyKey::generate(), call, resource)
+            .await
+    }
+
+    /// [`Journal::operation`] with the key given.
+    async fn operation_with<T, F, Fut>(
+        &self,
+        kind: Kind,
+        key: IdempotencyKey,
+        call: F,
+        resource: impl Fn(&T) -> String,
+    ) -> Option<T>
+    where
+        F: Fn(IdempotencyKey) -> Fut,
+        Fut: Future<Output = Result<Reply<T>, ClientError>>,
+    {
         let first = Instant::now();
         self.books().operations += 1;
         loop {
@@ -166,6 +189,43 @@ impl Journal {
                         eprintln!("oncepay-ha: {kind:?} with key {key} unfinished after {COMPLETE_WITHIN:?}: {err}");
                         self.books().unfinished += 1;
                         return None;
+                    }
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            }
+        }
+    }
+}
+
+impl Journal {
+    /// An acknowledged operation sent again with its key, on purpose, as a client whose
+    /// answer was lost would (and on another instance than the first time, so that the
+    /// replay is read from the database, through the failovers, rather than from the first
+    /// instance's replay cache). It must name the same resource. Sent again after a failure
+    /// whose outcome is unknown, like any operation; a refusal counts as rejected.
+    async fn replay<T, F, Fut>(&self, key: &IdempotencyKey, call: F, resource: impl Fn(&T) -> String, expected: &str)
+    where
+        F: Fn(IdempotencyKey) -> Fut,
+        Fut: Future<Output = Result<Reply<T>, ClientError>>,
+    {
+        let first = Instant::now();
+        loop {
+            match call(key.clone()).await {
+                Ok(reply) => {
+                    let mut books = self.books();
+                    books.replays += 1;
+                    if resource(&reply.value) != expected {
+                        eprintln!("oncepay-ha: the replay of key {key} named another resource than {expected}");
+                        books.replay_mismatches += 1;
+                    }
+                    return;
+                }
+                Err(err) => {
+                    self.saw(&err);
+                    if !err.outcome_unknown() || first.elapsed() >= COMPLETE_WITHIN {
+                        eprintln!("oncepay-ha: the replay of key {key} failed: {err}");
+                        self.books().rejected += 1;
+                        return;
                     }
                     tokio::time::sleep(Duration::from_millis(200)).await;
                 }
@@ -229,8 +289,9 @@ pub async fn open_accounts(clients: &[Client], journal: &Journal, workers: usize
 }
 
 /// Pays, refunds some of its own payments and transfers to the next worker's account, until
-/// `stop`.
-pub async fn worker(worker: usize, client: Client, journal: Arc<Journal>, stop: Arc<AtomicBool>) {
+/// `stop`; sends a third of its payments again with their key through `other` (another
+/// instance), a deliberate replay.
+pub async fn worker(worker: usize, client: Client, other: Client, journal: Arc<Journal>, stop: Arc<AtomicBool>) {
     let account = account_of(worker);
     let to = account_of((worker + 1) % crate::CLIENTS);
     let mut unrefunded: Vec<uuid::Uuid> = Vec::new();
@@ -261,17 +322,23 @@ pub async fn worker(worker: usize, client: Client, journal: Arc<Journal>, stop: 
                 )
                 .await;
         } else {
+            let key = IdempotencyKey::generate();
+            let pay_through = |client: &Client| {
+                let (client, account) = (client.clone(), account.clone());
+                move |key: IdempotencyKey| {
+                    let (client, account) = (client.clone(), account.clone());
+                    async move { client.pay(amount, Some(&account), &key).await }
+                }
+            };
             let paid = journal
-                .operation(
-                    Kind::Pay,
-                    |key| {
-                        let (client, account) = (&client, &account);
-                        async move { client.pay(amount, Some(account), &key).await }
-                    },
-                    |p| p.id.to_string(),
-                )
+                .operation_with(Kind::Pay, key.clone(), pay_through(&client), |p| p.id.to_string())
                 .await;
             if let Some(p) = paid {
+                if roll % 3 == 0 {
+                    journal
+                        .replay(&key, pay_through(&other), |p| p.id.to_string(), &p.id.to_string())
+                        .await;
+                }
                 unrefunded.push(p.id);
             }
         }

@@ -1,13 +1,16 @@
 //! `oncepay-ha`: the load and verification driver of `make ha` (scripts/ha.sh, docs/ha.md).
 //!
 //! 32 clients (the project's own retrying client, a fresh key per operation, the same key on
-//! every retry) pay, refund and transfer against three oncepay instances that reach a Patroni
+//! every retry) pay, refund and transfer, and send a third of their acknowledged payments
+//! again with the same key through another instance (replays read from the database during
+//! the faults), against three oncepay instances that reach a Patroni
 //! cluster through HAProxy, while the faults of issue 11 are injected one after another, with
 //! recovery between. Then, on the final leader: every acknowledged operation is in the books
 //! exactly once, no key has two effects, `oncepay audit` is clean. The last line is
 //! `ha: operations=N acknowledged=A lost=L charged_twice=D failovers=F max_unavailable_s=S`;
 //! the exit status is non-zero if any of lost, charged_twice, a 500, an unfinished or rejected
-//! operation, an unclean audit or S above the target says the promise was broken.
+//! operation, a replay naming another payment (or no replay at all), an unclean audit or S
+//! above the target says the promise was broken.
 //!
 //! Configuration comes from scripts/ha.sh, through the environment: `ONCEPAY_URLS` (comma
 //! separated), `ONCEPAY_API_KEY`, `ONCEPAY_TENANT_ID`, `DATABASE_URL` (through HAProxy),
@@ -141,7 +144,8 @@ async fn run() -> anyhow::Result<bool> {
     let workers: Vec<_> = (0..CLIENTS)
         .map(|worker| {
             let client = clients[worker % clients.len()].clone();
-            tokio::spawn(load::worker(worker, client, journal.clone(), stop.clone()))
+            let other = clients[(worker + 1) % clients.len()].clone();
+            tokio::spawn(load::worker(worker, client, other, journal.clone(), stop.clone()))
         })
         .collect();
 
@@ -189,6 +193,10 @@ async fn run() -> anyhow::Result<bool> {
         summary.transfers,
         timelines.0,
     );
+    println!(
+        "replays={} replay_mismatches={} (acknowledged payments sent again with their key, on another instance)",
+        summary.replays, summary.replay_mismatches
+    );
     let failovers = timelines.1;
     let setup: u64 = std::env::var("ONCEPAY_HA_ELAPSED_SECS")
         .ok()
@@ -223,6 +231,8 @@ async fn run() -> anyhow::Result<bool> {
         && five_hundreds == 0
         && summary.unfinished == 0
         && summary.rejected == 0
+        && summary.replays > 0
+        && summary.replay_mismatches == 0
         && audit_clean
         && reports.len() == FAULTS.len()
         && operator_actions.is_empty()
