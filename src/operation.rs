@@ -13,7 +13,7 @@
 //! Adding an operation: a variant and its [`Spec`] here, its SQL function, a
 //! `ledger::Effect` and a `routes::pipeline::Endpoint` (ARCHITECTURE.md walks through it).
 
-use oncepay_protocol::ProblemCode;
+use oncepay_protocol::{routes, ProblemCode};
 
 /// An idempotent operation (PostgreSQL `oncepay_operation`, stored with each key).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, sqlx::Type)]
@@ -76,9 +76,9 @@ pub struct Spec {
 const PAY: Spec = Spec {
     operation: Operation::Pay,
     name: "create_payment",
-    method: "POST",
-    path: "/payments",
-    aliases: &["/pay"],
+    method: routes::CREATE_PAYMENT.method,
+    path: routes::CREATE_PAYMENT.path,
+    aliases: &[routes::PAY_ALIAS.path],
     success_status: 201,
     declines: &[Decline::InsufficientFunds, Decline::AccountNotFound],
     summary: "Charges an account, at most once per `Idempotency-Key` (`POST /pay` is an alias).",
@@ -88,8 +88,8 @@ const PAY: Spec = Spec {
 const REFUND: Spec = Spec {
     operation: Operation::Refund,
     name: "refund_payment",
-    method: "POST",
-    path: "/payments/{id}/refund",
+    method: routes::REFUND_PAYMENT.method,
+    path: routes::REFUND_PAYMENT.path,
     aliases: &[],
     success_status: 200,
     declines: &[Decline::NotFound, Decline::AlreadyRefunded],
@@ -100,8 +100,8 @@ const REFUND: Spec = Spec {
 const DEPOSIT: Spec = Spec {
     operation: Operation::Deposit,
     name: "create_deposit",
-    method: "POST",
-    path: "/accounts/{id}/deposits",
+    method: routes::CREATE_DEPOSIT.method,
+    path: routes::CREATE_DEPOSIT.path,
     aliases: &[],
     success_status: 201,
     declines: &[Decline::AccountNotFound],
@@ -112,8 +112,8 @@ const DEPOSIT: Spec = Spec {
 const OPEN_ACCOUNT: Spec = Spec {
     operation: Operation::OpenAccount,
     name: "create_account",
-    method: "POST",
-    path: "/accounts",
+    method: routes::CREATE_ACCOUNT.method,
+    path: routes::CREATE_ACCOUNT.path,
     aliases: &[],
     success_status: 201,
     declines: &[Decline::AccountExists],
@@ -124,8 +124,8 @@ const OPEN_ACCOUNT: Spec = Spec {
 const TRANSFER: Spec = Spec {
     operation: Operation::Transfer,
     name: "create_transfer",
-    method: "POST",
-    path: "/transfers",
+    method: routes::CREATE_TRANSFER.method,
+    path: routes::CREATE_TRANSFER.path,
     aliases: &[],
     success_status: 201,
     declines: &[Decline::InsufficientFunds, Decline::AccountNotFound],

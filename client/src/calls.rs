@@ -9,6 +9,7 @@ use uuid::Uuid;
 
 use crate::error::ClientError;
 use crate::key::IdempotencyKey;
+use crate::protocol::routes;
 use crate::retry::Call;
 use crate::{Client, Reply};
 
@@ -81,13 +82,14 @@ impl Client {
         if let Some(account) = account {
             body["account"] = json!(account);
         }
-        self.post(&["payments"], &body, key).await
+        self.post(&routes::CREATE_PAYMENT.segments(""), &body, key).await
     }
 
     /// Refunds the whole payment.
     pub async fn refund(&self, payment: Uuid, key: &IdempotencyKey) -> Result<Reply<Refund>, ClientError> {
         let payment = payment.to_string();
-        self.post(&["payments", &payment, "refund"], &json!({}), key).await
+        self.post(&routes::REFUND_PAYMENT.segments(&payment), &json!({}), key)
+            .await
     }
 
     /// Credits `amount` to `account`.
@@ -97,8 +99,12 @@ impl Client {
         amount: i64,
         key: &IdempotencyKey,
     ) -> Result<Reply<Deposit>, ClientError> {
-        self.post(&["accounts", account, "deposits"], &json!({ "amount": amount }), key)
-            .await
+        self.post(
+            &routes::CREATE_DEPOSIT.segments(account),
+            &json!({ "amount": amount }),
+            key,
+        )
+        .await
     }
 
     /// Opens an account with an opening balance (0 when `None`).
@@ -112,17 +118,17 @@ impl Client {
         if let Some(balance) = balance {
             body["balance"] = json!(balance);
         }
-        self.post(&["accounts"], &body, key).await
+        self.post(&routes::CREATE_ACCOUNT.segments(""), &body, key).await
     }
 
     /// The account's current balance.
     pub async fn account(&self, id: &str) -> Result<Reply<Account>, ClientError> {
-        self.get(&["accounts", id]).await
+        self.get(&routes::GET_ACCOUNT.segments(id)).await
     }
 
     /// The payment's current state.
     pub async fn payment(&self, id: Uuid) -> Result<Reply<PaymentState>, ClientError> {
-        self.get(&["payments", &id.to_string()]).await
+        self.get(&routes::GET_PAYMENT.segments(&id.to_string())).await
     }
 
     async fn post<T: DeserializeOwned>(

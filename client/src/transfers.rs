@@ -8,6 +8,7 @@ use uuid::Uuid;
 
 use crate::error::ClientError;
 use crate::key::IdempotencyKey;
+use crate::protocol::routes;
 use crate::retry::Call;
 use crate::{Client, Reply};
 
@@ -61,11 +62,11 @@ impl Client {
         key: &'k IdempotencyKey,
     ) -> Result<Call<'k>, ClientError> {
         let body = json!({ "from": from, "to": to, "amount": amount });
-        self.post_call(&["transfers"], &body, key)
+        self.post_call(&routes::CREATE_TRANSFER.segments(""), &body, key)
     }
 
     fn get_transfer_call(&self, id: Uuid) -> Call<'static> {
-        self.get_call(&["transfers", &id.to_string()])
+        self.get_call(&routes::GET_TRANSFER.segments(&id.to_string()))
     }
 }
 

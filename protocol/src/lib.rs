@@ -1,7 +1,7 @@
 //! `oncepay-protocol`: the rules the client and the server share, written once (both depend
 //! on this crate; the client re-exports it as `oncepay_client::protocol`): the header names,
-//! the `Idempotency-Key` syntax (contract section 5, rule 1) and the problem codes (contract
-//! section 6).
+//! the `Idempotency-Key` syntax (contract section 5, rule 1), the problem codes (contract
+//! section 6) and the routes ([`routes`]).
 //!
 //! Nothing here knows HTTP libraries: the server reads its actix headers and the client
 //! writes its reqwest headers with these names and rules. It depends on serde alone (the
@@ -9,6 +9,7 @@
 
 mod codes;
 mod key;
+pub mod routes;
 
 pub use codes::{ProblemCode, UnknownProblemCode};
 pub use key::{key_header_value, parse_key_header, validate_key, KeySyntaxError, KEY_MAX_LEN};

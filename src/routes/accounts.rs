@@ -2,6 +2,7 @@
 
 use actix_web::{web, HttpRequest, HttpResponse};
 use chrono::{DateTime, Utc};
+use oncepay_protocol::routes;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
@@ -16,7 +17,7 @@ use crate::state::AppState;
 pub fn configure(cfg: &mut web::ServiceConfig) {
     route::<OpenAccount>(cfg);
     route::<CreateDeposit>(cfg);
-    cfg.route("/accounts/{id}", web::get().to(show));
+    cfg.route(routes::GET_ACCOUNT.path, web::get().to(show));
 }
 
 /// Body of `POST /accounts`.

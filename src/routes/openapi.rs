@@ -269,4 +269,30 @@ mod tests {
             ]
         );
     }
+
+    /// The tenant routes the client and the server share (`oncepay_protocol::routes`) are
+    /// exactly the documented tenant endpoints: the `utoipa::path` attributes spell the read
+    /// paths as literals, so this ties them to the shared table.
+    #[test]
+    fn the_documented_tenant_routes_are_the_shared_ones() {
+        let document: serde_json::Value = serde_json::from_str(&document()).unwrap();
+        let mut documented: Vec<String> = Vec::new();
+        for (path, operations) in document["paths"].as_object().unwrap() {
+            if path.starts_with("/admin")
+                || ["/healthz", "/readyz", "/metrics", "/openapi.json"].contains(&path.as_str())
+            {
+                continue;
+            }
+            for method in operations.as_object().unwrap().keys() {
+                documented.push(format!("{} {path}", method.to_uppercase()));
+            }
+        }
+        let mut shared: Vec<String> = oncepay_protocol::routes::TENANT_ROUTES
+            .iter()
+            .map(|r| format!("{} {}", r.method, r.path))
+            .collect();
+        documented.sort();
+        shared.sort();
+        assert_eq!(documented, shared);
+    }
 }

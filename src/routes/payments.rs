@@ -2,6 +2,7 @@
 
 use actix_web::{web, HttpRequest, HttpResponse};
 use chrono::{DateTime, Utc};
+use oncepay_protocol::routes;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
@@ -17,7 +18,7 @@ use crate::state::AppState;
 pub fn configure(cfg: &mut web::ServiceConfig) {
     route::<CreatePayment>(cfg);
     route::<RefundPayment>(cfg);
-    cfg.route("/payments/{id}", web::get().to(show));
+    cfg.route(routes::GET_PAYMENT.path, web::get().to(show));
 }
 
 /// Body of `POST /payments` and `POST /pay`.
@@ -119,7 +120,7 @@ impl Endpoint for CreatePayment {
     }
 
     fn location(out: &PaymentOut) -> Option<String> {
-        Some(format!("/payments/{}", out.id))
+        Some(routes::GET_PAYMENT.with_id(&out.id.to_string()))
     }
 }
 

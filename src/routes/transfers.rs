@@ -2,6 +2,7 @@
 
 use actix_web::{web, HttpRequest, HttpResponse};
 use chrono::{DateTime, Utc};
+use oncepay_protocol::routes;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
@@ -14,7 +15,7 @@ use crate::state::AppState;
 
 pub fn configure(cfg: &mut web::ServiceConfig) {
     route::<CreateTransfer>(cfg);
-    cfg.route("/transfers/{id}", web::get().to(show));
+    cfg.route(routes::GET_TRANSFER.path, web::get().to(show));
 }
 
 /// Body of `POST /transfers`: two different accounts of the tenant.
@@ -76,7 +77,7 @@ impl Endpoint for CreateTransfer {
     }
 
     fn location(out: &TransferOut) -> Option<String> {
-        Some(format!("/transfers/{}", out.id))
+        Some(routes::GET_TRANSFER.with_id(&out.id.to_string()))
     }
 }
 
