@@ -89,6 +89,11 @@ say() { echo "bench: $(date +%T) $*" >&2; }
 
 say "database $db"
 bench_database "$admin_url" "$url" "$bin" "$accounts"
+# A second tenant, the quiet one of the noisy-neighbour steps (issue 19).
+main_tenant="$tenant" main_api_key="$api_key"
+bench_tenant "$url" "$bin" "$accounts" quiet
+quiet_api_key="$api_key"
+tenant="$main_tenant" api_key="$main_api_key"
 export DATABASE_URL="$url"
 
 say "yardstick database $ydb"
@@ -194,6 +199,22 @@ storm() { # round cache(on|off) urls pids [affinity]
     "${flags[@]}" >>"$results"
 }
 
+# The noisy neighbour: a quiet tenant (c=4 over many accounts) alone, and beside the bench
+# tenant paying at c=32 on one hot account, on the same instance (one batcher, one pool). Odd
+# rounds measure it alone first, even ones last. The report compares the quiet tenant's p99
+# beside the noisy one with its p99 alone (tools/bench, summary.rs, QUIET).
+quiet_side="quiet tenant, c=4"
+noisy_neighbour() { # round
+  if [ $(($1 % 2)) = 1 ]; then api_key="$quiet_api_key" http new 4 0 "$1" "$quiet_side" "$one" "${pids[0]}" --note alone; fi
+  "$lg" http --urls "$one" --api-key "$api_key" --scenario hot --concurrency 32 \
+    --duration-secs "$(awk "BEGIN { print $secs + 2 }")" --accounts "$accounts" >/dev/null &
+  local noisy=$!
+  sleep 1
+  api_key="$quiet_api_key" http new 4 0 "$1" "$quiet_side" "$one" "${pids[0]}" --note "beside a noisy tenant"
+  wait "$noisy"
+  if [ $(($1 % 2)) = 0 ]; then api_key="$quiet_api_key" http new 4 0 "$1" "$quiet_side" "$one" "${pids[0]}" --note alone; fi
+}
+
 say "seeding $replay_keys keys for the replay scenarios"
 "$lg" http --urls "$one" --api-key "$api_key" --scenario seed --concurrency 32 --duration-secs 300 \
   --replay-keys "$replay_keys" >/dev/null
@@ -231,6 +252,8 @@ for round in $(seq "$rounds"); do
   http keyless 32 0 "$round"
   http one-key 50 0 "$round"
   http one-key 50 0 "$round" "oncepay x3" "$three" "$all_pids"
+  say "round $round: a quiet tenant alone and beside a noisy one"
+  noisy_neighbour "$round"
   say "round $round: retry storm, $replay_keys keys x $storm_passes, cache on, then off"
   storm "$round" on "$three" "$three_pids"
   storm "$round" on "$three" "$three_pids" affinity

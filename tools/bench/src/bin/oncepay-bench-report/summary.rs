@@ -126,6 +126,20 @@ pub fn beside_largest<'a>(groups: &'a Groups, side: &str) -> Option<&'a Group> {
     })
 }
 
+/// The noisy-neighbour steps of scripts/bench.sh: a quiet tenant's new payments (c=4, many
+/// accounts) alone, and beside another tenant paying at c=32 on one hot account, on the same
+/// instance, in the same rounds.
+const QUIET: &str = "quiet tenant, c=4";
+const QUIET_ALONE: &str = "alone";
+const QUIET_BESIDE_NOISY: &str = "beside a noisy tenant";
+
+fn quiet_tenant<'a>(groups: &'a Groups, note: &str) -> Option<&'a Group> {
+    groups.get(&Key {
+        note: note.to_owned(),
+        ..key(QUIET, "new", 4, 0)
+    })
+}
+
 fn is_limit(side: &str) -> bool {
     side == "pgbench" || side == YARDSTICK
 }
@@ -294,6 +308,15 @@ fn targets(groups: &Groups) -> Vec<Target> {
             what: "new payments, c=32: p99 during the purge / p99 without it (same table size)",
             goal: "<= 2",
             value: purge.zip(no_purge).map(|(p, n)| p.p99_ms / n.p99_ms),
+            limit: None,
+            met: |v| v <= 2.0,
+        },
+        Target {
+            what: "a quiet tenant (c=4) beside a noisy one (c=32 on one account): its p99 / its p99 alone",
+            goal: "<= 2",
+            value: quiet_tenant(groups, QUIET_BESIDE_NOISY)
+                .zip(quiet_tenant(groups, QUIET_ALONE))
+                .map(|(beside, alone)| beside.p99_ms / alone.p99_ms),
             limit: None,
             met: |v| v <= 2.0,
         },
