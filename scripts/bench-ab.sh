@@ -52,7 +52,7 @@ setup() { # side binary port [NAME=VALUE ...]
   u="$(scripts/db.sh url "oncepay_ab_$side")"
   bench_database "$admin_url" "$u" "$bin" "$accounts"
   key[$side]="$api_key"
-  env DATABASE_URL="$u" RUST_LOG=warn ONCEPAY_BIND="127.0.0.1:$p" "$@" "$bin" serve 2>>"$out/server-$side.log" &
+  env DATABASE_URL="$u" RUST_LOG=warn ONCEPAY_BIND="127.0.0.1:$p" ONCEPAY_METRICS_BIND="127.0.0.1:$((p + 1000))" "$@" "$bin" serve 2>>"$out/server-$side.log" &
   pid[$side]=$!
   pids+=("$!")
   url[$side]="http://127.0.0.1:$p"

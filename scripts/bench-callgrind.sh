@@ -57,7 +57,7 @@ psql -X -q -v ON_ERROR_STOP=1 "$url" -c "INSERT INTO accounts (tenant_id, accoun
   SELECT '$tenant', g::text, 1000000000000, 1000000000000 FROM generate_series(0, 9999) g"
 
 say "server under callgrind on 127.0.0.1:$port"
-RUST_LOG=warn ONCEPAY_BIND="127.0.0.1:$port" valgrind --tool=callgrind --vgdb=yes \
+RUST_LOG=warn ONCEPAY_BIND="127.0.0.1:$port" ONCEPAY_METRICS_BIND="127.0.0.1:$((port + 1000))" valgrind --tool=callgrind --vgdb=yes \
   --callgrind-out-file="$top/$out/callgrind.out.%p" "$bin" serve 2>"$out/valgrind.log" &
 server=$!
 for _ in $(seq 600); do curl -sf "http://127.0.0.1:$port/readyz" >/dev/null && break; sleep 0.2; done

@@ -116,7 +116,7 @@ start() {
   local i="$1" u="http://127.0.0.1:$((port + $1))" pid
   shift
   for _ in $(seq 30); do
-    env RUST_LOG=warn ONCEPAY_BIND="127.0.0.1:$((port + i))" "$@" "$bin" serve 2>>target/bench-server.log &
+    env RUST_LOG=warn ONCEPAY_BIND="127.0.0.1:$((port + i))" ONCEPAY_METRICS_BIND="127.0.0.1:$((port + i + 1000))" "$@" "$bin" serve 2>>target/bench-server.log &
     pid=$!
     for _ in $(seq 100); do
       curl -sf "$u/readyz" >/dev/null && { pids+=("$pid"); return; }

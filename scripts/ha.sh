@@ -413,6 +413,7 @@ up() {
   in_hub env DATABASE_URL="$app" timeout 30 "$bin" tenant create --name ha --main-balance 1000 >"$dir/tenant.json"
   for i in 0 1 2; do
     start "oncepay-$((i + 1))" "$ns_hub" root env DATABASE_URL="$app" ONCEPAY_BIND="127.0.0.1:${app_ports[$i]}" \
+      ONCEPAY_METRICS_BIND="127.0.0.1:$((app_ports[i] + 1000))" \
       ONCEPAY_DB_POOL_SIZE="${ONCEPAY_HA_POOL_SIZE:-16}" RUST_LOG="${RUST_LOG:-warn}" "$bin" serve
   done
   for i in 0 1 2; do

@@ -49,7 +49,7 @@ scripts/pgbouncer.sh up
 
 start() { # side url pooler port
   RUST_LOG=warn DATABASE_URL="$2" ONCEPAY_DB_POOLER="$3" ONCEPAY_REPLAY_CACHE_ENTRIES=0 \
-    ONCEPAY_BIND="127.0.0.1:$4" "$bin" serve 2>>"target/pgbouncer-bench-$1.log" &
+    ONCEPAY_BIND="127.0.0.1:$4" ONCEPAY_METRICS_BIND="127.0.0.1:$(($4 + 1000))" "$bin" serve 2>>"target/pgbouncer-bench-$1.log" &
   pids+=("$!")
   local i
   for i in $(seq 100); do curl -sf "http://127.0.0.1:$4/readyz" >/dev/null && return 0; sleep 0.1; done

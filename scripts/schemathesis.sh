@@ -45,7 +45,7 @@ export ONCEPAY_API_KEY ONCEPAY_ADMIN_TOKEN
 port="$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
 base="http://127.0.0.1:$port"
 log="target/schemathesis-server.log"
-ONCEPAY_BIND="127.0.0.1:$port" RUST_LOG=warn "$bin" serve 2>"$log" &
+ONCEPAY_BIND="127.0.0.1:$port" ONCEPAY_METRICS_BIND="127.0.0.1:0" RUST_LOG=warn "$bin" serve 2>"$log" &
 server=$!
 trap 'kill "$server" 2>/dev/null; wait "$server" 2>/dev/null || true' EXIT
 for _ in $(seq 100); do

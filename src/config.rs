@@ -11,6 +11,9 @@ use anyhow::{bail, Context};
 pub struct Settings {
     pub database_url: String,
     pub bind: String,
+    /// Listen address of the operations endpoints (`ONCEPAY_METRICS_BIND`): `/metrics`,
+    /// `/healthz`, `/readyz`. Loopback by default: the metrics name every tenant.
+    pub metrics_bind: String,
     /// Bearer token for `/admin/*`; `None` disables the admin API (403).
     pub admin_token: Option<String>,
     pub replay_window: Duration,
@@ -71,6 +74,7 @@ impl Settings {
         let settings = Self {
             database_url,
             bind: var("ONCEPAY_BIND").unwrap_or_else(|| "127.0.0.1:8130".to_owned()),
+            metrics_bind: var("ONCEPAY_METRICS_BIND").unwrap_or_else(|| "127.0.0.1:9130".to_owned()),
             admin_token: var("ONCEPAY_ADMIN_TOKEN").filter(|t| !t.is_empty()),
             replay_window: Duration::from_secs(number("ONCEPAY_REPLAY_WINDOW_SECS", 86_400)?),
             retention: Duration::from_secs(number("ONCEPAY_RETENTION_SECS", 604_800)?),
@@ -154,6 +158,7 @@ impl std::fmt::Debug for Settings {
         let Self {
             database_url,
             bind,
+            metrics_bind,
             admin_token,
             replay_window,
             retention,
@@ -177,6 +182,7 @@ impl std::fmt::Debug for Settings {
         f.debug_struct("Settings")
             .field("database_url", &redacted_url(database_url))
             .field("bind", bind)
+            .field("metrics_bind", metrics_bind)
             .field("admin_token", &admin_token.as_ref().map(|_| REDACTED))
             .field("replay_window", replay_window)
             .field("retention", retention)

@@ -4,7 +4,7 @@ use std::net::TcpListener;
 use std::sync::Arc;
 
 use actix_web::dev::Server;
-use actix_web::{middleware, web, App};
+use actix_web::{middleware, web, App, HttpServer};
 use anyhow::Context;
 
 use crate::auth::TenantCache;
@@ -16,19 +16,25 @@ use crate::metrics::Metrics;
 use crate::state::AppState;
 use crate::{http1, purge, routes, telemetry};
 
-/// A bound, not yet running, server.
+/// A bound, not yet running, server: the API and the operations listener.
 pub struct Application {
     port: u16,
     server: Server,
+    operations_port: u16,
+    operations: Server,
     state: web::Data<AppState>,
 }
 
 impl Application {
-    /// Connects, checks the schema and binds `settings.bind` (port 0 picks a free port).
+    /// Connects, checks the schema and binds `settings.bind` and `settings.metrics_bind`
+    /// (port 0 picks a free port).
     pub async fn build(settings: Settings) -> anyhow::Result<Self> {
         let db = db::Db::new(&settings)?;
         db::check_schema(&db).await?;
         let listener = TcpListener::bind(&settings.bind).with_context(|| format!("cannot bind {}", settings.bind))?;
+        let operations_listener = TcpListener::bind(&settings.metrics_bind)
+            .with_context(|| format!("cannot bind {} (ONCEPAY_METRICS_BIND)", settings.metrics_bind))?;
+        let operations_port = operations_listener.local_addr()?.port();
         let tls = match (&settings.tls_cert, &settings.tls_key) {
             (Some(cert), Some(key)) => Some(crate::tls::server_config(cert, key)?),
             _ => None,
@@ -63,11 +69,34 @@ impl Application {
                 .wrap(middleware::from_fn(telemetry::request_log))
                 .configure(routes::configure)
         })?;
-        Ok(Self { port, server, state })
+        // Plain HTTP on its own (loopback by default) address, one worker: scrapes and probes
+        // only, never a tenant's request.
+        let ops_state = state.clone();
+        let operations = HttpServer::new(move || {
+            App::new()
+                .app_data(ops_state.clone())
+                .configure(routes::configure_operations)
+        })
+        .workers(1)
+        .disable_signals()
+        .listen(operations_listener)?
+        .run();
+        Ok(Self {
+            port,
+            server,
+            operations_port,
+            operations,
+            state,
+        })
     }
 
     pub fn port(&self) -> u16 {
         self.port
+    }
+
+    /// The operations listener's port (`/metrics`, `/healthz`, `/readyz`).
+    pub fn operations_port(&self) -> u16 {
+        self.operations_port
     }
 
     /// Runs until the server stops (SIGINT/SIGTERM: graceful shutdown).
@@ -82,7 +111,12 @@ impl Application {
             };
             tokio::spawn(async move { purge::schedule(schedule, |deleted| state.metrics.record_purge(deleted)).await })
         });
+        // The operations listener lives as long as the API: it stops when the API stops.
+        let operations = self.operations.handle();
+        let operations_task = tokio::spawn(self.operations);
         let result = self.server.await;
+        operations.stop(true).await;
+        let _ = operations_task.await;
         if let Some(purger) = purger {
             purger.abort();
         }

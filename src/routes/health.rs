@@ -1,4 +1,6 @@
-//! `GET /healthz`, `GET /readyz`, `GET /metrics`.
+//! `GET /healthz`, `GET /readyz` (on both listeners: load balancers probe the API's) and
+//! `GET /metrics` (on the operations listener only, `ONCEPAY_METRICS_BIND`: the metrics name
+//! every tenant, and anyone who reaches the API port must not count them).
 
 use actix_web::{web, HttpResponse};
 use utoipa::ToSchema;
@@ -7,10 +9,17 @@ use super::schemas::Unavailable;
 use crate::error::ApiError;
 use crate::state::AppState;
 
+/// The probes of the API listener.
 pub fn configure(cfg: &mut web::ServiceConfig) {
     cfg.route("/healthz", web::get().to(healthz))
-        .route("/readyz", web::get().to(readyz))
-        .route("/metrics", web::get().to(metrics));
+        .route("/readyz", web::get().to(readyz));
+}
+
+/// The operations listener: the probes and the metrics; anything else is 404.
+pub fn configure_operations(cfg: &mut web::ServiceConfig) {
+    configure(cfg);
+    cfg.route("/metrics", web::get().to(metrics));
+    cfg.default_service(web::to(|| async { Err::<HttpResponse, _>(ApiError::NotFound) }));
 }
 
 #[derive(serde::Serialize, ToSchema)]
@@ -49,9 +58,7 @@ pub(super) async fn readyz(state: web::Data<AppState>) -> Result<HttpResponse, A
     Ok(HttpResponse::Ok().json(StatusOut { status: "ready" }))
 }
 
-/// Prometheus metrics (text exposition format).
-#[utoipa::path(get, path = "/metrics", tag = "operations", operation_id = "metrics",
-    responses((status = 200, description = "The metrics.", content_type = "text/plain; version=0.0.4; charset=utf-8", body = String)))]
+/// Prometheus metrics (text exposition format), on the operations listener.
 pub(super) async fn metrics(state: web::Data<AppState>) -> HttpResponse {
     HttpResponse::Ok()
         .content_type("text/plain; version=0.0.4; charset=utf-8")

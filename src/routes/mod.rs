@@ -17,6 +17,9 @@ use crate::error::ApiError;
 
 pub use openapi::document as openapi_document;
 
+/// The operations listener's routes (`ONCEPAY_METRICS_BIND`).
+pub use health::configure_operations;
+
 pub fn configure(cfg: &mut web::ServiceConfig) {
     payments::configure(cfg);
     accounts::configure(cfg);

@@ -34,7 +34,7 @@ use super::{accounts, admin, health, payments, transfers};
     paths(
         payments::show, accounts::show, transfers::show,
         admin::create_tenant, admin::update_tenant, admin::run_purge,
-        health::healthz, health::readyz, health::metrics, openapi_json,
+        health::healthz, health::readyz, openapi_json,
     ),
     components(
         schemas(Problem),
@@ -49,7 +49,7 @@ use super::{accounts, admin, health, payments, transfers};
         (name = "accounts", description = "Accounts and deposits."),
         (name = "transfers", description = "Transfers between two accounts of a tenant."),
         (name = "admin", description = "Operators: `Authorization: Bearer <ONCEPAY_ADMIN_TOKEN>`."),
-        (name = "operations", description = "Probes, metrics and this document."),
+        (name = "operations", description = "Probes and this document. `GET /metrics` is served on the operations listener (`ONCEPAY_METRICS_BIND`, loopback by default), not here."),
     )
 )]
 struct ApiDoc;
@@ -252,7 +252,6 @@ mod tests {
             [
                 "GET /accounts/{id}",
                 "GET /healthz",
-                "GET /metrics",
                 "GET /openapi.json",
                 "GET /payments/{id}",
                 "GET /readyz",

@@ -20,6 +20,7 @@ async fn oncepay(args: &[&str], database_url: &str) -> Run {
             .args(args)
             .env("DATABASE_URL", database_url)
             .env("ONCEPAY_BIND", "127.0.0.1:0")
+            .env("ONCEPAY_METRICS_BIND", "127.0.0.1:0")
             .env("RUST_LOG", "warn")
             .kill_on_drop(true)
             .output(),
@@ -125,6 +126,7 @@ async fn serve_logs_one_json_line_per_request_without_keys_or_bodies() {
         .arg("serve")
         .env("DATABASE_URL", crate::helpers::database_url())
         .env("ONCEPAY_BIND", format!("127.0.0.1:{port}"))
+        .env("ONCEPAY_METRICS_BIND", "127.0.0.1:0")
         .env("ONCEPAY_LOG_FORMAT", "json")
         .env("RUST_LOG", "info")
         .stderr(std::process::Stdio::piped())

@@ -67,6 +67,7 @@ pub fn server_url(direct: &str) -> String {
 pub fn test_settings() -> Settings {
     let mut settings = Settings::from_env_with_database(server_url(&database_url())).expect("valid settings");
     settings.bind = "127.0.0.1:0".to_owned();
+    settings.metrics_bind = "127.0.0.1:0".to_owned();
     settings.admin_token = Some(ADMIN_TOKEN.to_owned());
     settings.db_pool_size = 10;
     settings.workers = 2;
@@ -77,6 +78,8 @@ pub fn test_settings() -> Settings {
 #[derive(Clone)]
 pub struct TestApp {
     pub address: String,
+    /// The operations listener (`/metrics`, `/healthz`, `/readyz`).
+    pub operations_address: String,
     pub client: reqwest::Client,
     pub pool: PgPool,
     pub state: Arc<AppState>,
@@ -138,6 +141,7 @@ impl TestAppBuilder {
         migrate_once().await;
         let app = Application::build(self.settings).await?;
         let address = format!("http://127.0.0.1:{}", app.port());
+        let operations_address = format!("http://127.0.0.1:{}", app.operations_port());
         let state = app.state();
         tokio::spawn(app.run_until_stopped());
         let pool = admin_pool(&state);
@@ -147,6 +151,7 @@ impl TestAppBuilder {
         };
         Ok(TestApp {
             address,
+            operations_address,
             client: client(),
             pool,
             state,
@@ -308,7 +313,7 @@ impl TestApp {
     pub async fn metrics(&self) -> String {
         let response = self
             .client
-            .get(self.url("/metrics"))
+            .get(format!("{}/metrics", self.operations_address))
             .send()
             .await
             .expect("request sent");

@@ -210,3 +210,33 @@ async fn the_overview_view_tells_live_expired_and_due_for_purge_keys_apart() {
     assert_eq!(state_of(&keys[1]).3, 0.0);
     assert_eq!(state_of(&keys[2]).1, "due_for_purge");
 }
+
+/// The metrics name every tenant: they are served on the operations listener
+/// (`ONCEPAY_METRICS_BIND`) only; the API listener answers `/metrics` with a 404 problem and
+/// keeps the probes that load balancers use.
+#[tokio::test]
+async fn metrics_are_served_on_the_operations_listener_only() {
+    let app = spawn_app().await;
+    assert_eq!(app.pay(Some(&new_key()), 1).await.status, 201);
+    let get = |url: String| {
+        let client = app.client.clone();
+        async move { client.get(url).send().await.unwrap() }
+    };
+
+    let on_api = Answer::from(get(app.url("/metrics")).await).await;
+    on_api.assert_problem(404, "not_found");
+    for probe in ["/healthz", "/readyz"] {
+        assert_eq!(get(app.url(probe)).await.status(), 200, "API {probe}");
+        assert_eq!(
+            get(format!("{}{probe}", app.operations_address)).await.status(),
+            200,
+            "operations {probe}"
+        );
+    }
+    let scraped = get(format!("{}/metrics", app.operations_address)).await;
+    assert_eq!(scraped.status(), 200);
+    let text = scraped.text().await.unwrap();
+    assert!(text.contains("oncepay_requests_total{"), "{text}");
+    let elsewhere = Answer::from(get(format!("{}/payments", app.operations_address)).await).await;
+    elsewhere.assert_problem(404, "not_found");
+}

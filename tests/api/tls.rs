@@ -214,6 +214,7 @@ async fn serve_refuses_to_start_with_a_certificate_but_no_key() {
         &[
             ("DATABASE_URL", &database),
             ("ONCEPAY_BIND", "127.0.0.1:0"),
+            ("ONCEPAY_METRICS_BIND", "127.0.0.1:0"),
             ("ONCEPAY_TLS_CERT", path_str(&cert)),
         ],
     )

@@ -113,6 +113,7 @@ impl Server {
             .arg("serve")
             .env("DATABASE_URL", database_url())
             .env("ONCEPAY_BIND", format!("127.0.0.1:{port}"))
+            .env("ONCEPAY_METRICS_BIND", "127.0.0.1:0")
             .envs(SERVER_ENV.iter().copied())
             .envs(env.iter().copied())
             .stdout(Stdio::null())

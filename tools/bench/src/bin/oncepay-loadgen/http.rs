@@ -56,6 +56,10 @@ pub struct Args {
     /// `Idempotency-Key` header sends every retry of a key to one instance.
     #[arg(long)]
     affinity: bool,
+    /// Where each instance's `/metrics` is: its operations listener (`ONCEPAY_METRICS_BIND`),
+    /// on its API port plus this (the bench scripts start them so).
+    #[arg(long, default_value_t = 1000)]
+    metrics_port_offset: u16,
 }
 
 impl Args {
@@ -274,7 +278,12 @@ pub async fn run(args: Args) -> anyhow::Result<Record> {
     });
     let metrics_client = reqwest::Client::new();
     let args = Rc::new(args);
-    let cache_before = cache_counters(&metrics_client, &args.urls).await;
+    let metrics_urls: Vec<String> = args
+        .urls
+        .iter()
+        .map(|u| metrics_url(u, args.metrics_port_offset))
+        .collect::<anyhow::Result<_>>()?;
+    let cache_before = cache_counters(&metrics_client, &metrics_urls).await;
     let meter = Meter::start(&args.pids, args.step.pg_pid, args.step.clock_ticks, Client::Me)?;
     let started = Instant::now();
     let tally = if args.step.scenario == "one-key" {
@@ -284,7 +293,7 @@ pub async fn run(args: Args) -> anyhow::Result<Record> {
     };
     let elapsed = started.elapsed().as_secs_f64();
     let cpu = meter.stop(tally.ok)?;
-    let cache_after = cache_counters(&metrics_client, &args.urls).await;
+    let cache_after = cache_counters(&metrics_client, &metrics_urls).await;
     let cache = cache_before
         .zip(cache_after)
         .map(|(b, a)| (a.0.saturating_sub(b.0), a.1.saturating_sub(b.1)));
@@ -310,6 +319,16 @@ pub async fn run(args: Args) -> anyhow::Result<Record> {
         cache_misses: cache.map(|c| c.1),
         note: step.note.clone(),
     })
+}
+
+/// The operations listener of the instance at `url` (`http://host:port`): its port plus `offset`.
+fn metrics_url(url: &str, offset: u16) -> anyhow::Result<String> {
+    let (base, port) = url.rsplit_once(':').with_context(|| format!("{url}: no port"))?;
+    let port: u16 = port
+        .trim_end_matches('/')
+        .parse()
+        .with_context(|| format!("{url}: a bad port"))?;
+    Ok(format!("{base}:{}", port + offset))
 }
 
 /// The replay cache's hits and misses summed over the instances' `/metrics`; `None` if an
