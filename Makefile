@@ -76,7 +76,7 @@ test: db-up
 ifdef LOCAL_DB
 	@psql -X -q "$(shell scripts/db.sh url postgres)" -c 'DROP DATABASE IF EXISTS oncepay_test WITH (FORCE)' -c 'CREATE DATABASE oncepay_test'
 endif
-	DATABASE_URL="$(TEST_DATABASE_URL)" $(CARGO_TEST) --locked
+	DATABASE_URL="$(TEST_DATABASE_URL)" ONCEPAY_TEST_PG_CA="$$(scripts/db.sh ca)" $(CARGO_TEST) --locked
 
 # The API tests (no test there restarts or kills the database) with every test server
 # connected through PgBouncer in transaction mode (scripts/pgbouncer.sh, installed if missing)
@@ -88,7 +88,7 @@ ifdef LOCAL_DB
 	@psql -X -q "$(shell scripts/db.sh url postgres)" -c 'DROP DATABASE IF EXISTS oncepay_test WITH (FORCE)' -c 'CREATE DATABASE oncepay_test'
 endif
 	@ONCEPAY_PGBOUNCER_PORT=$(PGBOUNCER_PORT) scripts/pgbouncer.sh up
-	@status=0; DATABASE_URL="$(TEST_DATABASE_URL)" ONCEPAY_DB_POOLER=transaction \
+	@status=0; DATABASE_URL="$(TEST_DATABASE_URL)" ONCEPAY_DB_POOLER=transaction ONCEPAY_TEST_PG_CA="$$(scripts/db.sh ca)" \
 		ONCEPAY_TEST_POOLER_URL="$$(ONCEPAY_PGBOUNCER_PORT=$(PGBOUNCER_PORT) scripts/pgbouncer.sh url oncepay_test)" \
 		$(CARGO_TEST) --locked --test api || status=$$?; \
 	echo "PgBouncer served oncepay_test: $$(psql -X -tA -F ' ' "$$(ONCEPAY_PGBOUNCER_PORT=$(PGBOUNCER_PORT) scripts/pgbouncer.sh url pgbouncer)" \

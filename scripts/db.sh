@@ -4,6 +4,7 @@
 #   scripts/db.sh up      start it (initdb on first use), create the databases, print nothing else
 #   scripts/db.sh down    stop it (mode ONCEPAY_PG_STOP_MODE: fast, or immediate for a crash)
 #   scripts/db.sh url DB  print the URL of database DB on it
+#   scripts/db.sh ca      print the path of the CA certificate its TLS certificate is signed by
 #
 # It listens on 127.0.0.1:$ONCEPAY_PG_PORT only (default 55130) with its socket in the data folder.
 # PostgreSQL refuses to run as root, so as root the server runs as the `postgres` user and the
@@ -76,6 +77,11 @@ checkpoint_timeout = 15min
 log_min_messages = warning
 CONF
   fi
+  if ! { [ -s "$data/server.crt" ] && grep -q '^ssl = on' "$data/postgresql.conf"; }; then
+    tls_setup
+    # A running cluster made before takes `ssl` on a reload.
+    if as_pg "$bin/pg_ctl" -D "$data" status >/dev/null 2>&1; then as_pg "$bin/pg_ctl" -D "$data" reload >/dev/null; fi
+  fi
   # The port is given at start, not only in postgresql.conf: a cluster made under another
   # ONCEPAY_PG_PORT then follows the current one.
   if ! as_pg "$bin/pg_ctl" -D "$data" status >/dev/null 2>&1; then
@@ -87,6 +93,34 @@ CONF
   fi
   local db
   for db in oncepay oncepay_test; do create_db "$db"; done
+}
+
+# TLS: a private CA and a server certificate for 127.0.0.1 (an IP SAN only, so that a client
+# reaching the cluster as `localhost` with sslmode=verify-full is refused: the tests rely on
+# it), made once per cluster with openssl. `ssl = on` still accepts plain connections; the
+# TLS tests (tests/api/pg_tls.rs) trust the CA printed by `db.sh ca`.
+tls_setup() {
+  [ -s "$data/server.crt" ] && grep -q '^ssl = on' "$data/postgresql.conf" && return 0
+  command -v openssl >/dev/null 2>&1 || {
+    [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 || { echo "db.sh: openssl is missing" >&2; exit 1; }
+    apt-get install -y -qq openssl >&2
+  }
+  local tmp
+  tmp="$(mktemp -d)"
+  openssl req -x509 -newkey rsa:2048 -nodes -days 3650 -subj "/CN=oncepay local CA" \
+    -keyout "$tmp/ca.key" -out "$tmp/ca.crt" 2>/dev/null
+  openssl req -newkey rsa:2048 -nodes -subj "/CN=127.0.0.1" -keyout "$tmp/server.key" -out "$tmp/server.csr" 2>/dev/null
+  printf 'subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n' >"$tmp/ext"
+  openssl x509 -req -in "$tmp/server.csr" -CA "$tmp/ca.crt" -CAkey "$tmp/ca.key" -CAcreateserial -days 3650 \
+    -extfile "$tmp/ext" -out "$tmp/server.crt" 2>/dev/null
+  cp "$tmp/server.crt" "$data/server.crt"
+  cp "$tmp/server.key" "$data/server.key"
+  cp "$tmp/ca.crt" "$data/oncepay-ca.crt"
+  chmod 600 "$data/server.key"
+  chmod 644 "$data/server.crt" "$data/oncepay-ca.crt"
+  [ "$(id -u)" = 0 ] && chown postgres:postgres "$data/server.crt" "$data/server.key" "$data/oncepay-ca.crt"
+  rm -rf "$tmp"
+  grep -q '^ssl = on' "$data/postgresql.conf" || echo "ssl = on" >>"$data/postgresql.conf"
 }
 
 down() {
@@ -103,5 +137,6 @@ case "${1:-}" in
   url) echo "postgres://oncepay@127.0.0.1:$port/${2:-oncepay}" ;;
   bindir) pg_bindir ;;
   datadir) echo "$data" ;;
-  *) echo "usage: $0 up|down|url [DB]|bindir|datadir" >&2; exit 2 ;;
+  ca) echo "$data/oncepay-ca.crt" ;;
+  *) echo "usage: $0 up|down|url [DB]|bindir|datadir|ca" >&2; exit 2 ;;
 esac

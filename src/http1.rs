@@ -20,6 +20,7 @@
 //! of them, so nothing follows the rewritten answer.
 
 use std::fmt;
+use std::future::Future;
 use std::io;
 use std::net::TcpListener;
 use std::pin::Pin;
@@ -42,6 +43,12 @@ const CLIENT_REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 const CLIENT_DISCONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 const KEEP_ALIVE: Duration = Duration::from_secs(30);
 const SHUTDOWN_TIMEOUT_SECS: u64 = 10;
+/// A connection whose client stops reading is closed once a write has made no progress for
+/// this long ([`StallTimeout`]): the dispatcher's timeouts do not apply while it writes.
+pub const WRITE_STALL_TIMEOUT: Duration = Duration::from_secs(30);
+/// Connections one worker serves at once; past it, new ones wait in the listen backlog. With
+/// `ONCEPAY_WORKERS` workers a process serves at most that many times this.
+pub const MAX_CONNECTIONS_PER_WORKER: usize = 4_096;
 
 /// Serves `app` on `listener` with `workers` threads; what `HttpServer::new(app).listen()`
 /// does, with the dispatcher's own error answers made problem+json. With `tls`, each
@@ -73,6 +80,7 @@ where
     let shutdown = builder.graceful_shutdown_signal();
     Ok(builder
         .workers(workers)
+        .max_concurrent_connections(MAX_CONNECTIONS_PER_WORKER)
         .shutdown_timeout(SHUTDOWN_TIMEOUT_SECS)
         .listen("oncepay", listener, move || {
             let shutdown = shutdown.clone();
@@ -104,12 +112,75 @@ where
                             Either::Right(stream)
                         }
                     };
-                    Ok((ProblemIo::new(io), peer))
+                    Ok((ProblemIo::new(StallTimeout::new(io, WRITE_STALL_TIMEOUT)), peer))
                 }
             })
             .and_then(h1)
         })?
         .run())
+}
+
+/// A connection whose writes fail (`TimedOut`, and the dispatcher drops the connection) once
+/// one has been pending, without a byte accepted by the socket, for `limit`: a client that
+/// sends requests and never reads the answers (150 pipelined, kept 2.8 MB queued for over a
+/// minute before) cannot hold a connection and its buffers forever.
+pub struct StallTimeout<T> {
+    io: T,
+    limit: Duration,
+    /// Running while a write is pending without progress.
+    stall: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl<T> StallTimeout<T> {
+    pub fn new(io: T, limit: Duration) -> Self {
+        Self { io, limit, stall: None }
+    }
+
+    /// After a write or flush returned `Pending`: `Ready(Err)` once the stall has lasted
+    /// `limit`, else `Pending` (the timer wakes the task at the limit).
+    fn stalled(&mut self, cx: &mut Context<'_>) -> Poll<io::Error> {
+        let limit = self.limit;
+        let stall = self.stall.get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
+        match stall.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the client read nothing of the answer for the write stall timeout",
+            )),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for StallTimeout<T> {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for StallTimeout<T> {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        match Pin::new(&mut self.io).poll_write(cx, buf) {
+            Poll::Pending => self.stalled(cx).map(Err),
+            done => {
+                self.stall = None;
+                done
+            }
+        }
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match Pin::new(&mut self.io).poll_flush(cx) {
+            Poll::Pending => self.stalled(cx).map(Err),
+            done => {
+                self.stall = None;
+                done
+            }
+        }
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
 }
 
 /// A connection whose dispatcher-made error heads are rewritten as problem+json answers.

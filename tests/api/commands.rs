@@ -7,13 +7,14 @@ use tokio::process::Command;
 
 use crate::helpers::{drop_database, empty_database};
 
-struct Run {
-    status: i32,
-    stdout: String,
-    stderr: String,
+pub struct Run {
+    pub status: i32,
+    pub stdout: String,
+    pub stderr: String,
 }
 
-async fn oncepay(args: &[&str], database_url: &str) -> Run {
+/// The real `oncepay` binary with `args`, on `database_url`, within 60 s.
+pub async fn oncepay(args: &[&str], database_url: &str) -> Run {
     let output = tokio::time::timeout(
         Duration::from_secs(60),
         Command::new(env!("CARGO_BIN_EXE_oncepay"))

@@ -149,3 +149,41 @@ async fn a_declared_length_over_the_limit_is_413_before_the_body_arrives() {
         "answered without waiting for the body"
     );
 }
+
+/// A client that sends requests and never reads the answers cannot hold its connection: once
+/// a write has made no progress for `WRITE_STALL_TIMEOUT` (30 s) the server drops it. Here 400
+/// pipelined reads of the 57 KB OpenAPI document (23 MB of answers) on a socket with a small
+/// receive buffer; after the timeout, reading what is left ends early, at the close.
+#[tokio::test]
+async fn a_client_that_stops_reading_is_disconnected_after_the_write_stall_timeout() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    const REQUESTS: usize = 400;
+    let app = spawn_app().await;
+    let document = app.get("/openapi.json").await.body.to_string().len();
+    let port: u16 = app.address.rsplit(':').next().unwrap().parse().unwrap();
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut stream = socket.connect(([127, 0, 0, 1], port).into()).await.unwrap();
+    let request = "GET /openapi.json HTTP/1.1\r\nHost: oncepay\r\n\r\n".repeat(REQUESTS);
+    stream.write_all(request.as_bytes()).await.unwrap();
+
+    tokio::time::sleep(oncepay::http1::WRITE_STALL_TIMEOUT + Duration::from_secs(10)).await;
+    let mut received = 0usize;
+    let mut buf = vec![0u8; 1 << 16];
+    let ended = tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => received += n,
+            }
+        }
+    })
+    .await;
+    assert!(ended.is_ok(), "the connection was still open: {received} bytes read");
+    assert!(
+        received < REQUESTS * document,
+        "the server gave up before writing every answer ({received} of at least {} bytes)",
+        REQUESTS * document
+    );
+}

@@ -28,6 +28,7 @@ mod lock_order;
 mod openapi;
 mod operations;
 mod payments;
+mod pg_tls;
 mod policy;
 mod pool;
 mod pooler;

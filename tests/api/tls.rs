@@ -16,13 +16,13 @@ use crate::helpers::{database_url, spawn_app_with, TestApp, MAIN_BALANCE};
 use crate::tcp_cut::TlsCutProxy;
 
 /// A certificate authority of the test.
-struct Authority {
+pub struct Authority {
     certificate: Certificate,
     key: KeyPair,
 }
 
 impl Authority {
-    fn new(name: &str) -> Self {
+    pub fn new(name: &str) -> Self {
         let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
         params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
         params.distinguished_name.push(DnType::CommonName, name);
@@ -43,22 +43,22 @@ impl Authority {
         (certificate.pem(), key.serialize_pem())
     }
 
-    fn pem(&self) -> String {
+    pub fn pem(&self) -> String {
         self.certificate.pem()
     }
 }
 
 /// A folder of PEM files, removed at the end of the test.
-struct Files(PathBuf);
+pub struct Files(PathBuf);
 
 impl Files {
-    fn new() -> Self {
+    pub fn new() -> Self {
         let dir = std::env::temp_dir().join(format!("oncepay-tls-{}", Uuid::new_v4()));
         std::fs::create_dir_all(&dir).unwrap();
         Self(dir)
     }
 
-    fn write(&self, name: &str, contents: &str) -> PathBuf {
+    pub fn write(&self, name: &str, contents: &str) -> PathBuf {
         let path = self.0.join(name);
         std::fs::write(&path, contents).unwrap();
         path
