@@ -20,7 +20,7 @@ export SQLX_OFFLINE ?= true
 BIN := target/release/oncepay
 CARGO_TEST := $(shell cargo nextest --version >/dev/null 2>&1 && echo "cargo nextest run --workspace --no-fail-fast" || echo "cargo test --workspace --no-fail-fast")
 
-.PHONY: help run serve build db-up db-down migrate psql purge audit audit-bench test test-pgbouncer chaos check client-deps-check sqlx-check sqlx-prepare bench bench-quick bench-analyze callgrind sql-callgrind bench-ab clean-db openapi schemathesis alerts-test ha
+.PHONY: help run serve build db-up db-down db-port-test migrate psql purge audit audit-bench test test-pgbouncer chaos check client-deps-check sqlx-check sqlx-prepare bench bench-quick bench-analyze callgrind sql-callgrind bench-ab clean-db openapi schemathesis alerts-test ha
 
 help:
 	@echo "make run      local database if needed, migrate, demo tenant, serve on 127.0.0.1:8130"
@@ -47,6 +47,15 @@ endif
 db-down:
 ifdef LOCAL_DB
 	@scripts/db.sh down
+endif
+
+# The local cluster starts while a client socket holds 55130, its old default port inside
+# Linux's ephemeral range (tests/db-port.sh); it restarts the cluster when one runs.
+db-port-test:
+ifdef LOCAL_DB
+	@tests/db-port.sh
+else
+	@echo "db-port-test: DATABASE_URL is set, no local cluster to test"
 endif
 
 build:
@@ -82,7 +91,7 @@ endif
 # connected through PgBouncer in transaction mode (scripts/pgbouncer.sh, installed if missing)
 # and ONCEPAY_DB_POOLER=transaction; the tests' own queries go straight to PostgreSQL.
 # PgBouncer is stopped again afterwards, also when a test fails.
-PGBOUNCER_PORT ?= 55139
+PGBOUNCER_PORT ?= 25139
 test-pgbouncer: db-up
 ifdef LOCAL_DB
 	@psql -X -q "$(shell scripts/db.sh url postgres)" -c 'DROP DATABASE IF EXISTS oncepay_test WITH (FORCE)' -c 'CREATE DATABASE oncepay_test'
@@ -114,7 +123,7 @@ openapi:
 # The chaos tests stop and restart PostgreSQL, so they get a cluster of their own (port
 # CHAOS_PG_PORT), stopped again afterwards, and run one at a time. `make test` skips them
 # (they are #[ignore]d); .ci/run runs both.
-CHAOS_PG_PORT ?= 55131
+CHAOS_PG_PORT ?= 25131
 CHAOS_PGDATA ?= $(shell if [ "$$(id -u)" = 0 ]; then echo /var/tmp/oncepay-chaos-pg-$$(printf '%s' "$(CURDIR)" | sha256sum | cut -c1-12); else echo "$(CURDIR)/.pgdata-chaos"; fi)
 CHAOS_DB := ONCEPAY_PG_PORT=$(CHAOS_PG_PORT) ONCEPAY_PGDATA=$(CHAOS_PGDATA)
 CHAOS_TEST := $(shell cargo nextest --version >/dev/null 2>&1 \

@@ -24,7 +24,7 @@ yard="$(cd "$yard" && pwd)"
 secs="${ANALYZE_SECS:-10}"
 c="${ANALYZE_CONCURRENCY:-32}"
 out="${ANALYZE_OUT:-target/bench-analyze}"
-export ONCEPAY_PG_PORT="${ANALYZE_PG_PORT:-$((${ONCEPAY_PG_PORT:-55130} + 2))}"
+export ONCEPAY_PG_PORT="${ANALYZE_PG_PORT:-$((${ONCEPAY_PG_PORT:-25130} + 2))}"
 if [ "$(id -u)" = 0 ]; then
   export ONCEPAY_PGDATA="${ANALYZE_PGDATA:-/var/tmp/oncepay-analyze-pg-$(printf '%s' "$top" | sha256sum | cut -c1-12)}"
 else
