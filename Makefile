@@ -20,10 +20,11 @@ export SQLX_OFFLINE ?= true
 BIN := target/release/oncepay
 CARGO_TEST := $(shell cargo nextest --version >/dev/null 2>&1 && echo "cargo nextest run --workspace --no-fail-fast" || echo "cargo test --workspace --no-fail-fast")
 
-.PHONY: help run serve build install db-up db-down db-port-test migrate psql purge audit audit-bench test test-pgbouncer chaos check client-deps-check sqlx-check sqlx-prepare bench bench-quick bench-analyze callgrind sql-callgrind bench-ab clean-db openapi schemathesis alerts-test ha
+.PHONY: help run lab serve build install db-up db-down db-port-test migrate psql purge audit audit-bench test test-pgbouncer chaos check client-deps-check sqlx-check sqlx-prepare bench bench-quick bench-analyze callgrind sql-callgrind bench-ab clean-db openapi schemathesis alerts-test ha
 
 help:
 	@echo "make run      local database if needed, migrate, demo tenant, serve on 127.0.0.1:8130"
+	@echo "make lab      a new tenant with 10000 for the README's walkthrough: eval \"\$$(make lab)\" sets U, API, TENANT, ADMIN"
 	@echo "make test     every test, against a real PostgreSQL (started if needed)"
 	@echo "make test-pgbouncer   the API tests with the servers behind PgBouncer in transaction mode"
 	@echo "make chaos    fault tests (kill -9, PostgreSQL restart, ...) on their own PostgreSQL cluster"
@@ -37,7 +38,8 @@ help:
 	@echo "make bench-ab BASE_BIN=dir   this tree's server against another build, side by side in one run"
 	@echo "make sql-callgrind   PostgreSQL's instructions per new payment and replay, this SQL vs an older one"
 	@echo "make ha       Patroni cluster (3 PostgreSQL 15, etcd, HAProxy), 3 oncepay, 5 faults under load, books verified (root)"
-	@echo "make migrate | purge | psql | db-up | db-down | client-deps-check | bench | audit-bench | sqlx-prepare | sqlx-check | openapi | ha"
+	@echo "make install  cargo install --path . --locked: the oncepay binary into ~/.cargo/bin"
+	@echo "make migrate | purge | psql | db-up | db-down | db-port-test | client-deps-check | bench | audit-bench | sqlx-prepare | sqlx-check | openapi | ha"
 
 db-up:
 ifdef LOCAL_DB
@@ -59,6 +61,7 @@ else
 endif
 
 build:
+	@[ -x $(BIN) ] || echo "make: building the release binary $(BIN) for the first time: about 9 minutes on 2 cores" >&2
 	cargo build --release --locked
 
 # The `oncepay` binary (server and client commands) into cargo's bin folder (~/.cargo/bin),
@@ -71,6 +74,13 @@ migrate: db-up build
 
 run: migrate
 	@scripts/run.sh $(BIN)
+
+# A new tenant with 10000 for the README's walkthrough, on the database `make run` serves:
+# prints the lines that set U, API, TENANT and ADMIN (eval "$$(make lab)"). Build output and
+# notes go to stderr, so that stdout is only those lines.
+lab: db-up
+	@cargo build --release --locked --quiet >&2
+	@scripts/lab.sh $(BIN)
 
 purge: db-up build
 	$(BIN) purge
