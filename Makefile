@@ -20,12 +20,13 @@ export SQLX_OFFLINE ?= true
 BIN := target/release/oncepay
 CARGO_TEST := $(shell cargo nextest --version >/dev/null 2>&1 && echo "cargo nextest run --workspace --no-fail-fast" || echo "cargo test --workspace --no-fail-fast")
 
-.PHONY: help run lab serve build install db-up db-down db-port-test migrate psql purge audit audit-bench test test-pgbouncer chaos check client-deps-check sqlx-check sqlx-prepare bench bench-quick bench-analyze callgrind sql-callgrind bench-ab clean-db openapi schemathesis alerts-test ha
+.PHONY: help run lab serve build install db-up db-down db-port-test readme-test migrate psql purge audit audit-bench test test-pgbouncer chaos check client-deps-check sqlx-check sqlx-prepare bench bench-quick bench-analyze callgrind sql-callgrind bench-ab clean-db openapi schemathesis alerts-test ha
 
 help:
 	@echo "make run      local database if needed, migrate, demo tenant, serve on 127.0.0.1:8130"
 	@echo "make lab      a new tenant with 10000 for the README's walkthrough: eval \"\$$(make lab)\" sets U, API, TENANT, ADMIN"
 	@echo "make test     every test, against a real PostgreSQL (started if needed)"
+	@echo "make readme-test   the README's examples run against make run's server, their output compared"
 	@echo "make test-pgbouncer   the API tests with the servers behind PgBouncer in transaction mode"
 	@echo "make chaos    fault tests (kill -9, PostgreSQL restart, ...) on their own PostgreSQL cluster"
 	@echo "make audit    reconcile balances, key rows and payments; non-zero exit if an invariant is broken"
@@ -101,6 +102,12 @@ ifdef LOCAL_DB
 	@psql -X -q "$(shell scripts/db.sh url postgres)" -c 'DROP DATABASE IF EXISTS oncepay_test WITH (FORCE)' -c 'CREATE DATABASE oncepay_test'
 endif
 	DATABASE_URL="$(TEST_DATABASE_URL)" $(CARGO_TEST) --locked
+
+# Every console block of README.md run against `make run`'s server and its output compared
+# (ids and times masked), and every link of README.md and docs/ kept inside the repository
+# (tests/readme/run.py). Starts `make run` and stops it afterwards (scripts/readme-test.sh).
+readme-test: db-up
+	@scripts/readme-test.sh
 
 # The API tests (no test there restarts or kills the database) with every test server
 # connected through PgBouncer in transaction mode (scripts/pgbouncer.sh, installed if missing)
