@@ -20,11 +20,13 @@ export SQLX_OFFLINE ?= true
 BIN := target/release/oncepay
 CARGO_TEST := $(shell cargo nextest --version >/dev/null 2>&1 && echo "cargo nextest run --workspace --no-fail-fast" || echo "cargo test --workspace --no-fail-fast")
 
-.PHONY: help run serve build db-up db-down migrate psql purge audit audit-bench test test-pgbouncer chaos check client-deps-check sqlx-check sqlx-prepare bench bench-quick bench-analyze callgrind sql-callgrind bench-ab clean-db openapi schemathesis alerts-test ha
+.PHONY: help run lab serve build install db-up db-down db-port-test readme-test migrate psql purge audit audit-bench test test-pgbouncer chaos check client-deps-check sqlx-check sqlx-prepare bench bench-quick bench-analyze callgrind sql-callgrind bench-ab clean-db openapi schemathesis alerts-test ha
 
 help:
 	@echo "make run      local database if needed, migrate, demo tenant, serve on 127.0.0.1:8130"
+	@echo "make lab      a new tenant with 10000 for the README's walkthrough: eval \"\$$(make lab)\" sets U, API, TENANT, ADMIN"
 	@echo "make test     every test, against a real PostgreSQL (started if needed)"
+	@echo "make readme-test   the README's examples run against make run's server, their output compared"
 	@echo "make test-pgbouncer   the API tests with the servers behind PgBouncer in transaction mode"
 	@echo "make chaos    fault tests (kill -9, PostgreSQL restart, ...) on their own PostgreSQL cluster"
 	@echo "make audit    reconcile balances, key rows and payments; non-zero exit if an invariant is broken"
@@ -37,7 +39,8 @@ help:
 	@echo "make bench-ab BASE_BIN=dir   this tree's server against another build, side by side in one run"
 	@echo "make sql-callgrind   PostgreSQL's instructions per new payment and replay, this SQL vs an older one"
 	@echo "make ha       Patroni cluster (3 PostgreSQL 15, etcd, HAProxy), 3 oncepay, 5 faults under load, books verified (root)"
-	@echo "make migrate | purge | psql | db-up | db-down | client-deps-check | bench | audit-bench | sqlx-prepare | sqlx-check | openapi | ha"
+	@echo "make install  cargo install --path . --locked: the oncepay binary into ~/.cargo/bin"
+	@echo "make migrate | purge | psql | db-up | db-down | db-port-test | client-deps-check | bench | audit-bench | sqlx-prepare | sqlx-check | openapi | ha"
 
 db-up:
 ifdef LOCAL_DB
@@ -49,14 +52,36 @@ ifdef LOCAL_DB
 	@scripts/db.sh down
 endif
 
+# The local cluster starts while a client socket holds 55130, its old default port inside
+# Linux's ephemeral range (tests/db-port.sh); it restarts the cluster when one runs.
+db-port-test:
+ifdef LOCAL_DB
+	@tests/db-port.sh
+else
+	@echo "db-port-test: DATABASE_URL is set, no local cluster to test"
+endif
+
 build:
+	@[ -x $(BIN) ] || echo "make: building the release binary $(BIN) for the first time: about 9 minutes on 2 cores" >&2
 	cargo build --release --locked
+
+# The `oncepay` binary (server and client commands) into cargo's bin folder (~/.cargo/bin),
+# built from target/ like `make build`.
+install:
+	cargo install --path . --locked
 
 migrate: db-up build
 	$(BIN) migrate
 
 run: migrate
 	@scripts/run.sh $(BIN)
+
+# A new tenant with 10000 for the README's walkthrough, on the database `make run` serves:
+# prints the lines that set U, API, TENANT and ADMIN (eval "$$(make lab)"). Build output and
+# notes go to stderr, so that stdout is only those lines.
+lab: db-up
+	@cargo build --release --locked --quiet >&2
+	@scripts/lab.sh $(BIN)
 
 purge: db-up build
 	$(BIN) purge
@@ -78,11 +103,17 @@ ifdef LOCAL_DB
 endif
 	DATABASE_URL="$(TEST_DATABASE_URL)" ONCEPAY_TEST_PG_CA="$$(scripts/db.sh ca)" $(CARGO_TEST) --locked
 
+# Every console block of README.md run against `make run`'s server and its output compared
+# (ids and times masked), and every link of README.md and docs/ kept inside the repository
+# (tests/readme/run.py). Starts `make run` and stops it afterwards (scripts/readme-test.sh).
+readme-test: db-up
+	@scripts/readme-test.sh
+
 # The API tests (no test there restarts or kills the database) with every test server
 # connected through PgBouncer in transaction mode (scripts/pgbouncer.sh, installed if missing)
 # and ONCEPAY_DB_POOLER=transaction; the tests' own queries go straight to PostgreSQL.
 # PgBouncer is stopped again afterwards, also when a test fails.
-PGBOUNCER_PORT ?= 55139
+PGBOUNCER_PORT ?= 25139
 test-pgbouncer: db-up
 ifdef LOCAL_DB
 	@psql -X -q "$(shell scripts/db.sh url postgres)" -c 'DROP DATABASE IF EXISTS oncepay_test WITH (FORCE)' -c 'CREATE DATABASE oncepay_test'
@@ -114,7 +145,7 @@ openapi:
 # The chaos tests stop and restart PostgreSQL, so they get a cluster of their own (port
 # CHAOS_PG_PORT), stopped again afterwards, and run one at a time. `make test` skips them
 # (they are #[ignore]d); .ci/run runs both.
-CHAOS_PG_PORT ?= 55131
+CHAOS_PG_PORT ?= 25131
 CHAOS_PGDATA ?= $(shell if [ "$$(id -u)" = 0 ]; then echo /var/tmp/oncepay-chaos-pg-$$(printf '%s' "$(CURDIR)" | sha256sum | cut -c1-12); else echo "$(CURDIR)/.pgdata-chaos"; fi)
 CHAOS_DB := ONCEPAY_PG_PORT=$(CHAOS_PG_PORT) ONCEPAY_PGDATA=$(CHAOS_PGDATA)
 CHAOS_TEST := $(shell cargo nextest --version >/dev/null 2>&1 \

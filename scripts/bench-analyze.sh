@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `make bench-analyze` (about 3 minutes): where PostgreSQL's CPU per oncepay payment and replay
-# goes, against the yardstick's (../shared/bench/yardstick). No HTTP: pgbench runs oncepay's own
+# goes, against the yardstick's (bench/yardstick). No HTTP: pgbench runs oncepay's own
 # statements (bench/sql/pay.sql, replay.sql) and the yardstick's, one after the other, on a
 # cluster of its own started with pg_stat_statements (track = all: nested statements too) and
 # auto_explain preloaded, which the bench's cluster must not carry (they cost CPU per statement).
@@ -18,13 +18,13 @@ set -euo pipefail
 top="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$top"
 
-yard="${BENCH_YARDSTICK:-../shared/bench/yardstick}"
+yard="${BENCH_YARDSTICK:-bench/yardstick}"
 [ -f "$yard/schema.sql" ] || { echo "bench-analyze: the yardstick is missing: no $yard/schema.sql (set BENCH_YARDSTICK)" >&2; exit 1; }
 yard="$(cd "$yard" && pwd)"
 secs="${ANALYZE_SECS:-10}"
 c="${ANALYZE_CONCURRENCY:-32}"
 out="${ANALYZE_OUT:-target/bench-analyze}"
-export ONCEPAY_PG_PORT="${ANALYZE_PG_PORT:-$((${ONCEPAY_PG_PORT:-55130} + 2))}"
+export ONCEPAY_PG_PORT="${ANALYZE_PG_PORT:-$((${ONCEPAY_PG_PORT:-25130} + 2))}"
 if [ "$(id -u)" = 0 ]; then
   export ONCEPAY_PGDATA="${ANALYZE_PGDATA:-/var/tmp/oncepay-analyze-pg-$(printf '%s' "$top" | sha256sum | cut -c1-12)}"
 else

@@ -2,7 +2,7 @@
 # `make bench` (about 15 minutes) and `make bench-quick` (BENCH_QUICK=1, about 3): oncepay side
 # by side with two limits, in alternation so that machine drift hits all sides alike:
 #   - pgbench running the very SQL oncepay issues (bench/sql/), which moves when that SQL does;
-#   - the yardstick (../shared/bench/yardstick, issue 10): a fixed minimal payment transaction
+#   - the yardstick (bench/yardstick, issue 10): a fixed minimal payment transaction
 #     and replay SELECT, loaded into a database of its own on the same cluster.
 # Every step records the CPU per request of oncepay, of the whole PostgreSQL cluster and of
 # the load generator (oncepay-loadgen or pgbench). A retry storm replays 10,000 finished keys
@@ -17,11 +17,10 @@ set -euo pipefail
 top="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$top"
 
-yard="${BENCH_YARDSTICK:-../shared/bench/yardstick}"
+yard="${BENCH_YARDSTICK:-bench/yardstick}"
 for f in schema.sql pay_one.sql replay.sql; do
   if [ ! -f "$yard/$f" ]; then
-    echo "bench: the yardstick is missing: no $yard/$f (from the project root; it is shared/bench/yardstick" >&2
-    echo "bench: beside the repository, issue 10). Set BENCH_YARDSTICK to its folder." >&2
+    echo "bench: the yardstick is missing: no $yard/$f (BENCH_YARDSTICK names its folder; default bench/yardstick)" >&2
     exit 1
   fi
 done

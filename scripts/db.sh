@@ -6,12 +6,15 @@
 #   scripts/db.sh url DB  print the URL of database DB on it
 #   scripts/db.sh ca      print the path of the CA certificate its TLS certificate is signed by
 #
-# It listens on 127.0.0.1:$ONCEPAY_PG_PORT only (default 55130) with its socket in the data folder.
+# It listens on 127.0.0.1:$ONCEPAY_PG_PORT only (default 25130) with its socket in the data folder.
+# Every port the Makefile's targets listen on lies below Linux's ephemeral range (32768-60999):
+# there, any client socket (one in TIME-WAIT for a minute after heavy traffic) could hold it and
+# PostgreSQL would fail to bind (tests/db-port.sh checks this).
 # PostgreSQL refuses to run as root, so as root the server runs as the `postgres` user and the
 # data folder lives under /var/tmp (CI clones may sit under /root, which that user cannot reach).
 set -euo pipefail
 
-port="${ONCEPAY_PG_PORT:-55130}"
+port="${ONCEPAY_PG_PORT:-25130}"
 top="$(cd "$(dirname "$0")/.." && pwd)"
 if [ "$(id -u)" = 0 ]; then
   data="${ONCEPAY_PGDATA:-/var/tmp/oncepay-pg-$(printf '%s' "$top" | sha256sum | cut -c1-12)}"

@@ -29,13 +29,13 @@ net="${ONCEPAY_HA_SUBNET:-10.211.0}" # a /24 that exists only inside the namespa
 ns_hub="ohub-$tag"
 ns_node() { echo "on$1-$tag"; }
 nodes=(1 2 3)
-pg_port=56432
-rest_port=56008
-etcd_port=56379
-etcd_peer_port=56380
-haproxy_port=56500
-haproxy_stats_port=56501
-app_ports=(56101 56102 56103)
+pg_port=26432
+rest_port=26008
+etcd_port=26379
+etcd_peer_port=26380
+haproxy_port=26500
+haproxy_stats_port=26501
+app_ports=(26101 26102 26103)
 venv="${ONCEPAY_HA_VENV:-/var/cache/oncepay-ha/patroni-3.1.2}"
 patroni_pin="patroni[etcd3]==3.1.2"
 bin="${ONCEPAY_BIN:-$top/target/release/oncepay}"

@@ -10,7 +10,7 @@
 # the two sides, round after round, so that drift in the machine's load hits both.
 #
 # Environment: ONCEPAY_PG_PORT, ONCEPAY_PGBOUNCER_PORT (as for the scripts they call),
-# BENCH_HTTP_PORT (the direct instance; the pooled one takes the next port, default 55150),
+# BENCH_HTTP_PORT (the direct instance; the pooled one takes the next port, default 25150),
 # BENCH_SECS (per step, default 20), BENCH_ROUNDS (default 3), BENCH_CONCURRENCY (32).
 # Prints a table; the raw records go to target/pgbouncer-bench.jsonl.
 set -euo pipefail
@@ -19,7 +19,7 @@ cd "$(dirname "$0")/.."
 secs="${BENCH_SECS:-20}"
 rounds="${BENCH_ROUNDS:-3}"
 c="${BENCH_CONCURRENCY:-32}"
-http_port="${BENCH_HTTP_PORT:-55150}"
+http_port="${BENCH_HTTP_PORT:-25150}"
 accounts=10000
 replay_keys=10000
 db=oncepay_pgbouncer_bench

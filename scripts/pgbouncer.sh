@@ -6,14 +6,14 @@
 #   scripts/pgbouncer.sh down    stop it (by the PID in its pidfile)
 #   scripts/pgbouncer.sh url DB  print the URL of database DB through it
 #
-# It listens on 127.0.0.1:$ONCEPAY_PGBOUNCER_PORT only (default 55139) and forwards every
-# database to 127.0.0.1:$ONCEPAY_PG_PORT (default 55130), trusting the user `oncepay` like
+# It listens on 127.0.0.1:$ONCEPAY_PGBOUNCER_PORT only (default 25139) and forwards every
+# database to 127.0.0.1:$ONCEPAY_PG_PORT (default 25130), trusting the user `oncepay` like
 # the cluster does. PgBouncer refuses to run as root, so as root it runs as the `postgres`
 # user with its files under /var/tmp.
 set -euo pipefail
 
-port="${ONCEPAY_PGBOUNCER_PORT:-55139}"
-pg_port="${ONCEPAY_PG_PORT:-55130}"
+port="${ONCEPAY_PGBOUNCER_PORT:-25139}"
+pg_port="${ONCEPAY_PG_PORT:-25130}"
 top="$(cd "$(dirname "$0")/.." && pwd)"
 if [ "$(id -u)" = 0 ]; then
   dir="/var/tmp/oncepay-pgbouncer-$(printf '%s:%s' "$top" "$port" | sha256sum | cut -c1-12)"

@@ -39,9 +39,13 @@ cat <<TXT
   admin token : $ONCEPAY_ADMIN_TOKEN      (kept in .oncepay-demo/)
 
   Try it:
-    curl -s -X POST http://$bind/pay -H "Authorization: Bearer $api_key" \\
+    curl -s -w '\n' -X POST http://$bind/pay -H "Authorization: Bearer $api_key" \\
          -H 'Content-Type: application/json' -H "Idempotency-Key: \$(cat /proc/sys/kernel/random/uuid)" \\
          -d '{"amount":100}'
+
+  The server runs in this terminal until Ctrl-C. For the README's walkthrough, open a second
+  terminal in $top and start with:
+    eval "\$(make lab)"      # a new tenant with 10000: sets U, API, TENANT and ADMIN
 
 TXT
 exec "$bin" serve

@@ -42,7 +42,8 @@ ONCEPAY_API_KEY="$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["a
 ONCEPAY_ADMIN_TOKEN="$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')"
 export ONCEPAY_API_KEY ONCEPAY_ADMIN_TOKEN
 
-port="$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+# A fixed port below Linux's ephemeral range (32768-60999), which no client socket can hold.
+port="${SCHEMATHESIS_PORT:-18190}"
 base="http://127.0.0.1:$port"
 log="target/schemathesis-server.log"
 ONCEPAY_BIND="127.0.0.1:$port" ONCEPAY_METRICS_BIND="127.0.0.1:0" RUST_LOG=warn "$bin" serve 2>"$log" &

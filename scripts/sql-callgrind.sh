@@ -17,7 +17,7 @@ top="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$top"
 
 base="${SQL_CALLGRIND_BASE:-623b367}"
-port="${SQL_CALLGRIND_PORT:-55198}"
+port="${SQL_CALLGRIND_PORT:-25198}"
 n1="${SQL_CALLGRIND_N1:-100}"
 n2="${SQL_CALLGRIND_N2:-600}"
 work="/var/tmp/oncepay-sqlcg-$(printf '%s' "$top" | sha256sum | cut -c1-12)"

@@ -258,7 +258,7 @@ mod tests {
 
     #[test]
     fn an_admin_token_shorter_than_32_characters_is_refused_naming_the_variable() {
-        let base = settings("postgres://oncepay@127.0.0.1:55130/oncepay", None);
+        let base = settings("postgres://oncepay@127.0.0.1:25130/oncepay", None);
         let with = |token: &str| Settings {
             admin_token: Some(token.to_owned()),
             ..base.clone()
@@ -271,7 +271,7 @@ mod tests {
 
     #[test]
     fn batch_settings_out_of_range_are_refused() {
-        let base = settings("postgres://oncepay@127.0.0.1:55130/oncepay", None);
+        let base = settings("postgres://oncepay@127.0.0.1:25130/oncepay", None);
         assert!(base.validate().is_ok());
         let with = |max: usize, in_flight: usize| Settings {
             db_batch_max: max,
@@ -308,12 +308,12 @@ mod tests {
 
     #[test]
     fn debug_shows_what_is_not_secret() {
-        let plain = settings("postgres://oncepay@127.0.0.1:55130/oncepay", None);
+        let plain = settings("postgres://oncepay@127.0.0.1:25130/oncepay", None);
 
         let shown = format!("{plain:?}");
 
         assert!(
-            shown.contains(r#"database_url: "postgres://oncepay@127.0.0.1:55130/oncepay""#),
+            shown.contains(r#"database_url: "postgres://oncepay@127.0.0.1:25130/oncepay""#),
             "{shown}"
         );
         assert!(shown.contains("admin_token: None"), "{shown}");

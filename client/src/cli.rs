@@ -1,6 +1,7 @@
 //! The client commands of the `oncepay` binary: `pay`, `refund`, `deposit`, `transfer`,
-//! `balance`, `get-payment`, `get-transfer`. The answer's JSON goes to stdout; retries,
-//! replays and errors to stderr.
+//! `account create`, `balance`, `get-payment`, `get-transfer`. The answer's JSON goes to
+//! stdout; retries, replays and errors to stderr. Every read takes the id of what it reads as
+//! its argument (`balance u1`, `get-payment ID`, `get-transfer ID`), like `account create ID`.
 //!
 //! Exit status: 0 success; 2 bad usage; 3 the server refused the request (a 4xx problem that
 //! a retry would not change) or the client refused the server's TLS certificate; 4 the outcome is unknown (no final answer within the attempts,
@@ -75,19 +76,30 @@ pub enum ClientCommand {
         #[command(flatten)]
         key: KeyArg,
     },
+    /// Accounts of the tenant.
+    #[command(subcommand)]
+    Account(AccountCommand),
     /// An account's balance: GET /accounts/{id}.
     Balance {
         #[command(flatten)]
         server: ServerArgs,
-        #[arg(long, default_value = "main")]
-        account: String,
+        /// The account (default: main).
+        #[arg(value_name = "ACCOUNT", conflicts_with = "account_flag")]
+        account: Option<String>,
+        /// The same as the ACCOUNT argument (the form before it existed).
+        #[arg(long = "account", value_name = "ACCOUNT", hide = true)]
+        account_flag: Option<String>,
     },
     /// A payment's current state: GET /payments/{id}.
     GetPayment {
         #[command(flatten)]
         server: ServerArgs,
-        #[arg(long)]
-        id: Uuid,
+        /// The payment's id.
+        #[arg(value_name = "ID", required_unless_present = "id_flag", conflicts_with = "id_flag")]
+        id: Option<Uuid>,
+        /// The same as the ID argument (the form before it existed).
+        #[arg(long = "id", value_name = "ID", hide = true)]
+        id_flag: Option<Uuid>,
     },
     /// A transfer: GET /transfers/{id}.
     GetTransfer {
@@ -95,6 +107,22 @@ pub enum ClientCommand {
         server: ServerArgs,
         /// The transfer's id.
         id: Uuid,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum AccountCommand {
+    /// Open an account: POST /accounts with an Idempotency-Key; prints the account.
+    Create {
+        #[command(flatten)]
+        server: ServerArgs,
+        /// The account's id: 1..64 of [A-Za-z0-9_.:-].
+        id: String,
+        /// Its opening balance in minor units (0 ..= 10^12) [default: 0].
+        #[arg(long)]
+        balance: Option<i64>,
+        #[command(flatten)]
+        key: KeyArg,
     },
 }
 
@@ -197,8 +225,29 @@ async fn execute(command: ClientCommand) -> Result<(), Failed> {
             let key = key.resolve()?;
             print_keyed(client(&server)?.transfer(&from, &to, amount, &key).await, &key)
         }
-        ClientCommand::Balance { server, account } => print(client(&server)?.account(&account).await?, None),
-        ClientCommand::GetPayment { server, id } => print(client(&server)?.payment(id).await?, None),
+        ClientCommand::Account(AccountCommand::Create {
+            server,
+            id,
+            balance,
+            key,
+        }) => {
+            let key = key.resolve()?;
+            print_keyed(client(&server)?.open_account(&id, balance, &key).await, &key)
+        }
+        ClientCommand::Balance {
+            server,
+            account,
+            account_flag,
+        } => {
+            let account = account.or(account_flag).unwrap_or_else(|| "main".to_owned());
+            print(client(&server)?.account(&account).await?, None)
+        }
+        ClientCommand::GetPayment { server, id, id_flag } => {
+            let id = id
+                .or(id_flag)
+                .ok_or_else(|| ClientError::InvalidArgument("the payment's id is missing".to_owned()))?;
+            print(client(&server)?.payment(id).await?, None)
+        }
         ClientCommand::GetTransfer { server, id } => print(client(&server)?.get_transfer(id).await?, None),
     }
 }

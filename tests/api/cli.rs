@@ -160,7 +160,7 @@ async fn every_command_reads_the_url_and_api_key_from_the_environment() {
     let payment = oncepay(&["pay", "--amount", "300", "--account", "main"], &env).await;
     let id = payment.json()["id"].as_str().unwrap().to_owned();
     let refund = oncepay(&["refund", "--payment", &id], &env).await;
-    let state = oncepay(&["get-payment", "--id", &id], &env).await;
+    let state = oncepay(&["get-payment", &id], &env).await;
     let balance = oncepay(&["balance"], &env).await;
 
     for run in [&deposit, &payment, &refund, &state, &balance] {
@@ -173,6 +173,40 @@ async fn every_command_reads_the_url_and_api_key_from_the_environment() {
         balance.json(),
         serde_json::json!({ "id": "main", "balance": MAIN_BALANCE + 500 })
     );
+}
+
+#[tokio::test]
+async fn account_create_opens_the_account_once_and_balance_reads_it_by_its_id() {
+    let app = spawn_app().await;
+    let env = [
+        ("ONCEPAY_URL", app.address.as_str()),
+        ("ONCEPAY_API_KEY", app.api_key.as_str()),
+    ];
+    let key = new_key();
+
+    let created = oncepay(&["account", "create", "u1", "--balance", "500", "--key", &key], &env).await;
+    let again = oncepay(&["account", "create", "u1", "--balance", "500", "--key", &key], &env).await;
+    let other_key = oncepay(&["account", "create", "u1"], &env).await;
+    let empty = oncepay(&["account", "create", "u2"], &env).await;
+    let balance = oncepay(&["balance", "u1"], &env).await;
+
+    for run in [&created, &again, &empty, &balance] {
+        assert_eq!(run.status, 0, "stderr: {}", run.stderr);
+    }
+    assert_eq!(
+        (&created.json()["id"], &created.json()["balance"]),
+        (&"u1".into(), &500.into())
+    );
+    assert_eq!(again.json(), created.json(), "the stored answer");
+    assert!(again.stderr.contains("replayed"), "{}", again.stderr);
+    assert_eq!(other_key.status, 3, "stderr: {}", other_key.stderr);
+    assert!(
+        other_key.stderr.contains("code=account_exists status=409"),
+        "{}",
+        other_key.stderr
+    );
+    assert_eq!(empty.json()["balance"], 0);
+    assert_eq!(balance.json(), serde_json::json!({ "id": "u1", "balance": 500 }));
 }
 
 #[tokio::test]

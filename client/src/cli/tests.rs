@@ -63,3 +63,57 @@ fn get_transfer_takes_the_id_as_its_argument() {
     assert_eq!(parsed.to_string(), id);
     assert!(parse(&["get-transfer", "not-a-uuid"]).is_err());
 }
+
+#[test]
+fn get_payment_takes_the_id_as_its_argument_and_still_accepts_the_id_flag() {
+    let id = "9b2f4f6e-52c4-4c3a-a0f5-0e4d2f5b8a11";
+    for args in [&["get-payment", id][..], &["get-payment", "--id", id]] {
+        let ClientCommand::GetPayment {
+            id: parsed, id_flag, ..
+        } = parse(args).unwrap()
+        else {
+            panic!("not get-payment");
+        };
+        assert_eq!(
+            parsed.or(id_flag).map(|id| id.to_string()).as_deref(),
+            Some(id),
+            "{args:?}"
+        );
+    }
+    assert!(parse(&["get-payment"]).is_err(), "the id is required");
+    assert!(parse(&["get-payment", id, "--id", id]).is_err(), "one id at most");
+}
+
+#[test]
+fn balance_takes_the_account_as_its_argument_and_defaults_to_main() {
+    let account = |args: &[&str]| {
+        let ClientCommand::Balance {
+            account, account_flag, ..
+        } = parse(args).unwrap()
+        else {
+            panic!("not balance");
+        };
+        account.or(account_flag)
+    };
+    assert_eq!(account(&["balance", "u1"]).as_deref(), Some("u1"));
+    assert_eq!(account(&["balance", "--account", "u1"]).as_deref(), Some("u1"));
+    assert_eq!(account(&["balance"]), None, "main, when run");
+}
+
+#[test]
+fn account_create_takes_the_id_and_an_optional_balance_and_key() {
+    let ClientCommand::Account(AccountCommand::Create { id, balance, key, .. }) =
+        parse(&["account", "create", "u1", "--balance", "500", "--key", "open-u1"]).unwrap()
+    else {
+        panic!("not account create");
+    };
+    assert_eq!((id.as_str(), balance), ("u1", Some(500)));
+    assert_eq!(key.resolve().unwrap().as_str(), "open-u1");
+
+    let ClientCommand::Account(AccountCommand::Create { balance, .. }) = parse(&["account", "create", "u2"]).unwrap()
+    else {
+        panic!("not account create");
+    };
+    assert_eq!(balance, None, "the server's default, 0");
+    assert!(parse(&["account", "create"]).is_err(), "the id is required");
+}

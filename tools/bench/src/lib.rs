@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Record {
     /// `pgbench` (oncepay's own statement), `yardstick` (the fixed minimal transaction of
-    /// ../shared/bench/yardstick), `oncepay`, `oncepay x3`, ...
+    /// bench/yardstick), `oncepay`, `oncepay x3`, ...
     pub side: String,
     pub scenario: String,
     pub concurrency: u32,

@@ -541,7 +541,7 @@ pub fn markdown(records: &[Record], groups: &Groups, machine: &str) -> String {
     let _ = writeln!(
         w,
         "\n## Targets (issue 10): against the yardstick, same run\n\nThe yardstick is \
-         ../shared/bench/yardstick, a fixed minimal payment transaction run by pgbench (`-M prepared -j 2`): \
+         bench/yardstick, a fixed minimal payment transaction run by pgbench (`-M prepared -j 2`): \
          it does not move when oncepay's SQL changes. The last column is the same figure for pgbench running \
          oncepay's own statement (for the storm: with the cache off). The issue gives the two throughput \
          goals; the CPU goals are this report's reading of \"as cheap as the yardstick\" (within 10 %) and \

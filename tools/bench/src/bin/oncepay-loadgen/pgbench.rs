@@ -1,5 +1,5 @@
 //! The limits: pgbench running the SQL oncepay issues (bench/sql/*.sql), or the fixed
-//! yardstick (../shared/bench/yardstick), at the same concurrency, its per-transaction log read
+//! yardstick (bench/yardstick), at the same concurrency, its per-transaction log read
 //! into the same histogram as the HTTP side.
 
 use std::path::PathBuf;
