@@ -46,7 +46,7 @@ export ONCEPAY_API_KEY ONCEPAY_ADMIN_TOKEN
 port="${SCHEMATHESIS_PORT:-18190}"
 base="http://127.0.0.1:$port"
 log="target/schemathesis-server.log"
-ONCEPAY_BIND="127.0.0.1:$port" ONCEPAY_METRICS_BIND="127.0.0.1:0" RUST_LOG=warn "$bin" serve 2>"$log" &
+ONCEPAY_BIND="127.0.0.1:$port" ONCEPAY_METRICS_BIND="127.0.0.1:$((port + 1000))" RUST_LOG=warn "$bin" serve 2>"$log" &
 server=$!
 trap 'kill "$server" 2>/dev/null; wait "$server" 2>/dev/null || true' EXIT
 for _ in $(seq 100); do
