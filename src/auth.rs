@@ -16,7 +16,8 @@ use crate::tenants::{self, ApiKeyHash, Tenant};
 /// section 5, rule 10), so this stays well under that.
 pub const TENANT_CACHE_TTL: Duration = Duration::from_millis(500);
 
-/// API key hash -> tenant (or `None`: no such key), shared by the workers of one process.
+/// API key hash -> tenant (or `None`: no such key, or revoked), shared by the workers of one
+/// process. A revoked key is refused once its entry expires: within [`TENANT_CACHE_TTL`].
 #[derive(Clone)]
 pub struct TenantCache(moka::future::Cache<ApiKeyHash, Option<Tenant>>);
 
@@ -57,8 +58,12 @@ pub async fn tenant(req: &HttpRequest, db: &crate::db::Db, cache: &TenantCache) 
     let found = cache
         .0
         .try_get_with(hash, async {
-            let found = db.run(async |c| tenants::find_by_key_hash(c, &hash).await).await;
-            Ok::<_, ApiError>(found?)
+            let found = db.run(async |c| tenants::find_by_key_hash(c, &hash).await).await?;
+            if let Some((tenant, key_id)) = found {
+                let db = db.clone();
+                tokio::spawn(async move { tenants::touch_key(&db, tenant.id, key_id).await });
+            }
+            Ok::<_, ApiError>(found.map(|(tenant, _)| tenant))
         })
         .await
         .map_err(|err: Arc<ApiError>| match &*err {

@@ -5,7 +5,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 
 use oncepay::config::Settings;
-use oncepay::domain::{MissingKeyPolicy, OpeningBalance};
+use oncepay::domain::{MissingKeyPolicy, OpeningBalance, TenantId};
 use oncepay::startup::Application;
 use oncepay::{audit, db, purge, telemetry, tenants};
 use oncepay_client::cli::ClientCommand;
@@ -68,6 +68,29 @@ enum TenantCommand {
         missing_key_policy: PolicyArg,
         #[arg(long, default_value_t = 0)]
         main_balance: i64,
+    },
+    /// A tenant's API keys: create one (shown once), list them, revoke one.
+    #[command(subcommand)]
+    Key(KeyCommand),
+}
+
+#[derive(Subcommand)]
+enum KeyCommand {
+    /// Adds an API key to the tenant; prints it (shown only once). Its other keys stay valid.
+    Create {
+        #[arg(long)]
+        tenant: uuid::Uuid,
+    },
+    /// Prints the tenant's keys (ids, creation, last use, revocation; never a secret).
+    List {
+        #[arg(long)]
+        tenant: uuid::Uuid,
+    },
+    /// Revokes a key: every replica refuses it within one second.
+    Revoke {
+        #[arg(long)]
+        tenant: uuid::Uuid,
+        key_id: uuid::Uuid,
     },
 }
 
@@ -172,6 +195,32 @@ async fn run(command: ServerCommand) -> anyhow::Result<()> {
                 .await
                 .context("cannot create the tenant")?;
             println!("{}", serde_json::to_string(&created)?);
+        }
+        ServerCommand::Tenant(TenantCommand::Key(command)) => {
+            let db = db::Db::new(&settings)?;
+            db::check_schema(&db).await?;
+            let unknown = || anyhow::anyhow!("no such tenant or key");
+            let out = match command {
+                KeyCommand::Create { tenant } => {
+                    let created = tenants::create_key(&db, TenantId::from_uuid(tenant))
+                        .await?
+                        .ok_or_else(unknown)?;
+                    serde_json::to_string(&created)?
+                }
+                KeyCommand::List { tenant } => {
+                    let keys = tenants::list_keys(&db, TenantId::from_uuid(tenant))
+                        .await?
+                        .ok_or_else(unknown)?;
+                    serde_json::to_string(&keys)?
+                }
+                KeyCommand::Revoke { tenant, key_id } => {
+                    let key = tenants::revoke_key(&db, TenantId::from_uuid(tenant), key_id)
+                        .await?
+                        .ok_or_else(unknown)?;
+                    serde_json::to_string(&key)?
+                }
+            };
+            println!("{out}");
         }
     }
     Ok(())

@@ -76,6 +76,14 @@ pub async fn create(
             .execute(&mut *tx)
             .await?;
             sqlx::query!(
+                "INSERT INTO api_keys (tenant_id, key_id, key_hash) VALUES ($1, $2, $3)",
+                tenant_id.get(),
+                uuid::Uuid::new_v4(),
+                &api_key_hash[..],
+            )
+            .execute(&mut *tx)
+            .await?;
+            sqlx::query!(
                 "INSERT INTO accounts (tenant_id, account_id, balance, opening_balance) VALUES ($1, $2::text, $3::bigint, $3::bigint)",
                 tenant_id.get(),
                 AccountId::MAIN,
@@ -112,21 +120,150 @@ pub async fn set_policy(db: &Db, tenant_id: TenantId, policy: MissingKeyPolicy) 
     }))
 }
 
-pub async fn find_by_key_hash(conn: &mut PgConnection, hash: &ApiKeyHash) -> Result<Option<Tenant>, sqlx::Error> {
+/// The tenant whose API key, not revoked, has this hash; with the key's id.
+pub async fn find_by_key_hash(
+    conn: &mut PgConnection,
+    hash: &ApiKeyHash,
+) -> Result<Option<(Tenant, uuid::Uuid)>, sqlx::Error> {
     let row = sqlx::query!(
-        "SELECT tenant_id, missing_key_policy FROM tenants WHERE api_key_hash = $1",
+        "SELECT t.tenant_id, t.missing_key_policy, k.key_id
+           FROM api_keys k JOIN tenants t ON t.tenant_id = k.tenant_id
+          WHERE k.key_hash = $1 AND k.revoked_at IS NULL",
         &hash[..],
     )
     .fetch_optional(conn)
     .await?;
     row.map(|r| {
         let policy = MissingKeyPolicy::parse(&r.missing_key_policy).map_err(|e| sqlx::Error::Decode(e.into()))?;
-        Ok(Tenant {
-            id: TenantId::from_uuid(r.tenant_id),
-            policy,
-        })
+        Ok((
+            Tenant {
+                id: TenantId::from_uuid(r.tenant_id),
+                policy,
+            },
+            r.key_id,
+        ))
     })
     .transpose()
+}
+
+/// Records that the key was used (best effort: called when a replica looks the key up, at
+/// most once per tenant-cache lifetime; an error is only logged).
+pub async fn touch_key(db: &Db, tenant: TenantId, key_id: uuid::Uuid) {
+    let done = db
+        .run(async |c| {
+            sqlx::query!(
+                "UPDATE api_keys SET last_used_at = now() WHERE tenant_id = $1 AND key_id = $2",
+                tenant.get(),
+                key_id,
+            )
+            .execute(c)
+            .await
+        })
+        .await;
+    if let Err(err) = done {
+        tracing::debug!(error = %err, "could not record an API key's last use");
+    }
+}
+
+/// An API key as the admin API shows it: never its secret.
+#[derive(Clone, Debug, Serialize, utoipa::ToSchema)]
+pub struct KeyView {
+    pub key_id: uuid::Uuid,
+    pub created_at: chrono::DateTime<chrono::Utc>,
+    pub last_used_at: Option<chrono::DateTime<chrono::Utc>>,
+    pub revoked_at: Option<chrono::DateTime<chrono::Utc>>,
+}
+
+/// A new API key: the only time its secret is shown.
+#[derive(Clone, Debug, Serialize, utoipa::ToSchema)]
+pub struct CreatedKey {
+    pub key_id: uuid::Uuid,
+    pub api_key: String,
+    pub created_at: chrono::DateTime<chrono::Utc>,
+}
+
+/// Adds an API key to the tenant (the others stay valid); `None` for an unknown tenant.
+pub async fn create_key(db: &Db, tenant: TenantId) -> Result<Option<CreatedKey>, DbError> {
+    let mut secret = [0u8; API_KEY_SECRET_BYTES];
+    rand::rngs::OsRng.fill_bytes(&mut secret);
+    let api_key = format!("{API_KEY_PREFIX}{}", hex::encode(secret));
+    let hash = hash_api_key(&api_key);
+    let key_id = uuid::Uuid::new_v4();
+    let row = db
+        .run(async |c| {
+            sqlx::query!(
+                "INSERT INTO api_keys (tenant_id, key_id, key_hash)
+                 SELECT tenant_id, $2, $3 FROM tenants WHERE tenant_id = $1
+                 RETURNING created_at",
+                tenant.get(),
+                key_id,
+                &hash[..],
+            )
+            .fetch_optional(c)
+            .await
+        })
+        .await?;
+    Ok(row.map(|r| CreatedKey {
+        key_id,
+        api_key,
+        created_at: r.created_at,
+    }))
+}
+
+/// The tenant's API keys, oldest first; `None` for an unknown tenant.
+pub async fn list_keys(db: &Db, tenant: TenantId) -> Result<Option<Vec<KeyView>>, DbError> {
+    let rows = db
+        .run(async |c| {
+            sqlx::query!(
+                r#"SELECT k.key_id AS "key_id?", k.created_at AS "created_at?", k.last_used_at, k.revoked_at
+                     FROM tenants t LEFT JOIN api_keys k ON k.tenant_id = t.tenant_id
+                    WHERE t.tenant_id = $1
+                    ORDER BY k.created_at, k.key_id"#,
+                tenant.get(),
+            )
+            .fetch_all(c)
+            .await
+        })
+        .await?;
+    if rows.is_empty() {
+        return Ok(None);
+    }
+    Ok(Some(
+        rows.into_iter()
+            .filter_map(|r| {
+                Some(KeyView {
+                    key_id: r.key_id?,
+                    created_at: r.created_at?,
+                    last_used_at: r.last_used_at,
+                    revoked_at: r.revoked_at,
+                })
+            })
+            .collect(),
+    ))
+}
+
+/// Revokes one of the tenant's keys (again: no change); `None` when the tenant has no such
+/// key. Every replica refuses it once its tenant cache forgets it (`auth::TENANT_CACHE_TTL`).
+pub async fn revoke_key(db: &Db, tenant: TenantId, key_id: uuid::Uuid) -> Result<Option<KeyView>, DbError> {
+    let row = db
+        .run(async |c| {
+            sqlx::query!(
+                "UPDATE api_keys SET revoked_at = coalesce(revoked_at, now())
+                  WHERE tenant_id = $1 AND key_id = $2
+                 RETURNING key_id, created_at, last_used_at, revoked_at",
+                tenant.get(),
+                key_id,
+            )
+            .fetch_optional(c)
+            .await
+        })
+        .await?;
+    Ok(row.map(|r| KeyView {
+        key_id: r.key_id,
+        created_at: r.created_at,
+        last_used_at: r.last_used_at,
+        revoked_at: r.revoked_at,
+    }))
 }
 
 #[cfg(test)]

@@ -1,4 +1,5 @@
-//! `POST /admin/tenants`, `PATCH /admin/tenants/{id}`, `POST /admin/purge`.
+//! `POST /admin/tenants`, `PATCH /admin/tenants/{id}`, the tenant's API keys
+//! (`/admin/tenants/{id}/api-keys`), `POST /admin/purge`.
 
 use actix_web::{web, HttpRequest, HttpResponse};
 use serde::de::DeserializeOwned;
@@ -18,7 +19,92 @@ use crate::{auth, purge, tenants};
 pub fn configure(cfg: &mut web::ServiceConfig) {
     cfg.route("/admin/tenants", web::post().to(create_tenant))
         .route("/admin/tenants/{id}", web::patch().to(update_tenant))
+        .route("/admin/tenants/{id}/api-keys", web::post().to(create_api_key))
+        .route("/admin/tenants/{id}/api-keys", web::get().to(list_api_keys))
+        .route(
+            "/admin/tenants/{id}/api-keys/{key_id}",
+            web::delete().to(revoke_api_key),
+        )
         .route("/admin/purge", web::post().to(run_purge));
+}
+
+/// The tenant id of an admin path (an unknown or malformed one: 404, as for any resource).
+fn tenant_of(req: &HttpRequest) -> Result<TenantId, ApiError> {
+    req.match_info()
+        .get("id")
+        .and_then(TenantId::parse)
+        .ok_or(ApiError::NotFound)
+}
+
+/// Adds an API key to the tenant: the answer is the only time it is shown; the tenant's other
+/// keys stay valid (rotation: create, move the clients, revoke the old one). Takes no body.
+#[utoipa::path(
+    post, path = "/admin/tenants/{tenant_id}/api-keys", tag = "admin", operation_id = "create_api_key",
+    security(("admin_token" = [])),
+    params(("tenant_id" = TenantId, Path, description = "The tenant's id.")),
+    responses(
+        (status = 201, description = "Created.", body = tenants::CreatedKey),
+        (status = 401, response = Unauthorized), (status = 403, response = AdminDisabled),
+        (status = 404, response = NotFound), (status = 429, response = Overloaded),
+        (status = 503, response = Unavailable),
+    )
+)]
+pub(super) async fn create_api_key(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+    auth::admin(&req, state.settings.admin_token.as_deref())?;
+    let tenant = tenant_of(&req)?;
+    let created = tenants::create_key(&state.db, tenant)
+        .await?
+        .ok_or(ApiError::NotFound)?;
+    Ok(HttpResponse::Created().json(created))
+}
+
+/// The tenant's API keys: ids, creation, last use (to the tenant cache's resolution) and
+/// revocation; never a secret.
+#[utoipa::path(
+    get, path = "/admin/tenants/{tenant_id}/api-keys", tag = "admin", operation_id = "list_api_keys",
+    security(("admin_token" = [])),
+    params(("tenant_id" = TenantId, Path, description = "The tenant's id.")),
+    responses(
+        (status = 200, description = "The keys, oldest first.", body = [tenants::KeyView]),
+        (status = 401, response = Unauthorized), (status = 403, response = AdminDisabled),
+        (status = 404, response = NotFound), (status = 429, response = Overloaded),
+        (status = 503, response = Unavailable),
+    )
+)]
+pub(super) async fn list_api_keys(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+    auth::admin(&req, state.settings.admin_token.as_deref())?;
+    let tenant = tenant_of(&req)?;
+    let keys = tenants::list_keys(&state.db, tenant).await?.ok_or(ApiError::NotFound)?;
+    Ok(HttpResponse::Ok().json(keys))
+}
+
+/// Revokes one of the tenant's API keys: every replica refuses it within one second.
+#[utoipa::path(
+    delete, path = "/admin/tenants/{tenant_id}/api-keys/{key_id}", tag = "admin", operation_id = "revoke_api_key",
+    security(("admin_token" = [])),
+    params(
+        ("tenant_id" = TenantId, Path, description = "The tenant's id."),
+        ("key_id" = uuid::Uuid, Path, description = "The key's id."),
+    ),
+    responses(
+        (status = 200, description = "The key, revoked.", body = tenants::KeyView),
+        (status = 401, response = Unauthorized), (status = 403, response = AdminDisabled),
+        (status = 404, response = NotFound), (status = 429, response = Overloaded),
+        (status = 503, response = Unavailable),
+    )
+)]
+pub(super) async fn revoke_api_key(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+    auth::admin(&req, state.settings.admin_token.as_deref())?;
+    let tenant = tenant_of(&req)?;
+    let key_id = req
+        .match_info()
+        .get("key_id")
+        .and_then(|k| uuid::Uuid::parse_str(k).ok())
+        .ok_or(ApiError::NotFound)?;
+    let key = tenants::revoke_key(&state.db, tenant, key_id)
+        .await?
+        .ok_or(ApiError::NotFound)?;
+    Ok(HttpResponse::Ok().json(key))
 }
 
 /// Body of `POST /admin/tenants`.

@@ -33,7 +33,8 @@ use super::{accounts, admin, health, payments, transfers};
     ),
     paths(
         payments::show, accounts::show, transfers::show,
-        admin::create_tenant, admin::update_tenant, admin::run_purge,
+        admin::create_tenant, admin::update_tenant, admin::create_api_key, admin::list_api_keys,
+        admin::revoke_api_key, admin::run_purge,
         health::healthz, health::readyz, openapi_json,
     ),
     components(
@@ -240,7 +241,12 @@ mod tests {
         let doc = ApiDoc::openapi();
         let mut documented: Vec<String> = Vec::new();
         for (path, item) in &doc.paths.paths {
-            for (method, operation) in [("GET", &item.get), ("POST", &item.post), ("PATCH", &item.patch)] {
+            for (method, operation) in [
+                ("GET", &item.get),
+                ("POST", &item.post),
+                ("PATCH", &item.patch),
+                ("DELETE", &item.delete),
+            ] {
                 if operation.is_some() {
                     documented.push(format!("{method} {path}"));
                 }
@@ -250,7 +256,9 @@ mod tests {
         assert_eq!(
             documented,
             [
+                "DELETE /admin/tenants/{tenant_id}/api-keys/{key_id}",
                 "GET /accounts/{id}",
+                "GET /admin/tenants/{tenant_id}/api-keys",
                 "GET /healthz",
                 "GET /openapi.json",
                 "GET /payments/{id}",
@@ -261,6 +269,7 @@ mod tests {
                 "POST /accounts/{id}/deposits",
                 "POST /admin/purge",
                 "POST /admin/tenants",
+                "POST /admin/tenants/{tenant_id}/api-keys",
                 "POST /pay",
                 "POST /payments",
                 "POST /payments/{id}/refund",

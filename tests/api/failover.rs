@@ -18,11 +18,13 @@ async fn admin(sql: &str) {
     conn.execute(sql).await.unwrap();
 }
 
-/// Ends every session of oncepay's pool on database `name` (57P01 on their next use).
+/// Ends every session on database `name` (57P01 on their next use), as a failover does: also
+/// a pooler's server connections that never carried oncepay's application name (PgBouncer
+/// opens one for a second concurrent query, such as an API key's last-use update).
 async fn terminate_sessions(name: &str) {
     admin(&format!(
         "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
-              WHERE datname = '{name}' AND application_name = 'oncepay' AND pid <> pg_backend_pid()"
+              WHERE datname = '{name}' AND pid <> pg_backend_pid()"
     ))
     .await;
 }

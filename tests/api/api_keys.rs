@@ -1,0 +1,189 @@
+//! API keys that rotate and revoke (issue 22, contract section 3): a tenant may hold several
+//! keys; a new one is shown once and leaves the others valid; the list shows ids, creation and
+//! last use, never a secret; a revoked key is refused on every replica within one second.
+
+use std::time::{Duration, Instant};
+
+use reqwest::Method;
+
+use crate::commands::oncepay;
+use crate::helpers::{database_url, Answer, TestApp};
+
+async fn keys(app: &TestApp) -> Answer {
+    app.admin(Method::GET, &format!("/admin/tenants/{}/api-keys", app.tenant_id), None)
+        .await
+}
+
+#[tokio::test]
+async fn a_new_key_works_beside_the_old_one_and_the_list_shows_no_secret() {
+    let apps = TestApp::builder().spawn_instances(2).await;
+    let (a, b) = (&apps[0], &apps[1]);
+    let created = a
+        .admin(Method::POST, &format!("/admin/tenants/{}/api-keys", a.tenant_id), None)
+        .await;
+    assert_eq!(created.status, 201, "{}", created.body);
+    let new_key = created.body["api_key"].as_str().unwrap().to_owned();
+    assert!(new_key.starts_with("opk_") && new_key != a.api_key);
+    for app in [a, b] {
+        assert_eq!(
+            app.get_as(&a.api_key, "/accounts/main").await.status,
+            200,
+            "the old key"
+        );
+        assert_eq!(app.get_as(&new_key, "/accounts/main").await.status, 200, "the new key");
+    }
+
+    let listed = keys(a).await;
+    assert_eq!(listed.status, 200, "{}", listed.body);
+    let list = listed.body.as_array().unwrap();
+    assert_eq!(list.len(), 2, "{}", listed.body);
+    let text = listed.body.to_string();
+    assert!(
+        !text.contains(&a.api_key) && !text.contains(&new_key[4..]),
+        "no secret: {text}"
+    );
+    assert!(list
+        .iter()
+        .all(|k| k["revoked_at"].is_null() && !k["created_at"].is_null()));
+    // Last use is recorded when a replica looks the key up (in the background).
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let listed = keys(a).await;
+        if listed
+            .body
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|k| !k["last_used_at"].is_null())
+        {
+            break;
+        }
+        assert!(Instant::now() < deadline, "last use recorded: {}", listed.body);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_revoked_key_is_refused_on_every_replica_within_one_second() {
+    let apps = TestApp::builder().spawn_instances(2).await;
+    let (a, b) = (&apps[0], &apps[1]);
+    let created = a
+        .admin(Method::POST, &format!("/admin/tenants/{}/api-keys", a.tenant_id), None)
+        .await;
+    let (new_key, key_id) = (
+        created.body["api_key"].as_str().unwrap().to_owned(),
+        created.body["key_id"].as_str().unwrap().to_owned(),
+    );
+    // Both replicas know (and cache) the old key.
+    let old_id = keys(a)
+        .await
+        .body
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|k| k["key_id"].as_str().unwrap().to_owned())
+        .find(|id| *id != key_id)
+        .unwrap();
+    for app in [a, b] {
+        assert_eq!(app.get_as(&a.api_key, "/accounts/main").await.status, 200);
+    }
+    let revoked = a
+        .admin(
+            Method::DELETE,
+            &format!("/admin/tenants/{}/api-keys/{old_id}", a.tenant_id),
+            None,
+        )
+        .await;
+    assert_eq!(revoked.status, 200, "{}", revoked.body);
+    assert!(!revoked.body["revoked_at"].is_null());
+    let at = Instant::now();
+    for app in [a, b] {
+        loop {
+            let status = app.get_as(&a.api_key, "/accounts/main").await.status;
+            if status == 401 {
+                break;
+            }
+            assert_eq!(status, 200);
+            assert!(
+                at.elapsed() < Duration::from_secs(1),
+                "still accepted after {:?}",
+                at.elapsed()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    assert!(
+        at.elapsed() < Duration::from_secs(1),
+        "refused everywhere within {:?}",
+        at.elapsed()
+    );
+    // The other key is unaffected; revoking again changes nothing; unknown ids are 404.
+    assert_eq!(b.get_as(&new_key, "/accounts/main").await.status, 200);
+    let again = a
+        .admin(
+            Method::DELETE,
+            &format!("/admin/tenants/{}/api-keys/{old_id}", a.tenant_id),
+            None,
+        )
+        .await;
+    assert_eq!(
+        (again.status, &again.body["revoked_at"]),
+        (200, &revoked.body["revoked_at"])
+    );
+    a.admin(
+        Method::DELETE,
+        &format!("/admin/tenants/{}/api-keys/{}", a.tenant_id, uuid::Uuid::new_v4()),
+        None,
+    )
+    .await
+    .assert_problem(404, "not_found");
+    a.admin(
+        Method::GET,
+        &format!("/admin/tenants/{}/api-keys", uuid::Uuid::new_v4()),
+        None,
+    )
+    .await
+    .assert_problem(404, "not_found");
+    // Another tenant's key id under this tenant: 404 too.
+    let other = TestApp::builder().spawn().await;
+    let other_id = keys(&other).await.body[0]["key_id"].as_str().unwrap().to_owned();
+    a.admin(
+        Method::DELETE,
+        &format!("/admin/tenants/{}/api-keys/{other_id}", a.tenant_id),
+        None,
+    )
+    .await
+    .assert_problem(404, "not_found");
+    assert_eq!(other.get("/accounts/main").await.status, 200);
+}
+
+#[tokio::test]
+async fn the_cli_creates_lists_and_revokes_keys_through_the_database() {
+    let app = TestApp::builder().spawn().await;
+    let url = database_url();
+    let tenant = app.tenant_id.to_string();
+    let created = oncepay(&["tenant", "key", "create", "--tenant", &tenant], &url).await;
+    assert_eq!(created.status, 0, "{}", created.stderr);
+    let created: serde_json::Value = serde_json::from_str(created.stdout.trim()).unwrap();
+    let key = created["api_key"].as_str().unwrap();
+    assert_eq!(app.get_as(key, "/accounts/main").await.status, 200);
+
+    let listed = oncepay(&["tenant", "key", "list", "--tenant", &tenant], &url).await;
+    let listed: serde_json::Value = serde_json::from_str(listed.stdout.trim()).unwrap();
+    assert_eq!(listed.as_array().unwrap().len(), 2);
+
+    let key_id = created["key_id"].as_str().unwrap();
+    let revoked = oncepay(&["tenant", "key", "revoke", "--tenant", &tenant, key_id], &url).await;
+    assert_eq!(revoked.status, 0, "{}", revoked.stderr);
+    tokio::time::sleep(oncepay::auth::TENANT_CACHE_TTL + Duration::from_millis(100)).await;
+    app.get_as(key, "/accounts/main")
+        .await
+        .assert_problem(401, "unauthorized");
+    let unknown = oncepay(
+        &["tenant", "key", "list", "--tenant", &uuid::Uuid::new_v4().to_string()],
+        &url,
+    )
+    .await;
+    assert_ne!(unknown.status, 0);
+    assert!(unknown.stderr.contains("no such tenant"), "{}", unknown.stderr);
+}
