@@ -107,16 +107,12 @@ struct Job<E: Batched> {
     /// still out: the waiter then waits as a duplicate does, up to its in-flight wait, and
     /// answers 409 `request_in_progress` rather than 429.
     duplicate: Arc<AtomicBool>,
+    /// What it locks or claims: made once, as the dispatcher may look at a held-back item
+    /// many times.
+    holds: Holds,
 }
 
 impl<E: Batched> Job<E> {
-    fn holds(&self) -> Holds {
-        Holds {
-            account: (self.tenant, self.effect.lock_order().to_owned()),
-            key: self.claim.key().map(|k| (self.tenant, k.to_owned())),
-        }
-    }
-
     /// The order items run in within a statement: (tenant, account) as bytes, then the key.
     fn order(&self) -> (TenantId, &[u8], Option<&str>) {
         (self.tenant, self.effect.lock_order().as_bytes(), self.claim.key())
@@ -147,8 +143,13 @@ impl<E: Batched> Batcher<E> {
         let taken = Arc::new(AtomicBool::new(false));
         let duplicate = Arc::new(AtomicBool::new(false));
         let inflight_wait = claim.inflight_wait();
+        let holds = Holds {
+            account: (tenant, effect.lock_order().to_owned()),
+            key: claim.key().map(|k| (tenant, k.to_owned())),
+        };
         let job = Job {
             tenant,
+            holds,
             claim,
             effect,
             reply,
@@ -296,7 +297,7 @@ impl<E: Batched> Dispatcher<E> {
         if job.taken.load(Ordering::Acquire) {
             return; // refused while it waited
         }
-        match self.out.blocks(&job.holds()) {
+        match self.out.blocks(&job.holds) {
             None if batch.len() < max => batch.push(job),
             None => held.push_back(job),
             Some(blocked) => {
@@ -314,7 +315,7 @@ impl<E: Batched> Dispatcher<E> {
     /// Marks what the batch holds as out, and runs it on its own task; what it held is
     /// released when it comes back.
     fn launch(&mut self, batch: Vec<Job<E>>, slot: OwnedSemaphorePermit) {
-        let holds: Vec<Holds> = batch.iter().map(Job::holds).collect();
+        let holds: Vec<Holds> = batch.iter().map(|job| job.holds.clone()).collect();
         for h in &holds {
             self.out.insert(h);
         }

@@ -8,7 +8,7 @@ use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
 use reqwest::header::HeaderValue;
 use serde_json::{json, Value};
 
-use crate::helpers::{fill, spawn_app, tenant_endpoints, Answer, TestApp};
+use crate::helpers::{spawn_app, tenant_post_paths, Answer, TestApp};
 
 const CASES: usize = 300;
 
@@ -74,19 +74,7 @@ fn key() -> impl Strategy<Value = Option<Vec<u8>>> {
 
 /// Every documented tenant POST, its path parameter an existing account or a random id.
 fn path() -> impl Strategy<Value = String> {
-    let paths: Vec<String> = tenant_endpoints()
-        .into_iter()
-        .filter(|(method, _)| method == reqwest::Method::POST)
-        .map(|(_, template)| {
-            let param = if template.starts_with("/accounts/") {
-                "main".to_owned()
-            } else {
-                uuid::Uuid::new_v4().to_string()
-            };
-            fill(&template, &param)
-        })
-        .collect();
-    prop::sample::select(paths)
+    prop::sample::select(tenant_post_paths())
 }
 
 fn content_type() -> impl Strategy<Value = Option<&'static str>> {

@@ -6,7 +6,7 @@ use oncepay_protocol::ProblemCode;
 use reqwest::Method;
 use serde_json::json;
 
-use crate::helpers::{documented_endpoints, fill, new_key, spawn_app, tenant_endpoints, Answer, TestApp, ADMIN_TOKEN};
+use crate::helpers::{documented_endpoints, fill, new_key, spawn_app, tenant_post_paths, Answer, TestApp, ADMIN_TOKEN};
 
 /// What must never reach a client: SQL, driver and PostgreSQL messages, Rust panics and
 /// backtraces.
@@ -124,18 +124,7 @@ async fn hostile_input_on_every_endpoint_answers_a_clean_problem() {
     }
     let id = "%27%20OR%201=1%20--";
     // Every documented tenant POST, its path parameter an existing account or an unknown id.
-    let tenant_posts: Vec<String> = tenant_endpoints()
-        .into_iter()
-        .filter(|(method, _)| method == Method::POST)
-        .map(|(_, template)| {
-            let param = if template.starts_with("/accounts/") {
-                "main".to_owned()
-            } else {
-                uuid::Uuid::new_v4().to_string()
-            };
-            fill(&template, &param)
-        })
-        .collect();
+    let tenant_posts = tenant_post_paths();
     assert!(tenant_posts.iter().any(|p| p == "/transfers"), "{tenant_posts:?}");
 
     for body in &bodies {

@@ -490,6 +490,23 @@ pub fn tenant_endpoints() -> Vec<(Method, String)> {
         .collect()
 }
 
+/// Every documented tenant POST, its path parameter an existing account (`main`) or an
+/// unknown id.
+pub fn tenant_post_paths() -> Vec<String> {
+    tenant_endpoints()
+        .into_iter()
+        .filter(|(method, _)| method == Method::POST)
+        .map(|(_, template)| {
+            let param = if template.starts_with("/accounts/") {
+                "main".to_owned()
+            } else {
+                Uuid::new_v4().to_string()
+            };
+            fill(&template, &param)
+        })
+        .collect()
+}
+
 /// `template` with its one path parameter (`{id}`, `{tenant_id}`) replaced by `id`.
 pub fn fill(template: &str, id: &str) -> String {
     match (template.find('{'), template.find('}')) {
