@@ -47,6 +47,31 @@ pub struct Settings {
     /// both, `serve` speaks HTTPS; with one alone it refuses to start.
     pub tls_cert: Option<PathBuf>,
     pub tls_key: Option<PathBuf>,
+    /// The card processor of top-ups (contract section 4b): `None` answers 501.
+    pub processor: Option<Processor>,
+    /// The currency of every amount (`ONCEPAY_CURRENCY`), sent to the processor.
+    pub currency: String,
+    /// An unfinished top-up untouched this long is finished by the completer of any replica
+    /// (`ONCEPAY_COMPLETER_AFTER_SECS`).
+    pub completer_after: Duration,
+}
+
+/// A processor speaking Stripe's API (`ONCEPAY_PROCESSOR_URL`, `_API_KEY`, `_TIMEOUT_MS`).
+#[derive(Clone)]
+pub struct Processor {
+    pub url: String,
+    pub api_key: Option<String>,
+    pub timeout: Duration,
+}
+
+impl std::fmt::Debug for Processor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Processor")
+            .field("url", &self.url)
+            .field("api_key", &self.api_key.as_ref().map(|_| REDACTED))
+            .field("timeout", &self.timeout)
+            .finish()
+    }
 }
 
 /// What stands between oncepay and PostgreSQL (contract section 2, `ONCEPAY_DB_POOLER`).
@@ -105,6 +130,18 @@ impl Settings {
             replay_cache_entries: number("ONCEPAY_REPLAY_CACHE_ENTRIES", 100_000)?,
             tls_cert: var("ONCEPAY_TLS_CERT").filter(|p| !p.is_empty()).map(PathBuf::from),
             tls_key: var("ONCEPAY_TLS_KEY").filter(|p| !p.is_empty()).map(PathBuf::from),
+            processor: match var("ONCEPAY_PROCESSOR_URL").filter(|u| !u.trim().is_empty()) {
+                None => None,
+                Some(url) => Some(Processor {
+                    url: url.trim().trim_end_matches('/').to_owned(),
+                    api_key: var("ONCEPAY_PROCESSOR_API_KEY").filter(|k| !k.is_empty()),
+                    timeout: Duration::from_millis(number("ONCEPAY_PROCESSOR_TIMEOUT_MS", 10_000)?),
+                }),
+            },
+            currency: var("ONCEPAY_CURRENCY")
+                .map(|c| c.trim().to_ascii_lowercase())
+                .unwrap_or_else(|| "usd".to_owned()),
+            completer_after: Duration::from_secs(number("ONCEPAY_COMPLETER_AFTER_SECS", 30)?),
         };
         settings.validate()?;
         Ok(settings)
@@ -137,6 +174,20 @@ impl Settings {
                      (e.g. `head -c 24 /dev/urandom | base64`)"
                 );
             }
+        }
+        if self.currency.len() != 3 || !self.currency.bytes().all(|b| b.is_ascii_lowercase()) {
+            bail!("ONCEPAY_CURRENCY={:?} is not a three-letter ISO currency code", self.currency);
+        }
+        if let Some(processor) = &self.processor {
+            if !(processor.url.starts_with("http://") || processor.url.starts_with("https://")) {
+                bail!("ONCEPAY_PROCESSOR_URL must be an http:// or https:// URL");
+            }
+            if processor.timeout.is_zero() {
+                bail!("ONCEPAY_PROCESSOR_TIMEOUT_MS must be positive");
+            }
+        }
+        if self.completer_after.is_zero() || self.completer_after.as_secs() > i32::MAX as u64 {
+            bail!("ONCEPAY_COMPLETER_AFTER_SECS must be positive");
         }
         match (&self.tls_cert, &self.tls_key) {
             (Some(_), None) => {
@@ -178,6 +229,9 @@ impl std::fmt::Debug for Settings {
             tls_cert,
             tls_key,
             db_pooler,
+            processor,
+            currency,
+            completer_after,
         } = self;
         f.debug_struct("Settings")
             .field("database_url", &redacted_url(database_url))
@@ -202,6 +256,9 @@ impl std::fmt::Debug for Settings {
             .field("tls_cert", tls_cert)
             .field("tls_key", tls_key)
             .field("db_pooler", db_pooler)
+            .field("processor", processor)
+            .field("currency", currency)
+            .field("completer_after", completer_after)
             .finish()
     }
 }

@@ -44,6 +44,17 @@ pub enum ApiError {
     /// A deterministic failure of the operation: stored with the key and replayed.
     #[error("{}", .decline.detail())]
     Declined { decline: Decline, replayed: bool },
+    /// A top-up's stored decline, decided by the card processor (with its `decline_code`).
+    #[error("{}", .decline.detail())]
+    ProcessorDeclined {
+        decline: Decline,
+        decline_code: Option<String>,
+        replayed: bool,
+    },
+    #[error("top-ups need a card processor: the operator has not set ONCEPAY_PROCESSOR_URL")]
+    ProcessorNotConfigured,
+    #[error("the card processor's outcome is not known yet (a timeout, a lost answer); retry with the same Idempotency-Key: the retry resumes this operation, never charges twice, and answers its final result")]
+    ProcessorUnknown,
     #[error("this Idempotency-Key was already used with a different request (another body, path or method); use a new key for a new operation")]
     KeyReused,
     #[error("this Idempotency-Key has passed its replay window; if you mean a new operation, send the request again with a new key")]
@@ -73,7 +84,9 @@ impl ApiError {
             Self::InvalidRequest(_) => ProblemCode::InvalidRequest,
             Self::NotFound => ProblemCode::NotFound,
             Self::AccountNotFound => ProblemCode::AccountNotFound,
-            Self::Declined { decline, .. } => decline.code(),
+            Self::Declined { decline, .. } | Self::ProcessorDeclined { decline, .. } => decline.code(),
+            Self::ProcessorNotConfigured => ProblemCode::ProcessorNotConfigured,
+            Self::ProcessorUnknown => ProblemCode::TemporarilyUnavailable,
             Self::KeyReused => ProblemCode::IdempotencyKeyReused,
             Self::KeyExpired => ProblemCode::IdempotencyKeyExpired,
             Self::InProgress => ProblemCode::RequestInProgress,
@@ -96,7 +109,9 @@ impl ApiError {
             Self::InvalidRequest(_) => "Invalid request",
             Self::NotFound => "Not found",
             Self::AccountNotFound => "Account not found",
-            Self::Declined { decline, .. } => decline.title(),
+            Self::Declined { decline, .. } | Self::ProcessorDeclined { decline, .. } => decline.title(),
+            Self::ProcessorNotConfigured => "Processor not configured",
+            Self::ProcessorUnknown => "Temporarily unavailable",
             Self::KeyReused => "Idempotency key reused",
             Self::KeyExpired => "Idempotency key expired",
             Self::InProgress => "Request in progress",
@@ -111,8 +126,10 @@ impl ApiError {
         match self {
             Self::Unauthorized | Self::AdminDisabled => "unauthorized",
             Self::MissingIdempotencyKey => "missing_key",
-            Self::Declined { replayed: true, .. } => "replayed",
-            Self::Declined { replayed: false, .. } => "declined",
+            Self::Declined { replayed: true, .. } | Self::ProcessorDeclined { replayed: true, .. } => "replayed",
+            Self::Declined { replayed: false, .. } | Self::ProcessorDeclined { replayed: false, .. } => "declined",
+            Self::ProcessorNotConfigured => "invalid",
+            Self::ProcessorUnknown => "transient_error",
             Self::KeyReused => "key_reused",
             Self::KeyExpired => "expired",
             Self::InProgress => "in_progress",
@@ -129,7 +146,10 @@ impl ApiError {
     }
 
     fn retry_after(&self) -> bool {
-        matches!(self, Self::InProgress | Self::Overloaded | Self::Unavailable)
+        matches!(
+            self,
+            Self::InProgress | Self::Overloaded | Self::Unavailable | Self::ProcessorUnknown
+        )
     }
 }
 
@@ -141,6 +161,9 @@ struct Problem<'a> {
     status: u16,
     detail: String,
     code: &'a str,
+    /// A card decline's reason, as the processor gave it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    decline_code: Option<&'a str>,
 }
 
 impl ResponseError for ApiError {
@@ -164,15 +187,20 @@ impl ResponseError for ApiError {
             // The rest of a trickled body is not worth waiting for: free the connection.
             response.force_close();
         }
-        if let Self::Declined { replayed: true, .. } = self {
+        if let Self::Declined { replayed: true, .. } | Self::ProcessorDeclined { replayed: true, .. } = self {
             response.insert_header((REPLAYED_HEADER, "true"));
         }
+        let decline_code = match self {
+            Self::ProcessorDeclined { decline_code, .. } => decline_code.as_deref(),
+            _ => None,
+        };
         response.json(Problem {
             kind: format!("https://oncepay.dev/problems/{code}"),
             title: self.title(),
             status: status.as_u16(),
             detail: self.to_string(),
             code: code.as_str(),
+            decline_code,
         })
     }
 }

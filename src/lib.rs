@@ -35,3 +35,4 @@ pub mod state;
 pub mod telemetry;
 pub mod tenants;
 pub mod tls;
+pub mod topup;

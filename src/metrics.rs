@@ -42,6 +42,10 @@ pub struct Metrics {
     /// Payments per statement, and batches that failed as a whole and ran again item by
     /// item (`crate::batch`).
     pub batch: crate::batch::Counters,
+    /// Calls to the card processor by call and outcome, and their latency (`crate::topup`).
+    pub processor: crate::topup::processor::CallCounters,
+    /// The completer's runs, the operations it drove, and the top-ups left unfinished.
+    pub completer: crate::topup::CompleterCounters,
     /// 1 when the database answered this scrape's probe (what `/readyz` checks), else 0.
     ready: IntGauge,
     /// Age of the oldest idempotency-key row, next to the retention it must stay under: a
@@ -148,6 +152,43 @@ impl Metrics {
             )
             .expect("valid metric"),
         };
+        let processor = crate::topup::processor::CallCounters {
+            calls: IntCounterVec::new(
+                Opts::new(
+                    "oncepay_processor_calls_total",
+                    "Calls to the card processor by call and outcome: ok, declined (402), refused (another 4xx), \
+                     unknown (timeout, connection failure, 5xx: the call may or may not have taken effect)",
+                ),
+                &["call", "outcome"],
+            )
+            .expect("valid metric"),
+            duration: HistogramVec::new(
+                HistogramOpts::new("oncepay_processor_call_duration_seconds", "Card processor call latency by call")
+                    .buckets(vec![0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0]),
+                &["call"],
+            )
+            .expect("valid metric"),
+        };
+        let completer = crate::topup::CompleterCounters {
+            runs: IntCounterVec::new(
+                Opts::new("oncepay_completer_runs_total", "Completer rounds of this process by outcome (ok, error)"),
+                &["outcome"],
+            )
+            .expect("valid metric"),
+            operations: IntCounterVec::new(
+                Opts::new(
+                    "oncepay_completer_operations_total",
+                    "Top-ups and refunds the completer drove, by result: finished, unknown (left for a later round)",
+                ),
+                &["result"],
+            )
+            .expect("valid metric"),
+            unfinished: IntGauge::new(
+                "oncepay_top_ups_unfinished",
+                "Top-ups and refunds waiting for the processor (all tenants), as of the last completer round",
+            )
+            .expect("valid metric"),
+        };
         let ready = IntGauge::new(
             "oncepay_ready",
             "1 when the database answered the scrape's probe (as /readyz), else 0",
@@ -183,6 +224,11 @@ impl Metrics {
             Box::new(batch.split.clone()),
             Box::new(batch.failed.clone()),
             Box::new(batch.held_back.clone()),
+            Box::new(processor.calls.clone()),
+            Box::new(processor.duration.clone()),
+            Box::new(completer.runs.clone()),
+            Box::new(completer.operations.clone()),
+            Box::new(completer.unfinished.clone()),
             Box::new(ready.clone()),
             Box::new(oldest_key_age.clone()),
             Box::new(retention.clone()),
@@ -205,6 +251,8 @@ impl Metrics {
             replay_cache_misses,
             replay_cache_entries,
             batch,
+            processor,
+            completer,
             ready,
             oldest_key_age,
             retention,

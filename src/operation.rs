@@ -24,6 +24,8 @@ pub enum Operation {
     Deposit,
     OpenAccount,
     Transfer,
+    TopUp,
+    RefundTopUp,
 }
 
 /// A deterministic failure (PostgreSQL `oncepay_decline`): stored with the key and replayed
@@ -36,6 +38,10 @@ pub enum Decline {
     NotFound,
     AlreadyRefunded,
     AccountExists,
+    /// A top-up the card processor declined.
+    CardDeclined,
+    /// A top-up whose payment method the card processor refused as invalid.
+    InvalidPaymentMethod,
 }
 
 /// What a claim found (PostgreSQL `oncepay_outcome`).
@@ -133,13 +139,39 @@ const TRANSFER: Spec = Spec {
     tag: "transfers",
 };
 
+const TOP_UP: Spec = Spec {
+    operation: Operation::TopUp,
+    name: "create_top_up",
+    method: routes::CREATE_TOP_UP.method,
+    path: routes::CREATE_TOP_UP.path,
+    aliases: &[],
+    success_status: 201,
+    declines: &[Decline::AccountNotFound, Decline::CardDeclined, Decline::InvalidPaymentMethod],
+    summary: "Charges a card at the processor and credits the account, the card charged at most once and the account credited exactly once iff it was.",
+    tag: "top-ups",
+};
+
+const REFUND_TOP_UP: Spec = Spec {
+    operation: Operation::RefundTopUp,
+    name: "refund_top_up",
+    method: routes::REFUND_TOP_UP.method,
+    path: routes::REFUND_TOP_UP.path,
+    aliases: &[],
+    success_status: 200,
+    declines: &[Decline::NotFound, Decline::AlreadyRefunded, Decline::InsufficientFunds],
+    summary: "Debits the top-up's amount from its account, then refunds the card at the processor, at most once.",
+    tag: "top-ups",
+};
+
 impl Operation {
-    pub const ALL: [Self; 5] = [
+    pub const ALL: [Self; 7] = [
         Self::Pay,
         Self::Refund,
         Self::Deposit,
         Self::OpenAccount,
         Self::Transfer,
+        Self::TopUp,
+        Self::RefundTopUp,
     ];
 
     pub const fn spec(self) -> &'static Spec {
@@ -149,17 +181,21 @@ impl Operation {
             Self::Deposit => &DEPOSIT,
             Self::OpenAccount => &OPEN_ACCOUNT,
             Self::Transfer => &TRANSFER,
+            Self::TopUp => &TOP_UP,
+            Self::RefundTopUp => &REFUND_TOP_UP,
         }
     }
 }
 
 impl Decline {
-    pub const ALL: [Self; 5] = [
+    pub const ALL: [Self; 7] = [
         Self::InsufficientFunds,
         Self::AccountNotFound,
         Self::NotFound,
         Self::AlreadyRefunded,
         Self::AccountExists,
+        Self::CardDeclined,
+        Self::InvalidPaymentMethod,
     ];
 
     /// The problem `code` (its label is also the PostgreSQL enum label).
@@ -170,6 +206,8 @@ impl Decline {
             Self::NotFound => ProblemCode::NotFound,
             Self::AlreadyRefunded => ProblemCode::AlreadyRefunded,
             Self::AccountExists => ProblemCode::AccountExists,
+            Self::CardDeclined => ProblemCode::CardDeclined,
+            Self::InvalidPaymentMethod => ProblemCode::InvalidPaymentMethod,
         }
     }
 
@@ -185,6 +223,8 @@ impl Decline {
             Self::NotFound => "Not found",
             Self::AlreadyRefunded => "Already refunded",
             Self::AccountExists => "Account exists",
+            Self::CardDeclined => "Card declined",
+            Self::InvalidPaymentMethod => "Invalid payment method",
         }
     }
 
@@ -195,6 +235,8 @@ impl Decline {
             Self::NotFound => "no such payment",
             Self::AlreadyRefunded => "the payment was already refunded",
             Self::AccountExists => "an account with this id already exists",
+            Self::CardDeclined => "the card processor declined the charge; nothing was charged",
+            Self::InvalidPaymentMethod => "the card processor refused the payment method as invalid; nothing was charged",
         }
     }
 }

@@ -14,6 +14,8 @@ use crate::db;
 use crate::idempotency::cache::ReplayCache;
 use crate::metrics::Metrics;
 use crate::state::AppState;
+use crate::topup::processor::ProcessorClient;
+use crate::topup::{completer, TopUps};
 use crate::{http1, purge, routes, telemetry};
 
 /// A bound, not yet running, server: the API and the operations listener.
@@ -54,7 +56,21 @@ impl Application {
             };
             Batcher::start(db.clone(), limits, metrics.batch.clone())
         });
+        let top_ups = match &settings.processor {
+            None => None,
+            Some(processor) => {
+                let client = ProcessorClient::new(processor, metrics.processor.clone())?;
+                Some(TopUps::new(
+                    db.clone(),
+                    client,
+                    settings.currency.clone(),
+                    processor.timeout,
+                    settings.inflight_wait,
+                ))
+            }
+        };
         let state = web::Data::new(AppState {
+            top_ups,
             db,
             settings,
             tenants: TenantCache::new(),
@@ -111,6 +127,11 @@ impl Application {
             };
             tokio::spawn(async move { purge::schedule(schedule, |deleted| state.metrics.record_purge(deleted)).await })
         });
+        let completer = self.state.top_ups.clone().map(|top_ups| {
+            let after = self.state.settings.completer_after;
+            let counters = self.state.metrics.completer.clone();
+            tokio::spawn(completer::run(top_ups, after, counters))
+        });
         // The operations listener lives as long as the API: it stops when the API stops.
         let operations = self.operations.handle();
         let operations_task = tokio::spawn(self.operations);
@@ -119,6 +140,9 @@ impl Application {
         let _ = operations_task.await;
         if let Some(purger) = purger {
             purger.abort();
+        }
+        if let Some(completer) = completer {
+            completer.abort();
         }
         self.state.db.close().await;
         result

@@ -25,6 +25,8 @@ pub struct AppState {
     pub replays: ReplayCache<CachedAnswer>,
     /// New payments, several to a statement under load (`None`: `ONCEPAY_DB_BATCH_MAX=1`).
     pub payments: Option<Batcher<Pay>>,
+    /// Card top-ups (`None`: no `ONCEPAY_PROCESSOR_URL`, top-ups answer 501).
+    pub top_ups: Option<crate::topup::TopUps>,
 }
 
 /// A finished result as the replay cache keeps it: the answer, as the database's replay

@@ -43,8 +43,12 @@ problem_codes! {
     /// Wrong type, missing or unknown field, amount out of range, bad account id, a transfer
     /// to its own account.
     InvalidRequest = "invalid_request", 400;
+    /// The card processor refused a top-up's payment method as invalid.
+    InvalidPaymentMethod = "invalid_payment_method", 400;
     Unauthorized = "unauthorized", 401;
     InsufficientFunds = "insufficient_funds", 402;
+    /// The card processor declined a top-up (the problem carries its `decline_code`).
+    CardDeclined = "card_declined", 402;
     AdminDisabled = "admin_disabled", 403;
     NotFound = "not_found", 404;
     AccountNotFound = "account_not_found", 404;
@@ -63,6 +67,8 @@ problem_codes! {
     Overloaded = "overloaded", 429;
     /// A transient failure committed nothing: retry with the same key.
     TemporarilyUnavailable = "temporarily_unavailable", 503;
+    /// Top-ups need a card processor (`ONCEPAY_PROCESSOR_URL`); not worth a retry.
+    ProcessorNotConfigured = "processor_not_configured", 501;
     /// The opaque answer of an unexpected server error.
     InternalError = "internal_error", 500;
 }
@@ -127,10 +133,13 @@ mod tests {
             [
                 "invalid_idempotency_key",
                 "invalid_json",
+                "invalid_payment_method",
                 "invalid_request",
                 "missing_idempotency_key"
             ]
         );
+        assert_eq!(by_status(402), ["card_declined", "insufficient_funds"]);
+        assert_eq!(by_status(501), ["processor_not_configured"]);
         assert_eq!(by_status(404), ["account_not_found", "not_found"]);
         assert_eq!(
             by_status(409),
@@ -138,7 +147,7 @@ mod tests {
         );
         assert_eq!(by_status(422), ["idempotency_key_expired", "idempotency_key_reused"]);
         assert_eq!(by_status(431), ["headers_too_large"], "the dispatcher's own refusal");
-        assert_eq!(ProblemCode::ALL.len(), 21);
+        assert_eq!(ProblemCode::ALL.len(), 24);
         let distinct: std::collections::HashSet<_> = ProblemCode::ALL.iter().map(|c| c.as_str()).collect();
         assert_eq!(distinct.len(), ProblemCode::ALL.len(), "no code twice");
     }

@@ -63,9 +63,21 @@ pub const GET_TRANSFER: Route = Route {
     method: "GET",
     path: "/transfers/{id}",
 };
+pub const CREATE_TOP_UP: Route = Route {
+    method: "POST",
+    path: "/accounts/{id}/top-ups",
+};
+pub const GET_TOP_UP: Route = Route {
+    method: "GET",
+    path: "/top-ups/{id}",
+};
+pub const REFUND_TOP_UP: Route = Route {
+    method: "POST",
+    path: "/top-ups/{id}/refund",
+};
 
 /// Every route a tenant calls with its API key.
-pub const TENANT_ROUTES: [Route; 9] = [
+pub const TENANT_ROUTES: [Route; 12] = [
     CREATE_PAYMENT,
     PAY_ALIAS,
     GET_PAYMENT,
@@ -75,6 +87,9 @@ pub const TENANT_ROUTES: [Route; 9] = [
     CREATE_DEPOSIT,
     CREATE_TRANSFER,
     GET_TRANSFER,
+    CREATE_TOP_UP,
+    GET_TOP_UP,
+    REFUND_TOP_UP,
 ];
 
 #[cfg(test)]

@@ -68,3 +68,7 @@ uuid_id!(
     /// A deposit into an account.
     DepositId
 );
+uuid_id!(
+    /// A card top-up of an account through the processor (`/top-ups/{id}`).
+    TopUpId
+);

@@ -9,12 +9,13 @@
 mod effects;
 mod reads;
 mod rows;
+pub mod top_ups;
 
 use chrono::{DateTime, Utc};
 
 pub use effects::{Batched, Deposit, Effect, OpenAccount, Pay, Refund, SameAccount, Transfer};
 pub use reads::{balance, payment_state, transfer};
-pub use rows::{AccountRow, DepositRow, PaymentRow, TransferRow};
+pub use rows::{AccountRow, DepositRow, PaymentRow, TopUpRow, TransferRow};
 
 use crate::idempotency::Claim;
 use crate::operation::{ClaimOutcome, Decline, Spec};

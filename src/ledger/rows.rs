@@ -98,3 +98,54 @@ pub struct TransferRow {
     pub idempotency_key: Option<String>,
     pub created_at: DateTime<Utc>,
 }
+
+sql_domain!(
+    /// `oncepay_top_up_status`: `processing`, `succeeded`, `failed`, `refunded`.
+    SqlTopUpStatus(String) = "oncepay_top_up_status"
+);
+sql_domain!(
+    /// `oncepay_top_up_recovery_point`: how far an unfinished top-up got (`started`,
+    /// `intent_created`, `finished`).
+    SqlRecoveryPoint(String) = "oncepay_top_up_recovery_point"
+);
+sql_domain!(
+    /// `oncepay_top_up_refund_state`: `debited` (the processor not yet told) or `refunded`.
+    SqlRefundState(String) = "oncepay_top_up_refund_state"
+);
+
+/// A card top-up and how far it got (migrations/V8).
+#[derive(Clone, Debug, PartialEq, Eq, sqlx::Type)]
+#[sqlx(type_name = "top_ups")]
+pub struct TopUpRow {
+    pub tenant_id: Uuid,
+    pub top_up_id: Uuid,
+    pub account_id: SqlAccountId,
+    pub amount: SqlAmount,
+    pub currency: String,
+    pub payment_method: String,
+    pub status: SqlTopUpStatus,
+    pub recovery_point: SqlRecoveryPoint,
+    pub processor_payment_id: Option<String>,
+    pub failure_code: Option<String>,
+    pub decline_code: Option<String>,
+    pub balance_after: Option<i64>,
+    pub idempotency_key: Option<String>,
+    pub refund_state: Option<SqlRefundState>,
+    pub refund_key: Option<String>,
+    pub processor_refund_id: Option<String>,
+    pub balance_after_refund: Option<i64>,
+    pub lease_owner: Option<Uuid>,
+    pub lease_expires_at: Option<DateTime<Utc>>,
+    pub attempts: i32,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+    pub finished_at: Option<DateTime<Utc>>,
+    pub refunded_at: Option<DateTime<Utc>>,
+}
+
+impl TopUpRow {
+    /// Neither the top-up nor its refund waits for the processor.
+    pub fn is_settled(&self) -> bool {
+        *self.status != "processing" && self.refund_state.as_deref().map(String::as_str) != Some("debited")
+    }
+}

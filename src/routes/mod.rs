@@ -9,6 +9,7 @@ mod openapi;
 mod payments;
 mod pipeline;
 pub mod schemas;
+mod top_ups;
 mod transfers;
 
 use actix_web::{web, HttpResponse};
@@ -24,6 +25,7 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
     payments::configure(cfg);
     accounts::configure(cfg);
     transfers::configure(cfg);
+    top_ups::configure(cfg);
     admin::configure(cfg);
     health::configure(cfg);
     openapi::configure(cfg);

@@ -21,7 +21,7 @@ use super::schemas::{
     AdminDisabled, BadRequest, BodyTooLarge, Conflict, IdempotencyKeyHeader, InsufficientFunds, KeyRefused, NotFound,
     Overloaded, Problem, RequestTimeout, Unauthorized, Unavailable, UnsupportedMediaType,
 };
-use super::{accounts, admin, health, payments, transfers};
+use super::{accounts, admin, health, payments, top_ups, transfers};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -33,6 +33,7 @@ use super::{accounts, admin, health, payments, transfers};
     ),
     paths(
         payments::show, accounts::show, transfers::show,
+        top_ups::create, top_ups::show, top_ups::refund,
         admin::create_tenant, admin::update_tenant, admin::create_api_key, admin::list_api_keys,
         admin::revoke_api_key, admin::run_purge,
         health::healthz, health::readyz, openapi_json,
@@ -41,7 +42,8 @@ use super::{accounts, admin, health, payments, transfers};
         schemas(Problem),
         responses(
             BadRequest, Unauthorized, InsufficientFunds, AdminDisabled, NotFound, Conflict, RequestTimeout, BodyTooLarge,
-            UnsupportedMediaType, KeyRefused, Overloaded, Unavailable,
+            UnsupportedMediaType, KeyRefused, Overloaded, Unavailable, super::schemas::PaymentRequired,
+            super::schemas::ProcessorNotConfigured,
         ),
     ),
     modifiers(&BearerSchemes, &Operations),
@@ -49,6 +51,7 @@ use super::{accounts, admin, health, payments, transfers};
         (name = "payments", description = "Charges and refunds."),
         (name = "accounts", description = "Accounts and deposits."),
         (name = "transfers", description = "Transfers between two accounts of a tenant."),
+        (name = "top-ups", description = "Card top-ups through a processor speaking Stripe's API: charged at most once, credited exactly once iff charged."),
         (name = "admin", description = "Operators: `Authorization: Bearer <ONCEPAY_ADMIN_TOKEN>`."),
         (name = "operations", description = "Probes and this document. `GET /metrics` is served on the operations listener (`ONCEPAY_METRICS_BIND`, loopback by default), not here."),
     )

@@ -184,5 +184,7 @@ problem_responses! {
     UnsupportedMediaType = 415 "A body that is not `application/json`.";
     KeyRefused = 422 "The key was used for another request, or has passed its replay window; nothing was processed.";
     Overloaded = 429 "The service is at capacity; retry after Retry-After.";
+    PaymentRequired = 402 "Declined (stored with the key and replayed): `insufficient_funds`, or `card_declined` with the processor's `decline_code`.";
+    ProcessorNotConfigured = 501 "Top-ups need a card processor (ONCEPAY_PROCESSOR_URL is unset); not worth a retry.";
     Unavailable = 503 "A transient failure: retry with the same key after Retry-After (a committed request is replayed, an uncommitted one processed).";
 }

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The card processor of the tests, `make run` and the README: localstripe (PyPI), a stateful
+# emulator of Stripe's API that nobody here wrote, installed into a virtualenv under the
+# cargo target directory. It ignores `Idempotency-Key`, which is what the tests want: oncepay
+# must not depend on the processor deduplicating.
+#
+#   scripts/localstripe.sh install          the virtualenv (once); prints the executable's path
+#   scripts/localstripe.sh start PORT DIR   localstripe --from-scratch on 127.0.0.1:PORT, in DIR
+#                                           (it saves its state to ./localstripe.pickle in its
+#                                           working directory: one DIR per instance); prints its pid
+#   scripts/localstripe.sh stop DIR         stops the instance started in DIR
+set -euo pipefail
+top="$(cd "$(dirname "$0")/.." && pwd)"
+version="1.15.10"
+target="${CARGO_TARGET_DIR:-$top/target}"
+venv="$target/localstripe-venv"
+exe="$venv/bin/localstripe"
+
+install() {
+  if ! [ -x "$exe" ] || ! "$venv/bin/pip" show localstripe 2>/dev/null | grep -q "^Version: $version\$"; then
+    rm -rf "$venv"
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install --quiet --disable-pip-version-check "localstripe==$version" >&2
+  fi
+  echo "$exe"
+}
+
+case "${1:-}" in
+  install) install ;;
+  start)
+    port="$2"; dir="$3"
+    install >/dev/null
+    mkdir -p "$dir"
+    cd "$dir"
+    nohup "$exe" --port "$port" --from-scratch >"$dir/localstripe.log" 2>&1 &
+    echo $! >"$dir/localstripe.pid"
+    for _ in $(seq 1 100); do
+      if curl -fsS -o /dev/null -u sk_test_oncepay: "http://127.0.0.1:$port/v1/payment_intents"; then
+        cat "$dir/localstripe.pid"; exit 0
+      fi
+      sleep 0.1
+    done
+    echo "localstripe did not answer on port $port (log: $dir/localstripe.log)" >&2
+    exit 1
+    ;;
+  stop)
+    dir="$2"
+    if [ -f "$dir/localstripe.pid" ]; then
+      kill "$(cat "$dir/localstripe.pid")" 2>/dev/null || true
+      rm -f "$dir/localstripe.pid"
+    fi
+    ;;
+  *) echo "usage: $0 install | start PORT DIR | stop DIR" >&2; exit 2 ;;
+esac

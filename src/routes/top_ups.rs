@@ -1,0 +1,312 @@
+//! `POST /accounts/{id}/top-ups`, `GET /top-ups/{id}`, `POST /top-ups/{id}/refund`: card
+//! top-ups through the processor (contract section 4b; `crate::topup` drives the phases).
+//!
+//! These two operations do not go through the one-statement pipeline: a top-up spans
+//! several transactions with processor calls between them. Intake is the pipeline's (the
+//! same checks in the same order, the same fingerprint and claim); what differs is the answer
+//! to an unknown outcome (503 and the key stays with the operation) and the `decline_code` of
+//! a card decline. Their answers are not kept in the replay cache: a top-up is rare next to a
+//! payment, and its replay is one cheap statement.
+
+use actix_web::http::{header, StatusCode};
+use actix_web::{web, HttpRequest, HttpResponse};
+use chrono::{DateTime, Utc};
+use oncepay_protocol::routes;
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+use super::intake::{parse_body, read_body, EmptyBody};
+use super::schemas::{
+    BadRequest, BodyTooLarge, Conflict, IdempotencyKeyHeader, KeyRefused, NotFound, Overloaded, PaymentRequired,
+    ProcessorNotConfigured, Unauthorized, Unavailable, UnsupportedMediaType,
+};
+use crate::domain::{AccountId, Amount, TopUpId};
+use crate::error::{ApiError, REPLAYED_HEADER};
+use crate::idempotency::{self, IdempotencyKey};
+use crate::ledger::top_ups::NewTopUp;
+use crate::ledger::{self, ClaimArgs, TopUpRow};
+use crate::operation::Operation;
+use crate::state::AppState;
+use crate::telemetry::RequestOutcome;
+use crate::topup::{Answer, TopUpError, TopUps};
+
+pub fn configure(cfg: &mut web::ServiceConfig) {
+    cfg.route(routes::CREATE_TOP_UP.path, web::post().to(create));
+    cfg.route(routes::GET_TOP_UP.path, web::get().to(show));
+    cfg.route(routes::REFUND_TOP_UP.path, web::post().to(refund));
+}
+
+/// Longest payment method id accepted (Stripe's are about 30 characters).
+const MAX_PAYMENT_METHOD_LEN: usize = 255;
+
+/// Body of `POST /accounts/{id}/top-ups`.
+#[derive(Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct TopUpIn {
+    pub amount: Amount,
+    /// The processor's payment method (`pm_...`).
+    #[schema(min_length = 1, max_length = 255, pattern = "^[!-~]+$")]
+    pub payment_method: String,
+}
+
+/// A top-up, as of its success.
+#[derive(Serialize, ToSchema)]
+pub struct TopUpOut {
+    id: TopUpId,
+    account: String,
+    amount: i64,
+    currency: String,
+    /// Always `succeeded` here: a top-up is answered when it is final.
+    status: &'static str,
+    /// The processor's PaymentIntent.
+    processor_payment_id: Option<String>,
+    /// The account's balance right after this top-up.
+    balance: i64,
+    created_at: DateTime<Utc>,
+}
+
+/// A top-up's current state.
+#[derive(Serialize, ToSchema)]
+pub struct TopUpStateOut {
+    id: TopUpId,
+    account: String,
+    amount: i64,
+    currency: String,
+    /// `processing`, `succeeded`, `failed` or `refunded`.
+    status: String,
+    processor_payment_id: Option<String>,
+    /// `card_declined` or `invalid_payment_method` for a failed top-up.
+    failure_code: Option<String>,
+    created_at: DateTime<Utc>,
+}
+
+/// A refunded top-up.
+#[derive(Serialize, ToSchema)]
+pub struct TopUpRefundOut {
+    id: TopUpId,
+    status: &'static str,
+    /// The amount refunded (the whole top-up).
+    refunded: i64,
+    /// The account's balance right after the refund's debit.
+    balance: i64,
+}
+
+/// Empty body of `POST /top-ups/{id}/refund`.
+#[derive(Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct TopUpRefundIn {}
+
+/// The checks of the pipeline's intake, in its order: authentication, body, key, body
+/// again (parsed), then the claim. Gives the tenant, the parsed body and the claim's
+/// arguments for the canonical path `path`.
+async fn intake<T: serde::de::DeserializeOwned>(
+    req: &HttpRequest,
+    payload: web::Payload,
+    state: &AppState,
+    operation: Operation,
+    id: Option<&str>,
+    empty: EmptyBody,
+) -> Result<(crate::tenants::Tenant, T, ClaimArgs, bool), ApiError> {
+    let spec = operation.spec();
+    let tenant = crate::auth::tenant(req, &state.db, &state.tenants).await?;
+    let bytes = read_body(req, payload, state.settings.max_body_bytes).await?;
+    let key = IdempotencyKey::from_headers(req.headers()).map_err(ApiError::InvalidIdempotencyKey)?;
+    let key = idempotency::key_or_policy(key, tenant.policy)?;
+    let (body, input) = parse_body::<T>(&bytes, empty)?;
+    let path = id.map_or_else(|| spec.path.to_owned(), |id| spec.path_with(id));
+    let fingerprint = idempotency::fingerprint(spec.method, &path, &body);
+    let claim = idempotency::claim_for(key, tenant.policy, fingerprint, state.windows());
+    if claim.is_none() {
+        tracing::warn!(tenant = %tenant.id, path, "keyless request processed without idempotency protection (policy allow)");
+    }
+    let keyed = claim.is_some();
+    let args = ClaimArgs::new(spec, path, claim.as_ref(), state.settings.inflight_wait);
+    Ok((tenant, input, args, keyed))
+}
+
+fn processor(state: &AppState) -> Result<&TopUps, ApiError> {
+    state.top_ups.as_ref().ok_or(ApiError::ProcessorNotConfigured)
+}
+
+/// Charges a card at the processor and credits the account by the same amount.
+#[utoipa::path(
+    post, path = "/accounts/{id}/top-ups", tag = "top-ups", operation_id = "create_top_up",
+    security(("api_key" = [])),
+    params(IdempotencyKeyHeader, ("id" = AccountId, Path, description = "The account to credit.")),
+    request_body(content = TopUpIn, content_type = "application/json"),
+    responses(
+        (status = 201, description = "The card was charged and the account credited (or the replay of that answer).",
+         body = TopUpOut, headers(("Location" = String, description = "/top-ups/{id}"),
+                                  ("Idempotency-Replayed" = String, description = "`true` on a replay"))),
+        (status = 400, response = BadRequest), (status = 401, response = Unauthorized),
+        (status = 402, response = PaymentRequired), (status = 404, response = NotFound),
+        (status = 409, response = Conflict), (status = 413, response = BodyTooLarge),
+        (status = 415, response = UnsupportedMediaType), (status = 422, response = KeyRefused),
+        (status = 429, response = Overloaded), (status = 501, response = ProcessorNotConfigured),
+        (status = 503, response = Unavailable),
+    )
+)]
+pub(super) async fn create(
+    req: HttpRequest,
+    payload: web::Payload,
+    state: web::Data<AppState>,
+) -> Result<HttpResponse, ApiError> {
+    let account_raw = req.match_info().get("id").unwrap_or_default().to_owned();
+    let (tenant, input, claim, keyed) =
+        intake::<TopUpIn>(&req, payload, &state, Operation::TopUp, Some(&account_raw), EmptyBody::Refused).await?;
+    let account = AccountId::parse(&account_raw).map_err(ApiError::InvalidRequest)?;
+    if input.payment_method.is_empty()
+        || input.payment_method.len() > MAX_PAYMENT_METHOD_LEN
+        || !input.payment_method.bytes().all(|b| b.is_ascii_graphic())
+    {
+        return Err(ApiError::InvalidRequest(
+            "`payment_method`: 1 to 255 visible ASCII characters".to_owned(),
+        ));
+    }
+    let top_ups = processor(&state)?;
+    let new = NewTopUp {
+        account: &account,
+        amount: input.amount,
+        currency: top_ups.currency(),
+        payment_method: &input.payment_method,
+    };
+    let answer = top_ups.create(tenant.id, &claim, &new).await.map_err(edge)?;
+    respond(answer, keyed, |row| {
+        let out = TopUpOut {
+            id: TopUpId::from_uuid(row.top_up_id),
+            account: row.account_id.0.clone(),
+            amount: row.amount.0,
+            currency: row.currency.clone(),
+            status: "succeeded",
+            processor_payment_id: row.processor_payment_id.clone(),
+            balance: row.balance_after.ok_or_else(|| super::pipeline::corrupt("a succeeded top-up without its balance"))?,
+            created_at: row.created_at,
+        };
+        Ok((StatusCode::CREATED, serde_json::to_value(&out).map_err(|e| ApiError::Internal(e.into()))?, Some(routes::GET_TOP_UP.with_id(&out.id.to_string()))))
+    })
+}
+
+/// Debits the top-up's amount, then refunds the card at the processor.
+#[utoipa::path(
+    post, path = "/top-ups/{id}/refund", tag = "top-ups", operation_id = "refund_top_up",
+    security(("api_key" = [])),
+    params(IdempotencyKeyHeader, ("id" = TopUpId, Path, description = "The top-up; another tenant's answers 404.")),
+    request_body(content = TopUpRefundIn, content_type = "application/json"),
+    responses(
+        (status = 200, description = "Refunded (or the replay of that answer).", body = TopUpRefundOut),
+        (status = 400, response = BadRequest), (status = 401, response = Unauthorized),
+        (status = 402, response = PaymentRequired), (status = 404, response = NotFound),
+        (status = 409, response = Conflict), (status = 413, response = BodyTooLarge),
+        (status = 415, response = UnsupportedMediaType), (status = 422, response = KeyRefused),
+        (status = 429, response = Overloaded), (status = 501, response = ProcessorNotConfigured),
+        (status = 503, response = Unavailable),
+    )
+)]
+pub(super) async fn refund(
+    req: HttpRequest,
+    payload: web::Payload,
+    state: web::Data<AppState>,
+) -> Result<HttpResponse, ApiError> {
+    let raw = req.match_info().get("id").unwrap_or_default().to_owned();
+    let (tenant, _input, claim, keyed) = intake::<TopUpRefundIn>(
+        &req,
+        payload,
+        &state,
+        Operation::RefundTopUp,
+        Some(&raw),
+        EmptyBody::MeansEmptyObject,
+    )
+    .await?;
+    // An id that is no UUID names no top-up: 404, stored like any other.
+    let id = TopUpId::parse(&raw).unwrap_or(TopUpId::from_uuid(uuid::Uuid::nil()));
+    let top_ups = processor(&state)?;
+    let answer = top_ups.refund(tenant.id, &claim, id).await.map_err(edge)?;
+    respond(answer, keyed, |row| {
+        let out = TopUpRefundOut {
+            id: TopUpId::from_uuid(row.top_up_id),
+            status: "refunded",
+            refunded: row.amount.0,
+            balance: row
+                .balance_after_refund
+                .ok_or_else(|| super::pipeline::corrupt("a refunded top-up without its balance"))?,
+        };
+        Ok((StatusCode::OK, serde_json::to_value(&out).map_err(|e| ApiError::Internal(e.into()))?, None))
+    })
+}
+
+/// A top-up's current state.
+#[utoipa::path(
+    get, path = "/top-ups/{id}", tag = "top-ups", operation_id = "get_top_up", security(("api_key" = [])),
+    params(("id" = TopUpId, Path, description = "The top-up's id; another tenant's answers 404.")),
+    responses(
+        (status = 200, description = "The top-up.", body = TopUpStateOut),
+        (status = 401, response = Unauthorized), (status = 404, response = NotFound),
+        (status = 429, response = Overloaded), (status = 503, response = Unavailable),
+    )
+)]
+pub(super) async fn show(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+    let tenant = crate::auth::tenant(&req, &state.db, &state.tenants).await?;
+    let id = TopUpId::parse(req.match_info().get("id").unwrap_or_default()).ok_or(ApiError::NotFound)?;
+    let mut conn = state.conn().await?;
+    let row = conn
+        .run(async |c| ledger::top_ups::top_up(c, tenant.id, id).await)
+        .await?
+        .ok_or(ApiError::NotFound)?;
+    Ok(HttpResponse::Ok().json(TopUpStateOut {
+        id,
+        account: row.account_id.0,
+        amount: row.amount.0,
+        currency: row.currency,
+        status: row.status.0,
+        processor_payment_id: row.processor_payment_id,
+        failure_code: row.failure_code,
+        created_at: row.created_at,
+    }))
+}
+
+type Rendered = (StatusCode, serde_json::Value, Option<String>);
+
+fn respond(
+    answer: Answer,
+    keyed: bool,
+    render: impl FnOnce(&TopUpRow) -> Result<Rendered, ApiError>,
+) -> Result<HttpResponse, ApiError> {
+    match answer {
+        Answer::Done { row, replayed } => {
+            let (status, body, location) = render(&row)?;
+            let mut response = HttpResponse::build(status);
+            if keyed {
+                response.insert_header((REPLAYED_HEADER, if replayed { "true" } else { "false" }));
+            }
+            if let Some(location) = location {
+                response.insert_header((header::LOCATION, location));
+            }
+            let mut response = response.json(body);
+            let label = match (replayed, keyed) {
+                (true, _) => "replayed",
+                (false, true) => "created",
+                (false, false) => "keyless",
+            };
+            response.extensions_mut().insert(RequestOutcome(label));
+            Ok(response)
+        }
+        Answer::Declined { decline, row, replayed } => Err(ApiError::ProcessorDeclined {
+            decline,
+            decline_code: row.and_then(|r| r.decline_code),
+            replayed,
+        }),
+        Answer::KeyReused => Err(ApiError::KeyReused),
+        Answer::KeyExpired => Err(ApiError::KeyExpired),
+    }
+}
+
+fn edge(err: TopUpError) -> ApiError {
+    match err {
+        TopUpError::Db(err) => err.into(),
+        TopUpError::ProcessorUnknown(why) => {
+            tracing::warn!(why, "top-up answered 503: the processor's outcome is unknown, the key stays with it");
+            ApiError::ProcessorUnknown
+        }
+        TopUpError::InProgress => ApiError::InProgress,
+    }
+}

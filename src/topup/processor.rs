@@ -1,0 +1,281 @@
+//! The card processor's client: the few calls of Stripe's API a top-up needs, over reqwest
+//! (rustls). Every POST carries an `Idempotency-Key` derived from oncepay's own operation
+//! (the top-up's id and the phase), never the client's key; nothing here relies on the
+//! processor honouring it (localstripe does not).
+//!
+//! Each call's result is either the processor's object, a refusal the processor answered
+//! (a 4xx with its error object: it decided, nothing happened, or the decline happened), or
+//! `Unknown`: a timeout, a connection that failed or broke, a 5xx, an answer that could not
+//! be read. After `Unknown` the call may or may not have taken effect; only a later look
+//! (GET) tells.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use prometheus::{HistogramVec, IntCounterVec};
+use serde::Deserialize;
+
+use crate::config::Processor;
+
+/// The calls, as labelled in the metrics.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Call {
+    CreateIntent,
+    ConfirmIntent,
+    RetrieveIntent,
+    ListIntents,
+    CreateRefund,
+    ListRefunds,
+}
+
+impl Call {
+    pub const fn label(self) -> &'static str {
+        match self {
+            Self::CreateIntent => "create_intent",
+            Self::ConfirmIntent => "confirm_intent",
+            Self::RetrieveIntent => "retrieve_intent",
+            Self::ListIntents => "list_intents",
+            Self::CreateRefund => "create_refund",
+            Self::ListRefunds => "list_refunds",
+        }
+    }
+}
+
+/// `oncepay_processor_calls_total{call,outcome}` and
+/// `oncepay_processor_call_duration_seconds{call}` (registered by `crate::metrics`).
+#[derive(Clone)]
+pub struct CallCounters {
+    pub calls: IntCounterVec,
+    pub duration: HistogramVec,
+}
+
+/// Metadata key naming the top-up on its PaymentIntent.
+pub const METADATA_TOP_UP: &str = "oncepay_top_up_id";
+
+/// A PaymentIntent, as far as oncepay reads it.
+#[derive(Clone, Debug, Deserialize)]
+pub struct Intent {
+    pub id: String,
+    pub status: String,
+    pub amount: i64,
+    #[serde(default)]
+    pub currency: String,
+    #[serde(default)]
+    pub metadata: HashMap<String, String>,
+    #[serde(default)]
+    pub last_payment_error: Option<ErrorObject>,
+}
+
+impl Intent {
+    /// The top-up this PaymentIntent was created for, if oncepay created it.
+    pub fn top_up_id(&self) -> Option<&str> {
+        self.metadata.get(METADATA_TOP_UP).map(String::as_str)
+    }
+}
+
+/// A refund.
+#[derive(Clone, Debug, Deserialize)]
+pub struct RefundObject {
+    pub id: String,
+    pub status: String,
+}
+
+/// Stripe's `error` object.
+#[derive(Clone, Debug, Default, Deserialize)]
+pub struct ErrorObject {
+    #[serde(default, rename = "type")]
+    pub kind: Option<String>,
+    #[serde(default)]
+    pub code: Option<String>,
+    #[serde(default)]
+    pub decline_code: Option<String>,
+    #[serde(default)]
+    pub message: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct ErrorEnvelope {
+    error: ErrorObject,
+}
+
+#[derive(Deserialize)]
+struct ListOf<T> {
+    data: Vec<T>,
+    #[serde(default)]
+    has_more: bool,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum CallError {
+    /// The processor answered with a client error: it decided (a decline, an invalid
+    /// payment method, a state that does not allow the call).
+    #[error("the processor refused the call with {status}: {error:?}")]
+    Refused { status: u16, error: ErrorObject },
+    /// The call's effect is unknown: it may or may not have happened.
+    #[error("the processor's outcome is unknown: {0}")]
+    Unknown(String),
+}
+
+/// The processor client of one process.
+#[derive(Clone)]
+pub struct ProcessorClient {
+    http: reqwest::Client,
+    base: String,
+    api_key: Option<String>,
+    counters: CallCounters,
+}
+
+impl ProcessorClient {
+    pub fn new(settings: &Processor, counters: CallCounters) -> anyhow::Result<Self> {
+        let http = reqwest::Client::builder()
+            .timeout(settings.timeout)
+            .connect_timeout(settings.timeout.min(Duration::from_secs(5)))
+            .pool_idle_timeout(Duration::from_secs(30))
+            .build()?;
+        Ok(Self {
+            http,
+            base: settings.url.clone(),
+            api_key: settings.api_key.clone(),
+            counters,
+        })
+    }
+
+    /// Creates a PaymentIntent, unconfirmed: it charges nothing until it is confirmed.
+    pub async fn create_intent(
+        &self,
+        top_up_id: &str,
+        amount: i64,
+        currency: &str,
+        payment_method: &str,
+    ) -> Result<Intent, CallError> {
+        let amount = amount.to_string();
+        let form = [
+            ("amount", amount.as_str()),
+            ("currency", currency),
+            ("payment_method", payment_method),
+            ("metadata[oncepay_top_up_id]", top_up_id),
+        ];
+        let key = format!("oncepay-top-up-{top_up_id}-create-intent");
+        self.post(Call::CreateIntent, "/v1/payment_intents", &form, &key).await
+    }
+
+    /// Confirms (charges) a PaymentIntent.
+    pub async fn confirm_intent(&self, top_up_id: &str, intent: &str) -> Result<Intent, CallError> {
+        let key = format!("oncepay-top-up-{top_up_id}-confirm");
+        self.post(Call::ConfirmIntent, &format!("/v1/payment_intents/{intent}/confirm"), &[], &key)
+            .await
+    }
+
+    pub async fn retrieve_intent(&self, intent: &str) -> Result<Intent, CallError> {
+        self.get(Call::RetrieveIntent, &format!("/v1/payment_intents/{intent}"), &[])
+            .await
+    }
+
+    /// Every PaymentIntent the processor holds (pages of 100), for the audit.
+    pub async fn list_intents(&self) -> Result<Vec<Intent>, CallError> {
+        let mut all: Vec<Intent> = Vec::new();
+        for _ in 0..10_000 {
+            let mut query = vec![("limit", "100".to_owned())];
+            if let Some(last) = all.last() {
+                query.push(("starting_after", last.id.clone()));
+            }
+            let page: ListOf<Intent> = self.get(Call::ListIntents, "/v1/payment_intents", &query).await?;
+            let done = !page.has_more || page.data.is_empty();
+            all.extend(page.data);
+            if done {
+                return Ok(all);
+            }
+        }
+        Err(CallError::Unknown("more than a million PaymentIntents".to_owned()))
+    }
+
+    /// Refunds a PaymentIntent's charge, whole.
+    pub async fn create_refund(&self, top_up_id: &str, intent: &str) -> Result<RefundObject, CallError> {
+        let form = [("payment_intent", intent), ("metadata[oncepay_top_up_id]", top_up_id)];
+        let key = format!("oncepay-top-up-{top_up_id}-refund");
+        self.post(Call::CreateRefund, "/v1/refunds", &form, &key).await
+    }
+
+    /// The refunds of a PaymentIntent.
+    pub async fn list_refunds(&self, intent: &str) -> Result<Vec<RefundObject>, CallError> {
+        let query = [("payment_intent", intent.to_owned()), ("limit", "100".to_owned())];
+        let page: ListOf<RefundObject> = self.get(Call::ListRefunds, "/v1/refunds", &query).await?;
+        Ok(page.data)
+    }
+
+    async fn post<T: for<'de> Deserialize<'de>>(
+        &self,
+        call: Call,
+        path: &str,
+        form: &[(&str, &str)],
+        idempotency_key: &str,
+    ) -> Result<T, CallError> {
+        let request = self
+            .authorized(self.http.post(format!("{}{path}", self.base)))
+            .header("Idempotency-Key", idempotency_key)
+            .form(form);
+        self.send(call, request).await
+    }
+
+    async fn get<T: for<'de> Deserialize<'de>>(
+        &self,
+        call: Call,
+        path: &str,
+        query: &[(&str, String)],
+    ) -> Result<T, CallError> {
+        let request = self.authorized(self.http.get(format!("{}{path}", self.base))).query(query);
+        self.send(call, request).await
+    }
+
+    fn authorized(&self, request: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
+        match &self.api_key {
+            Some(key) => request.bearer_auth(key),
+            None => request,
+        }
+    }
+
+    async fn send<T: for<'de> Deserialize<'de>>(
+        &self,
+        call: Call,
+        request: reqwest::RequestBuilder,
+    ) -> Result<T, CallError> {
+        let started = Instant::now();
+        let result = Self::exchange(request).await;
+        let outcome = match &result {
+            Ok(_) => "ok",
+            Err(CallError::Refused { status: 402, .. }) => "declined",
+            Err(CallError::Refused { .. }) => "refused",
+            Err(CallError::Unknown(_)) => "unknown",
+        };
+        self.counters.calls.with_label_values(&[call.label(), outcome]).inc();
+        self.counters
+            .duration
+            .with_label_values(&[call.label()])
+            .observe(started.elapsed().as_secs_f64());
+        if let Err(err) = &result {
+            tracing::warn!(call = call.label(), error = %err, "processor call failed");
+        }
+        result
+    }
+
+    async fn exchange<T: for<'de> Deserialize<'de>>(request: reqwest::RequestBuilder) -> Result<T, CallError> {
+        let response = request.send().await.map_err(|e| CallError::Unknown(format!("{e:#}")))?;
+        let status = response.status();
+        let body = response.bytes().await.map_err(|e| CallError::Unknown(format!("{e:#}")))?;
+        if status.is_success() {
+            return serde_json::from_slice(&body)
+                .map_err(|e| CallError::Unknown(format!("an answer of {status} that could not be read: {e}")));
+        }
+        // 409 (an idempotency conflict, a lock) and 429 decided nothing; 5xx may have.
+        if status.is_client_error() && status.as_u16() != 409 && status.as_u16() != 429 {
+            let error = serde_json::from_slice::<ErrorEnvelope>(&body)
+                .map(|e| e.error)
+                .unwrap_or_default();
+            return Err(CallError::Refused {
+                status: status.as_u16(),
+                error,
+            });
+        }
+        Err(CallError::Unknown(format!("the processor answered {status}")))
+    }
+}
