@@ -42,6 +42,8 @@ pub struct Metrics {
     /// Payments per statement, and batches that failed as a whole and ran again item by
     /// item (`crate::batch`).
     pub batch: crate::batch::Counters,
+    /// The webhook workers' counters and the backlog gauges (`crate::webhooks::delivery`).
+    pub webhooks: crate::webhooks::Counters,
     /// 1 when the database answered this scrape's probe (what `/readyz` checks), else 0.
     ready: IntGauge,
     /// Age of the oldest idempotency-key row, next to the retention it must stay under: a
@@ -148,6 +150,52 @@ impl Metrics {
             )
             .expect("valid metric"),
         };
+        let webhooks = crate::webhooks::Counters {
+            deliveries: IntCounterVec::new(
+                Opts::new(
+                    "oncepay_webhook_deliveries_total",
+                    "Webhook attempts by outcome: delivered (2xx), retry (failed, attempted again later), \
+                     given_up (failed the whole retry schedule), gone (410: endpoint disabled), unrecorded \
+                     (the result could not be written; sent again after its lease)",
+                ),
+                &["outcome"],
+            )
+            .expect("valid metric"),
+            endpoints_disabled: IntCounterVec::new(
+                Opts::new(
+                    "oncepay_webhook_endpoints_disabled_total",
+                    "Webhook endpoints this process disabled, by reason: gone (410), failing (retry schedule spent)",
+                ),
+                &["reason"],
+            )
+            .expect("valid metric"),
+            attempt_duration: Histogram::with_opts(
+                HistogramOpts::new(
+                    "oncepay_webhook_attempt_duration_seconds",
+                    "Duration of one webhook attempt",
+                )
+                .buckets(vec![0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 30.0]),
+            )
+            .expect("valid metric"),
+            pending: IntGaugeVec::new(
+                Opts::new(
+                    "oncepay_webhook_pending_deliveries",
+                    "Webhook deliveries not yet delivered (every replica's, read from the database), by their age",
+                ),
+                &["age"],
+            )
+            .expect("valid metric"),
+            oldest_pending: Gauge::new(
+                "oncepay_webhook_oldest_pending_seconds",
+                "Age of the oldest webhook delivery not yet delivered or given up (0 when there is none)",
+            )
+            .expect("valid metric"),
+            disabled_now: IntGauge::new(
+                "oncepay_webhook_endpoints_disabled",
+                "Webhook endpoints disabled now (410 Gone or retry schedule spent), not deleted",
+            )
+            .expect("valid metric"),
+        };
         let ready = IntGauge::new(
             "oncepay_ready",
             "1 when the database answered the scrape's probe (as /readyz), else 0",
@@ -183,6 +231,12 @@ impl Metrics {
             Box::new(batch.split.clone()),
             Box::new(batch.failed.clone()),
             Box::new(batch.held_back.clone()),
+            Box::new(webhooks.deliveries.clone()),
+            Box::new(webhooks.endpoints_disabled.clone()),
+            Box::new(webhooks.attempt_duration.clone()),
+            Box::new(webhooks.pending.clone()),
+            Box::new(webhooks.oldest_pending.clone()),
+            Box::new(webhooks.disabled_now.clone()),
             Box::new(ready.clone()),
             Box::new(oldest_key_age.clone()),
             Box::new(retention.clone()),
@@ -205,6 +259,7 @@ impl Metrics {
             replay_cache_misses,
             replay_cache_entries,
             batch,
+            webhooks,
             ready,
             oldest_key_age,
             retention,

@@ -24,6 +24,7 @@ pub enum Operation {
     Deposit,
     OpenAccount,
     Transfer,
+    CreateWebhookEndpoint,
 }
 
 /// A deterministic failure (PostgreSQL `oncepay_decline`): stored with the key and replayed
@@ -133,13 +134,27 @@ const TRANSFER: Spec = Spec {
     tag: "transfers",
 };
 
+const CREATE_WEBHOOK_ENDPOINT: Spec = Spec {
+    operation: Operation::CreateWebhookEndpoint,
+    name: "create_webhook_endpoint",
+    method: routes::CREATE_WEBHOOK_ENDPOINT.method,
+    path: routes::CREATE_WEBHOOK_ENDPOINT.path,
+    aliases: &[],
+    success_status: 201,
+    declines: &[],
+    summary:
+        "Registers a webhook endpoint; the answer shows its `whsec_` signing secret (a replay shows the same one).",
+    tag: "webhooks",
+};
+
 impl Operation {
-    pub const ALL: [Self; 5] = [
+    pub const ALL: [Self; 6] = [
         Self::Pay,
         Self::Refund,
         Self::Deposit,
         Self::OpenAccount,
         Self::Transfer,
+        Self::CreateWebhookEndpoint,
     ];
 
     pub const fn spec(self) -> &'static Spec {
@@ -149,6 +164,7 @@ impl Operation {
             Self::Deposit => &DEPOSIT,
             Self::OpenAccount => &OPEN_ACCOUNT,
             Self::Transfer => &TRANSFER,
+            Self::CreateWebhookEndpoint => &CREATE_WEBHOOK_ENDPOINT,
         }
     }
 }

@@ -14,6 +14,7 @@ use crate::db;
 use crate::idempotency::cache::ReplayCache;
 use crate::metrics::Metrics;
 use crate::state::AppState;
+use crate::webhooks::{Deliverer, SecretBox};
 use crate::{http1, purge, routes, telemetry};
 
 /// A bound, not yet running, server: the API and the operations listener.
@@ -54,6 +55,11 @@ impl Application {
             };
             Batcher::start(db.clone(), limits, metrics.batch.clone())
         });
+        let webhook_secrets = settings
+            .webhooks
+            .secret_key
+            .as_ref()
+            .map(|key| Arc::new(SecretBox::new(key)));
         let state = web::Data::new(AppState {
             db,
             settings,
@@ -61,6 +67,7 @@ impl Application {
             metrics,
             replays,
             payments,
+            webhook_secrets,
         });
         let app_state = state.clone();
         let server = http1::serve(listener, workers, tls, move || {
@@ -111,6 +118,20 @@ impl Application {
             };
             tokio::spawn(async move { purge::schedule(schedule, |deleted| state.metrics.record_purge(deleted)).await })
         });
+        // Every replica delivers webhooks (with a secret key, and unless its concurrency is 0).
+        let deliverer = match (&self.state.webhook_secrets, self.state.settings.webhooks.concurrency) {
+            (Some(sealer), 1..) => {
+                let deliverer = Deliverer::new(
+                    self.state.db.clone(),
+                    sealer.clone(),
+                    self.state.settings.webhooks.clone(),
+                    self.state.metrics.webhooks.clone(),
+                )
+                .map_err(std::io::Error::other)?;
+                Some(tokio::spawn(Arc::new(deliverer).run()))
+            }
+            _ => None,
+        };
         // The operations listener lives as long as the API: it stops when the API stops.
         let operations = self.operations.handle();
         let operations_task = tokio::spawn(self.operations);
@@ -119,6 +140,9 @@ impl Application {
         let _ = operations_task.await;
         if let Some(purger) = purger {
             purger.abort();
+        }
+        if let Some(deliverer) = deliverer {
+            deliverer.abort();
         }
         self.state.db.close().await;
         result

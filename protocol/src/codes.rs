@@ -63,6 +63,8 @@ problem_codes! {
     Overloaded = "overloaded", 429;
     /// A transient failure committed nothing: retry with the same key.
     TemporarilyUnavailable = "temporarily_unavailable", 503;
+    /// Webhook endpoints need `ONCEPAY_WEBHOOK_SECRET_KEY` on the server (not worth a retry).
+    WebhooksNotConfigured = "webhooks_not_configured", 501;
     /// The opaque answer of an unexpected server error.
     InternalError = "internal_error", 500;
 }

@@ -63,9 +63,25 @@ pub const GET_TRANSFER: Route = Route {
     method: "GET",
     path: "/transfers/{id}",
 };
+pub const CREATE_WEBHOOK_ENDPOINT: Route = Route {
+    method: "POST",
+    path: "/webhook-endpoints",
+};
+pub const LIST_WEBHOOK_ENDPOINTS: Route = Route {
+    method: "GET",
+    path: "/webhook-endpoints",
+};
+pub const DELETE_WEBHOOK_ENDPOINT: Route = Route {
+    method: "DELETE",
+    path: "/webhook-endpoints/{id}",
+};
+pub const GET_EVENT: Route = Route {
+    method: "GET",
+    path: "/events/{id}",
+};
 
 /// Every route a tenant calls with its API key.
-pub const TENANT_ROUTES: [Route; 9] = [
+pub const TENANT_ROUTES: [Route; 13] = [
     CREATE_PAYMENT,
     PAY_ALIAS,
     GET_PAYMENT,
@@ -75,6 +91,10 @@ pub const TENANT_ROUTES: [Route; 9] = [
     CREATE_DEPOSIT,
     CREATE_TRANSFER,
     GET_TRANSFER,
+    CREATE_WEBHOOK_ENDPOINT,
+    LIST_WEBHOOK_ENDPOINTS,
+    DELETE_WEBHOOK_ENDPOINT,
+    GET_EVENT,
 ];
 
 #[cfg(test)]

@@ -68,3 +68,11 @@ uuid_id!(
     /// A deposit into an account.
     DepositId
 );
+uuid_id!(
+    /// A tenant's webhook endpoint (`/webhook-endpoints/{id}`).
+    EndpointId
+);
+uuid_id!(
+    /// An event (`/events/{id}`): also its `webhook-id`, the same on every attempt.
+    EventId
+);

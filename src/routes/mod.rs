@@ -10,6 +10,7 @@ mod payments;
 mod pipeline;
 pub mod schemas;
 mod transfers;
+mod webhooks;
 
 use actix_web::{web, HttpResponse};
 
@@ -24,6 +25,7 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
     payments::configure(cfg);
     accounts::configure(cfg);
     transfers::configure(cfg);
+    webhooks::configure(cfg);
     admin::configure(cfg);
     health::configure(cfg);
     openapi::configure(cfg);

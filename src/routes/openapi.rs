@@ -18,10 +18,10 @@ use utoipa::{IntoParams, Modify, OpenApi, PartialSchema, ToSchema};
 use super::intake::EmptyBody;
 use super::pipeline::{self, Endpoint};
 use super::schemas::{
-    AdminDisabled, BadRequest, BodyTooLarge, Conflict, IdempotencyKeyHeader, InsufficientFunds, KeyRefused, NotFound,
-    Overloaded, Problem, RequestTimeout, Unauthorized, Unavailable, UnsupportedMediaType,
+    AdminDisabled, BadRequest, BodyTooLarge, Conflict, IdempotencyKeyHeader, InsufficientFunds, KeyRefused,
+    NotConfigured, NotFound, Overloaded, Problem, RequestTimeout, Unauthorized, Unavailable, UnsupportedMediaType,
 };
-use super::{accounts, admin, health, payments, transfers};
+use super::{accounts, admin, health, payments, transfers, webhooks};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -33,6 +33,7 @@ use super::{accounts, admin, health, payments, transfers};
     ),
     paths(
         payments::show, accounts::show, transfers::show,
+        webhooks::list, webhooks::delete, webhooks::show_event,
         admin::create_tenant, admin::update_tenant, admin::create_api_key, admin::list_api_keys,
         admin::revoke_api_key, admin::run_purge,
         health::healthz, health::readyz, openapi_json,
@@ -41,7 +42,7 @@ use super::{accounts, admin, health, payments, transfers};
         schemas(Problem),
         responses(
             BadRequest, Unauthorized, InsufficientFunds, AdminDisabled, NotFound, Conflict, RequestTimeout, BodyTooLarge,
-            UnsupportedMediaType, KeyRefused, Overloaded, Unavailable,
+            UnsupportedMediaType, KeyRefused, NotConfigured, Overloaded, Unavailable,
         ),
     ),
     modifiers(&BearerSchemes, &Operations),
@@ -49,6 +50,7 @@ use super::{accounts, admin, health, payments, transfers};
         (name = "payments", description = "Charges and refunds."),
         (name = "accounts", description = "Accounts and deposits."),
         (name = "transfers", description = "Transfers between two accounts of a tenant."),
+        (name = "webhooks", description = "Endpoints that receive the tenant's events (Standard Webhooks: signed, at least once, same `webhook-id` on every attempt; docs/webhooks.md)."),
         (name = "admin", description = "Operators: `Authorization: Bearer <ONCEPAY_ADMIN_TOKEN>`."),
         (name = "operations", description = "Probes and this document. `GET /metrics` is served on the operations listener (`ONCEPAY_METRICS_BIND`, loopback by default), not here."),
     )
@@ -87,6 +89,7 @@ impl Modify for Operations {
         document_operation::<accounts::OpenAccount>(openapi);
         document_operation::<accounts::CreateDeposit>(openapi);
         document_operation::<transfers::CreateTransfer>(openapi);
+        document_operation::<webhooks::CreateWebhookEndpoint>(openapi);
     }
 }
 
@@ -138,6 +141,9 @@ fn document_operation<E: Endpoint>(openapi: &mut utoipa::openapi::OpenApi) {
         (429, "Overloaded"),
         (503, "Unavailable"),
     ];
+    if spec.operation == crate::operation::Operation::CreateWebhookEndpoint {
+        statuses.push((501, "NotConfigured"));
+    }
     for decline in spec.declines {
         let response = match decline.status() {
             402 => "InsufficientFunds",
@@ -257,13 +263,16 @@ mod tests {
             documented,
             [
                 "DELETE /admin/tenants/{tenant_id}/api-keys/{key_id}",
+                "DELETE /webhook-endpoints/{id}",
                 "GET /accounts/{id}",
+                "GET /events/{id}",
                 "GET /admin/tenants/{tenant_id}/api-keys",
                 "GET /healthz",
                 "GET /openapi.json",
                 "GET /payments/{id}",
                 "GET /readyz",
                 "GET /transfers/{id}",
+                "GET /webhook-endpoints",
                 "PATCH /admin/tenants/{tenant_id}",
                 "POST /accounts",
                 "POST /accounts/{id}/deposits",
@@ -274,6 +283,7 @@ mod tests {
                 "POST /payments",
                 "POST /payments/{id}/refund",
                 "POST /transfers",
+                "POST /webhook-endpoints",
             ]
         );
     }

@@ -184,5 +184,6 @@ problem_responses! {
     UnsupportedMediaType = 415 "A body that is not `application/json`.";
     KeyRefused = 422 "The key was used for another request, or has passed its replay window; nothing was processed.";
     Overloaded = 429 "The service is at capacity; retry after Retry-After.";
+    NotConfigured = 501 "A feature this server is not configured for (its operator must set it up); not worth a retry.";
     Unavailable = 503 "A transient failure: retry with the same key after Retry-After (a committed request is replayed, an uncommitted one processed).";
 }
