@@ -109,10 +109,12 @@ impl Deliverer {
             .pool_max_idle_per_host(settings.endpoint_concurrency as usize)
             .user_agent(concat!("oncepay-webhooks/", env!("CARGO_PKG_VERSION")))
             .build()?;
+        // Names the replica in each attempt's row: host, process, and this worker.
         let replica = format!(
-            "{}:{}",
+            "{}:{}:{}",
             std::env::var("HOSTNAME").unwrap_or_else(|_| "oncepay".to_owned()),
-            std::process::id()
+            std::process::id(),
+            &Uuid::new_v4().simple().to_string()[..8]
         );
         Ok(Self {
             db,

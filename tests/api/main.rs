@@ -44,4 +44,6 @@ mod tcp_relay;
 mod tenancy;
 mod tls;
 mod transfers;
+mod webhook_receiver;
+mod webhooks;
 mod workspace;
