@@ -157,6 +157,36 @@ impl Receiver {
             .collect()
     }
 
+    /// Writes every message with the endpoint's secret, as `scripts/standardwebhooks-verify.sh`
+    /// reads them (the reference verifier, in Python); gives how many.
+    pub fn write_for_reference_verifier(&self, path: &std::path::Path) -> usize {
+        use base64::Engine as _;
+        let inner = self.inner.lock().unwrap();
+        let secret = inner.secret.clone().expect("the endpoint's secret is set");
+        let messages: Vec<Value> = inner
+            .messages
+            .iter()
+            .map(|m| {
+                serde_json::json!({
+                    "secret": secret,
+                    "headers": {
+                        "webhook-id": m.headers["webhook-id"],
+                        "webhook-timestamp": m.headers["webhook-timestamp"],
+                        "webhook-signature": m.headers["webhook-signature"],
+                    },
+                    "body_base64": base64::engine::general_purpose::STANDARD.encode(&m.raw_body),
+                })
+            })
+            .collect();
+        std::fs::write(path, serde_json::to_vec(&messages).unwrap()).unwrap();
+        messages.len()
+    }
+
+    /// Requests read and not yet answered, now.
+    pub fn in_flight(&self) -> usize {
+        self.inner.lock().unwrap().in_flight
+    }
+
     pub fn max_in_flight(&self) -> usize {
         self.inner.lock().unwrap().max_in_flight
     }
