@@ -196,6 +196,17 @@ impl Metrics {
             )
             .expect("valid metric"),
         };
+        // Every label value exported from the start (at 0), so that alerts and dashboards see
+        // the series before the first event.
+        for outcome in ["delivered", "retry", "given_up", "gone", "unrecorded"] {
+            webhooks.deliveries.with_label_values(&[outcome]);
+        }
+        for reason in ["gone", "failing"] {
+            webhooks.endpoints_disabled.with_label_values(&[reason]);
+        }
+        for age in ["lt_1m", "1m_to_1h", "gt_1h"] {
+            webhooks.pending.with_label_values(&[age]);
+        }
         let ready = IntGauge::new(
             "oncepay_ready",
             "1 when the database answered the scrape's probe (as /readyz), else 0",
