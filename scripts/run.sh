@@ -14,6 +14,12 @@ if [ -z "${ONCEPAY_ADMIN_TOKEN:-}" ]; then
   ONCEPAY_ADMIN_TOKEN="$(cat "$demo/admin_token")"
 fi
 export ONCEPAY_ADMIN_TOKEN
+# The key of the stored webhook secrets (docs/security.md), kept beside the admin token.
+if [ -z "${ONCEPAY_WEBHOOK_SECRET_KEY:-}" ]; then
+  [ -s "$demo/webhook_secret_key" ] || head -c 32 /dev/urandom | base64 >"$demo/webhook_secret_key"
+  ONCEPAY_WEBHOOK_SECRET_KEY="$(cat "$demo/webhook_secret_key")"
+fi
+export ONCEPAY_WEBHOOK_SECRET_KEY
 
 tenant_id=""
 if [ -s "$demo/tenant.json" ]; then

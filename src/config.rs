@@ -54,6 +54,8 @@ pub struct Settings {
     /// An unfinished top-up untouched this long is finished by the completer of any replica
     /// (`ONCEPAY_COMPLETER_AFTER_SECS`).
     pub completer_after: Duration,
+    /// Webhook delivery (contract section 4c, `ONCEPAY_WEBHOOK_*`).
+    pub webhooks: WebhookSettings,
 }
 
 /// A processor speaking Stripe's API (`ONCEPAY_PROCESSOR_URL`, `_API_KEY`, `_TIMEOUT_MS`).
@@ -72,6 +74,78 @@ impl std::fmt::Debug for Processor {
             .field("timeout", &self.timeout)
             .finish()
     }
+}
+
+/// How this process stores webhook secrets and delivers events.
+#[derive(Clone)]
+pub struct WebhookSettings {
+    /// `ONCEPAY_WEBHOOK_SECRET_KEY`: 32 bytes, base64; the key the endpoints' signing secrets
+    /// are encrypted with in the database (docs/security.md). `None`: endpoints cannot be
+    /// created (501 `webhooks_not_configured`) and nothing is delivered.
+    pub secret_key: Option<[u8; 32]>,
+    /// `ONCEPAY_WEBHOOK_RETRY_SCHEDULE`: the waits between a failed attempt and the next.
+    pub retry_schedule: Vec<Duration>,
+    /// `ONCEPAY_WEBHOOK_ALLOW_PRIVATE=1`: loopback, private and link-local targets allowed.
+    pub allow_private: bool,
+    /// `ONCEPAY_WEBHOOK_TIMEOUT_MS` (15000): an attempt's longest wait for a 2xx.
+    pub timeout: Duration,
+    /// `ONCEPAY_WEBHOOK_CONCURRENCY` (32): attempts in flight in this process; 0: this
+    /// process delivers nothing (other replicas do).
+    pub concurrency: usize,
+    /// `ONCEPAY_WEBHOOK_ENDPOINT_CONCURRENCY` (4): attempts in flight to one endpoint, over
+    /// every replica.
+    pub endpoint_concurrency: u32,
+    /// `ONCEPAY_WEBHOOK_POLL_MS` (250): how often an idle worker looks for due deliveries.
+    pub poll: Duration,
+}
+
+/// `5,300,1800,7200,18000,36000,36000`: contract section 2.
+pub const DEFAULT_RETRY_SCHEDULE: &str = "5,300,1800,7200,18000,36000,36000";
+
+impl WebhookSettings {
+    fn from_env() -> anyhow::Result<Self> {
+        use base64::Engine as _;
+        let secret_key = match var("ONCEPAY_WEBHOOK_SECRET_KEY").filter(|k| !k.trim().is_empty()) {
+            None => None,
+            Some(raw) => {
+                let bytes = base64::engine::general_purpose::STANDARD
+                    .decode(raw.trim())
+                    .ok()
+                    .and_then(|b| <[u8; 32]>::try_from(b).ok())
+                    .context(
+                        "ONCEPAY_WEBHOOK_SECRET_KEY must be 32 bytes in base64 (`head -c 32 /dev/urandom | base64`)",
+                    )?;
+                Some(bytes)
+            }
+        };
+        let raw_schedule = var("ONCEPAY_WEBHOOK_RETRY_SCHEDULE").unwrap_or_else(|| DEFAULT_RETRY_SCHEDULE.to_owned());
+        Ok(Self {
+            secret_key,
+            retry_schedule: parse_schedule(&raw_schedule)?,
+            allow_private: var("ONCEPAY_WEBHOOK_ALLOW_PRIVATE").is_some_and(|v| v.trim() == "1"),
+            timeout: Duration::from_millis(number("ONCEPAY_WEBHOOK_TIMEOUT_MS", 15_000)?),
+            concurrency: number("ONCEPAY_WEBHOOK_CONCURRENCY", 32)?,
+            endpoint_concurrency: number("ONCEPAY_WEBHOOK_ENDPOINT_CONCURRENCY", 4)?,
+            poll: Duration::from_millis(number("ONCEPAY_WEBHOOK_POLL_MS", 250)?),
+        })
+    }
+}
+
+/// Seconds, comma-separated, as in `ONCEPAY_WEBHOOK_RETRY_SCHEDULE` (fractions allowed, for
+/// tests); at least one, each positive.
+pub fn parse_schedule(raw: &str) -> anyhow::Result<Vec<Duration>> {
+    raw.split(',')
+        .map(|part| {
+            part.trim()
+                .parse::<f64>()
+                .ok()
+                .filter(|s| s.is_finite() && *s > 0.0 && *s < 1e7)
+                .map(Duration::from_secs_f64)
+                .with_context(|| {
+                    format!("ONCEPAY_WEBHOOK_RETRY_SCHEDULE={raw:?}: {part:?} is not a positive number of seconds")
+                })
+        })
+        .collect()
 }
 
 /// What stands between oncepay and PostgreSQL (contract section 2, `ONCEPAY_DB_POOLER`).
@@ -142,6 +216,7 @@ impl Settings {
                 .map(|c| c.trim().to_ascii_lowercase())
                 .unwrap_or_else(|| "usd".to_owned()),
             completer_after: Duration::from_secs(number("ONCEPAY_COMPLETER_AFTER_SECS", 30)?),
+            webhooks: WebhookSettings::from_env()?,
         };
         settings.validate()?;
         Ok(settings)
@@ -165,6 +240,9 @@ impl Settings {
         }
         if self.db_pool_size == 0 || self.workers == 0 || self.max_body_bytes == 0 || self.purge_batch_size <= 0 {
             bail!("pool size, workers, body limit and purge batch size must be positive");
+        }
+        if self.webhooks.timeout.is_zero() || self.webhooks.endpoint_concurrency == 0 || self.webhooks.poll.is_zero() {
+            bail!("ONCEPAY_WEBHOOK_TIMEOUT_MS, ONCEPAY_WEBHOOK_ENDPOINT_CONCURRENCY and ONCEPAY_WEBHOOK_POLL_MS must be positive");
         }
         if let Some(token) = &self.admin_token {
             let length = token.chars().count();
@@ -232,6 +310,7 @@ impl std::fmt::Debug for Settings {
             processor,
             currency,
             completer_after,
+            webhooks,
         } = self;
         f.debug_struct("Settings")
             .field("database_url", &redacted_url(database_url))
@@ -259,6 +338,13 @@ impl std::fmt::Debug for Settings {
             .field("processor", processor)
             .field("currency", currency)
             .field("completer_after", completer_after)
+            .field("webhook_secret_key", &webhooks.secret_key.as_ref().map(|_| REDACTED))
+            .field("webhook_retry_schedule", &webhooks.retry_schedule)
+            .field("webhook_allow_private", &webhooks.allow_private)
+            .field("webhook_timeout", &webhooks.timeout)
+            .field("webhook_concurrency", &webhooks.concurrency)
+            .field("webhook_endpoint_concurrency", &webhooks.endpoint_concurrency)
+            .field("webhook_poll", &webhooks.poll)
             .finish()
     }
 }

@@ -6,7 +6,7 @@
 //! 2. the protocol: `idempotency`;
 //! 3. the database: `db` (pool, migrations, its own error type);
 //! 4. effects on it: `ledger`, `batch` (payments several to a statement), `tenants`, `purge`,
-//!    `audit`;
+//!    `audit`, `webhooks` (the endpoints, and the workers that deliver the outbox's events);
 //! 5. the edge, the only layer that knows HTTP: `metrics`, `error`, `auth`, `telemetry`,
 //!    `state`, `routes`, `http1` (the HTTP/1.1 server and its framing errors), `startup`
 //!    (which only composes).
@@ -36,3 +36,4 @@ pub mod telemetry;
 pub mod tenants;
 pub mod tls;
 pub mod topup;
+pub mod webhooks;

@@ -46,6 +46,8 @@ pub struct Metrics {
     pub processor: crate::topup::processor::CallCounters,
     /// The completer's runs, the operations it drove, and the top-ups left unfinished.
     pub completer: crate::topup::CompleterCounters,
+    /// The webhook workers' counters and the backlog gauges (`crate::webhooks::delivery`).
+    pub webhooks: crate::webhooks::Counters,
     /// 1 when the database answered this scrape's probe (what `/readyz` checks), else 0.
     ready: IntGauge,
     /// Age of the oldest idempotency-key row, next to the retention it must stay under: a
@@ -189,6 +191,63 @@ impl Metrics {
             )
             .expect("valid metric"),
         };
+        let webhooks = crate::webhooks::Counters {
+            deliveries: IntCounterVec::new(
+                Opts::new(
+                    "oncepay_webhook_deliveries_total",
+                    "Webhook attempts by outcome: delivered (2xx), retry (failed, attempted again later), \
+                     given_up (failed the whole retry schedule), gone (410: endpoint disabled), unrecorded \
+                     (the result could not be written; sent again after its lease)",
+                ),
+                &["outcome"],
+            )
+            .expect("valid metric"),
+            endpoints_disabled: IntCounterVec::new(
+                Opts::new(
+                    "oncepay_webhook_endpoints_disabled_total",
+                    "Webhook endpoints this process disabled, by reason: gone (410), failing (retry schedule spent)",
+                ),
+                &["reason"],
+            )
+            .expect("valid metric"),
+            attempt_duration: Histogram::with_opts(
+                HistogramOpts::new(
+                    "oncepay_webhook_attempt_duration_seconds",
+                    "Duration of one webhook attempt",
+                )
+                .buckets(vec![0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 30.0]),
+            )
+            .expect("valid metric"),
+            pending: IntGaugeVec::new(
+                Opts::new(
+                    "oncepay_webhook_pending_deliveries",
+                    "Webhook deliveries not yet delivered (every replica's, read from the database), by their age",
+                ),
+                &["age"],
+            )
+            .expect("valid metric"),
+            oldest_pending: Gauge::new(
+                "oncepay_webhook_oldest_pending_seconds",
+                "Age of the oldest webhook delivery not yet delivered or given up (0 when there is none)",
+            )
+            .expect("valid metric"),
+            disabled_now: IntGauge::new(
+                "oncepay_webhook_endpoints_disabled",
+                "Webhook endpoints disabled now (410 Gone or retry schedule spent), not deleted",
+            )
+            .expect("valid metric"),
+        };
+        // Every label value exported from the start (at 0), so that alerts and dashboards see
+        // the series before the first event.
+        for outcome in ["delivered", "retry", "given_up", "gone", "unrecorded"] {
+            webhooks.deliveries.with_label_values(&[outcome]);
+        }
+        for reason in ["gone", "failing"] {
+            webhooks.endpoints_disabled.with_label_values(&[reason]);
+        }
+        for age in ["lt_1m", "1m_to_1h", "gt_1h"] {
+            webhooks.pending.with_label_values(&[age]);
+        }
         let ready = IntGauge::new(
             "oncepay_ready",
             "1 when the database answered the scrape's probe (as /readyz), else 0",
@@ -229,6 +288,12 @@ impl Metrics {
             Box::new(completer.runs.clone()),
             Box::new(completer.operations.clone()),
             Box::new(completer.unfinished.clone()),
+            Box::new(webhooks.deliveries.clone()),
+            Box::new(webhooks.endpoints_disabled.clone()),
+            Box::new(webhooks.attempt_duration.clone()),
+            Box::new(webhooks.pending.clone()),
+            Box::new(webhooks.oldest_pending.clone()),
+            Box::new(webhooks.disabled_now.clone()),
             Box::new(ready.clone()),
             Box::new(oldest_key_age.clone()),
             Box::new(retention.clone()),
@@ -253,6 +318,7 @@ impl Metrics {
             batch,
             processor,
             completer,
+            webhooks,
             ready,
             oldest_key_age,
             retention,

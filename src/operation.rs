@@ -26,6 +26,7 @@ pub enum Operation {
     Transfer,
     TopUp,
     RefundTopUp,
+    CreateWebhookEndpoint,
 }
 
 /// A deterministic failure (PostgreSQL `oncepay_decline`): stored with the key and replayed
@@ -163,8 +164,21 @@ const REFUND_TOP_UP: Spec = Spec {
     tag: "top-ups",
 };
 
+const CREATE_WEBHOOK_ENDPOINT: Spec = Spec {
+    operation: Operation::CreateWebhookEndpoint,
+    name: "create_webhook_endpoint",
+    method: routes::CREATE_WEBHOOK_ENDPOINT.method,
+    path: routes::CREATE_WEBHOOK_ENDPOINT.path,
+    aliases: &[],
+    success_status: 201,
+    declines: &[],
+    summary:
+        "Registers a webhook endpoint; the answer shows its `whsec_` signing secret (a replay shows the same one).",
+    tag: "webhooks",
+};
+
 impl Operation {
-    pub const ALL: [Self; 7] = [
+    pub const ALL: [Self; 8] = [
         Self::Pay,
         Self::Refund,
         Self::Deposit,
@@ -172,6 +186,7 @@ impl Operation {
         Self::Transfer,
         Self::TopUp,
         Self::RefundTopUp,
+        Self::CreateWebhookEndpoint,
     ];
 
     pub const fn spec(self) -> &'static Spec {
@@ -183,6 +198,7 @@ impl Operation {
             Self::Transfer => &TRANSFER,
             Self::TopUp => &TOP_UP,
             Self::RefundTopUp => &REFUND_TOP_UP,
+            Self::CreateWebhookEndpoint => &CREATE_WEBHOOK_ENDPOINT,
         }
     }
 }

@@ -19,8 +19,78 @@ const SCHEDULE_LOCK: i64 = 0x0070_7572_6765;
 const PROGRESS_EVERY: Duration = Duration::from_secs(5);
 
 /// Deletes every key row whose `created_at` is older than `retention`; returns the count.
+/// Also purges the webhooks' finished deliveries and their events ([`purge_webhooks`]).
 pub async fn purge(db: &Db, retention: Duration, batch: i64) -> Result<u64, DbError> {
-    Ok(purge_batches(db, retention, batch, false).await?.unwrap_or(0))
+    let deleted = purge_batches(db, retention, batch, false).await?.unwrap_or(0);
+    purge_webhooks(db, retention, batch).await?;
+    Ok(deleted)
+}
+
+/// The webhooks' bounded growth: deliveries finished (delivered, given up, cancelled) longer
+/// than `retention` ago are deleted with their attempts, then events left with no delivery;
+/// and a delivery still pending for an endpoint deleted or disabled meanwhile (written by a
+/// change that raced the deletion) is cancelled. Batches as for the keys; returns the
+/// events deleted.
+pub async fn purge_webhooks(db: &Db, retention: Duration, batch: i64) -> Result<u64, DbError> {
+    let retention_secs = retention.as_secs_f64();
+    db.run(async |c| {
+        sqlx::query!(
+            r#"UPDATE webhook_deliveries d SET state = 'cancelled', finished_at = now(), leased_until = NULL
+                 FROM webhook_endpoints e
+                WHERE d.state = 'pending' AND e.tenant_id = d.tenant_id AND e.endpoint_id = d.endpoint_id
+                  AND (e.disabled_at IS NOT NULL OR e.deleted_at IS NOT NULL)"#
+        )
+        .execute(c)
+        .await
+    })
+    .await?;
+    let mut events: u64 = 0;
+    loop {
+        let (deliveries, deleted_events) = db
+            .run(async |c| {
+                let r = sqlx::query!(
+                    r#"WITH doomed AS (
+                           SELECT tenant_id, event_id, endpoint_id FROM webhook_deliveries
+                            WHERE finished_at < now() - make_interval(secs => $1)
+                            ORDER BY finished_at
+                            LIMIT $2
+                              FOR UPDATE SKIP LOCKED),
+                       attempts AS (
+                           DELETE FROM webhook_attempts a USING doomed
+                            WHERE a.tenant_id = doomed.tenant_id AND a.event_id = doomed.event_id
+                              AND a.endpoint_id = doomed.endpoint_id),
+                       deliveries AS (
+                           DELETE FROM webhook_deliveries d USING doomed
+                            WHERE d.tenant_id = doomed.tenant_id AND d.event_id = doomed.event_id
+                              AND d.endpoint_id = doomed.endpoint_id
+                           RETURNING d.tenant_id, d.event_id),
+                       events AS (
+                           DELETE FROM webhook_events e
+                            WHERE (e.tenant_id, e.event_id) IN (SELECT tenant_id, event_id FROM deliveries)
+                              AND NOT EXISTS (SELECT FROM webhook_deliveries o
+                                               WHERE o.tenant_id = e.tenant_id AND o.event_id = e.event_id
+                                                 AND (o.tenant_id, o.event_id, o.endpoint_id) NOT IN
+                                                     (SELECT tenant_id, event_id, endpoint_id FROM doomed))
+                           RETURNING 1)
+                   SELECT (SELECT count(*) FROM deliveries) AS "deliveries!",
+                          (SELECT count(*) FROM events) AS "events!""#,
+                    retention_secs,
+                    batch,
+                )
+                .fetch_one(c)
+                .await?;
+                Ok((r.deliveries, r.events))
+            })
+            .await?;
+        events += deleted_events as u64;
+        if deliveries < batch {
+            break;
+        }
+    }
+    if events > 0 {
+        tracing::info!(events, "purged delivered webhook events");
+    }
+    Ok(events)
 }
 
 /// Runs batches until a short one; with `scheduled`, each batch first takes the schedule's
@@ -105,7 +175,12 @@ pub async fn schedule(schedule: Schedule, on_purged: impl Fn(u64)) {
     loop {
         ticker.tick().await;
         match purge_batches(&schedule.db, schedule.retention, schedule.batch, true).await {
-            Ok(Some(deleted)) => on_purged(deleted),
+            Ok(Some(deleted)) => {
+                on_purged(deleted);
+                if let Err(err) = purge_webhooks(&schedule.db, schedule.retention, schedule.batch).await {
+                    tracing::warn!(error = %err, "scheduled purge of webhook events failed; will try again");
+                }
+            }
             Ok(None) => tracing::debug!("another replica holds the purge lock; skipped"),
             Err(err) => tracing::warn!(error = %err, "scheduled purge failed; will try again"),
         }

@@ -16,6 +16,7 @@ use crate::metrics::Metrics;
 use crate::state::AppState;
 use crate::topup::processor::ProcessorClient;
 use crate::topup::{completer, TopUps};
+use crate::webhooks::{Deliverer, SecretBox};
 use crate::{http1, purge, routes, telemetry};
 
 /// A bound, not yet running, server: the API and the operations listener.
@@ -69,6 +70,11 @@ impl Application {
                 ))
             }
         };
+        let webhook_secrets = settings
+            .webhooks
+            .secret_key
+            .as_ref()
+            .map(|key| Arc::new(SecretBox::new(key)));
         let state = web::Data::new(AppState {
             top_ups,
             db,
@@ -77,6 +83,7 @@ impl Application {
             metrics,
             replays,
             payments,
+            webhook_secrets,
         });
         let app_state = state.clone();
         let server = http1::serve(listener, workers, tls, move || {
@@ -132,6 +139,20 @@ impl Application {
             let counters = self.state.metrics.completer.clone();
             tokio::spawn(completer::run(top_ups, after, counters))
         });
+        // Every replica delivers webhooks (with a secret key, and unless its concurrency is 0).
+        let deliverer = match (&self.state.webhook_secrets, self.state.settings.webhooks.concurrency) {
+            (Some(sealer), 1..) => {
+                let deliverer = Deliverer::new(
+                    self.state.db.clone(),
+                    sealer.clone(),
+                    self.state.settings.webhooks.clone(),
+                    self.state.metrics.webhooks.clone(),
+                )
+                .map_err(std::io::Error::other)?;
+                Some(tokio::spawn(Arc::new(deliverer).run()))
+            }
+            _ => None,
+        };
         // The operations listener lives as long as the API: it stops when the API stops.
         let operations = self.operations.handle();
         let operations_task = tokio::spawn(self.operations);
@@ -143,6 +164,9 @@ impl Application {
         }
         if let Some(completer) = completer {
             completer.abort();
+        }
+        if let Some(deliverer) = deliverer {
+            deliverer.abort();
         }
         self.state.db.close().await;
         result

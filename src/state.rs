@@ -1,5 +1,7 @@
 //! What every handler shares: the pool, the settings, the tenant cache and the metrics.
 
+use std::sync::Arc;
+
 use actix_web::http::StatusCode;
 use actix_web::web::Bytes;
 use prometheus::IntGauge;
@@ -14,6 +16,7 @@ use crate::idempotency::Windows;
 use crate::ledger::{ClaimArgs, Effect, Outcome, Pay, PaymentRow};
 use crate::metrics::Metrics;
 use crate::operation::Decline;
+use crate::webhooks::SecretBox;
 
 pub struct AppState {
     /// Every query goes through it (`ONCEPAY_DB_POOLER`).
@@ -27,6 +30,9 @@ pub struct AppState {
     pub payments: Option<Batcher<Pay>>,
     /// Card top-ups (`None`: no `ONCEPAY_PROCESSOR_URL`, top-ups answer 501).
     pub top_ups: Option<crate::topup::TopUps>,
+    /// The key of the stored webhook secrets (`None`: `ONCEPAY_WEBHOOK_SECRET_KEY` unset,
+    /// endpoints cannot be created).
+    pub webhook_secrets: Option<Arc<SecretBox>>,
 }
 
 /// A finished result as the replay cache keeps it: the answer, as the database's replay

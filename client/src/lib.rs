@@ -29,6 +29,7 @@ pub mod policy;
 mod retry;
 mod tls;
 mod transfers;
+pub mod webhooks;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -69,6 +69,8 @@ problem_codes! {
     TemporarilyUnavailable = "temporarily_unavailable", 503;
     /// Top-ups need a card processor (`ONCEPAY_PROCESSOR_URL`); not worth a retry.
     ProcessorNotConfigured = "processor_not_configured", 501;
+    /// Webhook endpoints need `ONCEPAY_WEBHOOK_SECRET_KEY` on the server (not worth a retry).
+    WebhooksNotConfigured = "webhooks_not_configured", 501;
     /// The opaque answer of an unexpected server error.
     InternalError = "internal_error", 500;
 }

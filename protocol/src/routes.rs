@@ -76,8 +76,25 @@ pub const REFUND_TOP_UP: Route = Route {
     path: "/top-ups/{id}/refund",
 };
 
+pub const CREATE_WEBHOOK_ENDPOINT: Route = Route {
+    method: "POST",
+    path: "/webhook-endpoints",
+};
+pub const LIST_WEBHOOK_ENDPOINTS: Route = Route {
+    method: "GET",
+    path: "/webhook-endpoints",
+};
+pub const DELETE_WEBHOOK_ENDPOINT: Route = Route {
+    method: "DELETE",
+    path: "/webhook-endpoints/{id}",
+};
+pub const GET_EVENT: Route = Route {
+    method: "GET",
+    path: "/events/{id}",
+};
+
 /// Every route a tenant calls with its API key.
-pub const TENANT_ROUTES: [Route; 12] = [
+pub const TENANT_ROUTES: [Route; 16] = [
     CREATE_PAYMENT,
     PAY_ALIAS,
     GET_PAYMENT,
@@ -90,6 +107,10 @@ pub const TENANT_ROUTES: [Route; 12] = [
     CREATE_TOP_UP,
     GET_TOP_UP,
     REFUND_TOP_UP,
+    CREATE_WEBHOOK_ENDPOINT,
+    LIST_WEBHOOK_ENDPOINTS,
+    DELETE_WEBHOOK_ENDPOINT,
+    GET_EVENT,
 ];
 
 #[cfg(test)]

@@ -72,3 +72,11 @@ uuid_id!(
     /// A card top-up of an account through the processor (`/top-ups/{id}`).
     TopUpId
 );
+uuid_id!(
+    /// A tenant's webhook endpoint (`/webhook-endpoints/{id}`).
+    EndpointId
+);
+uuid_id!(
+    /// An event (`/events/{id}`): also its `webhook-id`, the same on every attempt.
+    EventId
+);

@@ -4,5 +4,5 @@
 mod ids;
 mod values;
 
-pub use ids::{DepositId, PaymentId, TenantId, TopUpId, TransferId};
+pub use ids::{DepositId, EndpointId, EventId, PaymentId, TenantId, TopUpId, TransferId};
 pub use values::{AccountId, Amount, MissingKeyPolicy, OpeningBalance, MAX_AMOUNT};

@@ -11,6 +11,7 @@ mod pipeline;
 pub mod schemas;
 mod top_ups;
 mod transfers;
+mod webhooks;
 
 use actix_web::{web, HttpResponse};
 
@@ -26,6 +27,7 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
     accounts::configure(cfg);
     transfers::configure(cfg);
     top_ups::configure(cfg);
+    webhooks::configure(cfg);
     admin::configure(cfg);
     health::configure(cfg);
     openapi::configure(cfg);

@@ -18,10 +18,10 @@ use utoipa::{IntoParams, Modify, OpenApi, PartialSchema, ToSchema};
 use super::intake::EmptyBody;
 use super::pipeline::{self, Endpoint};
 use super::schemas::{
-    AdminDisabled, BadRequest, BodyTooLarge, Conflict, IdempotencyKeyHeader, InsufficientFunds, KeyRefused, NotFound,
-    Overloaded, Problem, RequestTimeout, Unauthorized, Unavailable, UnsupportedMediaType,
+    AdminDisabled, BadRequest, BodyTooLarge, Conflict, IdempotencyKeyHeader, InsufficientFunds, KeyRefused,
+    NotConfigured, NotFound, Overloaded, Problem, RequestTimeout, Unauthorized, Unavailable, UnsupportedMediaType,
 };
-use super::{accounts, admin, health, payments, top_ups, transfers};
+use super::{accounts, admin, health, payments, top_ups, transfers, webhooks};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -34,6 +34,7 @@ use super::{accounts, admin, health, payments, top_ups, transfers};
     paths(
         payments::show, accounts::show, transfers::show,
         top_ups::create, top_ups::show, top_ups::refund,
+        webhooks::list, webhooks::delete, webhooks::show_event,
         admin::create_tenant, admin::update_tenant, admin::create_api_key, admin::list_api_keys,
         admin::revoke_api_key, admin::run_purge,
         health::healthz, health::readyz, openapi_json,
@@ -42,7 +43,7 @@ use super::{accounts, admin, health, payments, top_ups, transfers};
         schemas(Problem),
         responses(
             BadRequest, Unauthorized, InsufficientFunds, AdminDisabled, NotFound, Conflict, RequestTimeout, BodyTooLarge,
-            UnsupportedMediaType, KeyRefused, Overloaded, Unavailable, super::schemas::PaymentRequired,
+            UnsupportedMediaType, KeyRefused, NotConfigured, Overloaded, Unavailable, super::schemas::PaymentRequired,
             super::schemas::ProcessorNotConfigured,
         ),
     ),
@@ -52,6 +53,7 @@ use super::{accounts, admin, health, payments, top_ups, transfers};
         (name = "accounts", description = "Accounts and deposits."),
         (name = "transfers", description = "Transfers between two accounts of a tenant."),
         (name = "top-ups", description = "Card top-ups through a processor speaking Stripe's API: charged at most once, credited exactly once iff charged."),
+        (name = "webhooks", description = "Endpoints that receive the tenant's events (Standard Webhooks: signed, at least once, same `webhook-id` on every attempt; docs/webhooks.md)."),
         (name = "admin", description = "Operators: `Authorization: Bearer <ONCEPAY_ADMIN_TOKEN>`."),
         (name = "operations", description = "Probes and this document. `GET /metrics` is served on the operations listener (`ONCEPAY_METRICS_BIND`, loopback by default), not here."),
     )
@@ -90,6 +92,7 @@ impl Modify for Operations {
         document_operation::<accounts::OpenAccount>(openapi);
         document_operation::<accounts::CreateDeposit>(openapi);
         document_operation::<transfers::CreateTransfer>(openapi);
+        document_operation::<webhooks::CreateWebhookEndpoint>(openapi);
     }
 }
 
@@ -141,6 +144,9 @@ fn document_operation<E: Endpoint>(openapi: &mut utoipa::openapi::OpenApi) {
         (429, "Overloaded"),
         (503, "Unavailable"),
     ];
+    if spec.operation == crate::operation::Operation::CreateWebhookEndpoint {
+        statuses.push((501, "NotConfigured"));
+    }
     for decline in spec.declines {
         let response = match decline.status() {
             402 => "InsufficientFunds",
@@ -260,13 +266,16 @@ mod tests {
             documented,
             [
                 "DELETE /admin/tenants/{tenant_id}/api-keys/{key_id}",
+                "DELETE /webhook-endpoints/{id}",
                 "GET /accounts/{id}",
                 "GET /admin/tenants/{tenant_id}/api-keys",
+                "GET /events/{id}",
                 "GET /healthz",
                 "GET /openapi.json",
                 "GET /payments/{id}",
                 "GET /readyz",
                 "GET /transfers/{id}",
+                "GET /webhook-endpoints",
                 "PATCH /admin/tenants/{tenant_id}",
                 "POST /accounts",
                 "POST /accounts/{id}/deposits",
@@ -277,6 +286,7 @@ mod tests {
                 "POST /payments",
                 "POST /payments/{id}/refund",
                 "POST /transfers",
+                "POST /webhook-endpoints",
             ]
         );
     }

@@ -71,6 +71,16 @@ pub fn test_settings() -> Settings {
     settings.admin_token = Some(ADMIN_TOKEN.to_owned());
     settings.db_pool_size = 10;
     settings.workers = 2;
+    // Webhook endpoints can be created; only the webhook tests run delivery workers
+    // (tests/api/webhooks.rs), with short waits.
+    settings.webhooks.secret_key = Some([42; 32]);
+    settings.webhooks.allow_private = true;
+    settings.webhooks.concurrency = 0;
+    settings.webhooks.poll = Duration::from_millis(50);
+    settings.webhooks.timeout = Duration::from_secs(2);
+    settings.webhooks.retry_schedule = [0.2, 0.3, 0.5, 1.0, 1.0, 2.0, 2.0]
+        .map(Duration::from_secs_f64)
+        .to_vec();
     settings
 }
 

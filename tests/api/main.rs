@@ -44,4 +44,8 @@ mod tcp_relay;
 mod tenancy;
 mod tls;
 mod transfers;
+// Shared with the chaos tests, which use a part of it each.
+#[allow(dead_code)]
+mod webhook_receiver;
+mod webhooks;
 mod workspace;

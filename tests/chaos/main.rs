@@ -13,3 +13,7 @@ mod kill;
 mod ledger;
 mod overload;
 mod postgres;
+#[allow(dead_code)]
+#[path = "../api/webhook_receiver.rs"]
+mod webhook_receiver;
+mod webhooks;

@@ -1,0 +1,186 @@
+//! Verifying oncepay's webhooks on the receiving side (docs/webhooks.md).
+//!
+//! oncepay signs every delivery as Standard Webhooks v1 prescribes: the headers
+//! `webhook-id` (the event's id, the same on every attempt), `webhook-timestamp` (Unix
+//! seconds of this attempt) and `webhook-signature` (one or more `v1,<base64>` separated by
+//! spaces: two during a secret's rotation), the signature being HMAC-SHA256 over
+//! `{id}.{timestamp}.{body}` keyed by the base64-decoded part of the endpoint's secret after
+//! `whsec_`.
+//!
+//! ```
+//! use oncepay_client::webhooks::{sign, verify_at, Verified};
+//! let secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+//! let body = br#"{"type":"payment.succeeded","timestamp":"2026-01-01T00:00:00Z","data":{}}"#;
+//! let signature = sign(secret, "evt_1", 1_700_000_000, body).unwrap();
+//! let at = std::time::UNIX_EPOCH + std::time::Duration::from_secs(1_700_000_010);
+//! let verified: Verified = verify_at(secret, "evt_1", "1700000000", &signature, body, at).unwrap();
+//! assert_eq!(verified.webhook_id, "evt_1");
+//! ```
+//!
+//! A verified message may still be a duplicate (delivery is at least once): keep the
+//! `webhook-id`s you processed for at least the whole retry span (about 31 hours with the
+//! default schedule), and answer 2xx to one you already processed.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use base64::engine::general_purpose::STANDARD;
+use base64::Engine as _;
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+
+/// How far `webhook-timestamp` may be from the receiver's clock (Standard Webhooks' default):
+/// an older message is refused as a possible replay by a third party.
+pub const TOLERANCE: Duration = Duration::from_secs(5 * 60);
+
+/// Why a message is refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum VerifyError {
+    #[error("the secret is not a `whsec_` secret")]
+    BadSecret,
+    #[error("`webhook-timestamp` is not a Unix time in seconds")]
+    BadTimestamp,
+    #[error("`webhook-timestamp` is more than five minutes away from now")]
+    TimestampOutOfTolerance,
+    #[error("no `v1` signature of `webhook-signature` matches")]
+    NoMatchingSignature,
+}
+
+/// A message whose signature verified.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Verified {
+    pub webhook_id: String,
+    pub timestamp: i64,
+}
+
+fn mac(secret: &str, id: &str, timestamp: &str, body: &[u8]) -> Result<Hmac<Sha256>, VerifyError> {
+    let key = secret
+        .strip_prefix("whsec_")
+        .and_then(|k| STANDARD.decode(k).ok())
+        .filter(|k| !k.is_empty())
+        .ok_or(VerifyError::BadSecret)?;
+    let mut mac = Hmac::<Sha256>::new_from_slice(&key).map_err(|_| VerifyError::BadSecret)?;
+    mac.update(id.as_bytes());
+    mac.update(b".");
+    mac.update(timestamp.as_bytes());
+    mac.update(b".");
+    mac.update(body);
+    Ok(mac)
+}
+
+/// The `webhook-signature` value oncepay sends for this message with this secret (for
+/// tests of a receiver).
+pub fn sign(secret: &str, webhook_id: &str, timestamp: i64, body: &[u8]) -> Result<String, VerifyError> {
+    let mac = mac(secret, webhook_id, &timestamp.to_string(), body)?;
+    Ok(format!("v1,{}", STANDARD.encode(mac.finalize().into_bytes())))
+}
+
+/// Verifies a message against the receiver's clock: pass the three headers as received and
+/// the body's exact bytes (before any JSON parsing).
+pub fn verify(
+    secret: &str,
+    webhook_id: &str,
+    webhook_timestamp: &str,
+    webhook_signature: &str,
+    body: &[u8],
+) -> Result<Verified, VerifyError> {
+    verify_at(
+        secret,
+        webhook_id,
+        webhook_timestamp,
+        webhook_signature,
+        body,
+        SystemTime::now(),
+    )
+}
+
+/// [`verify`] with the receiver's clock given.
+pub fn verify_at(
+    secret: &str,
+    webhook_id: &str,
+    webhook_timestamp: &str,
+    webhook_signature: &str,
+    body: &[u8],
+    now: SystemTime,
+) -> Result<Verified, VerifyError> {
+    let timestamp: i64 = webhook_timestamp
+        .trim()
+        .parse()
+        .map_err(|_| VerifyError::BadTimestamp)?;
+    let now = now.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64);
+    if (now - timestamp).unsigned_abs() > TOLERANCE.as_secs() {
+        return Err(VerifyError::TimestampOutOfTolerance);
+    }
+    let mac = mac(secret, webhook_id, webhook_timestamp.trim(), body)?;
+    for candidate in webhook_signature.split_whitespace() {
+        let Some(encoded) = candidate.strip_prefix("v1,") else {
+            continue; // another scheme (e.g. v1a): not ours to check
+        };
+        let Ok(signature) = STANDARD.decode(encoded) else {
+            continue;
+        };
+        // Constant-time comparison.
+        if mac.clone().verify_slice(&signature).is_ok() {
+            return Ok(Verified {
+                webhook_id: webhook_id.to_owned(),
+                timestamp,
+            });
+        }
+    }
+    Err(VerifyError::NoMatchingSignature)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SECRET: &str = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+    const ID: &str = "msg_p5jXN8AQM9LWM0D4loKWxJek";
+    const BODY: &[u8] = br#"{"test": 2432232314}"#;
+
+    fn at(secs: u64) -> SystemTime {
+        UNIX_EPOCH + Duration::from_secs(secs)
+    }
+
+    /// The reference libraries' example (standard-webhooks/libraries).
+    #[test]
+    fn verifies_the_reference_example() {
+        let signature = "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE=";
+        assert_eq!(sign(SECRET, ID, 1614265330, BODY).unwrap(), signature);
+        assert!(verify_at(SECRET, ID, "1614265330", signature, BODY, at(1614265330)).is_ok());
+    }
+
+    #[test]
+    fn refuses_a_changed_body_id_timestamp_or_secret() {
+        let signature = sign(SECRET, ID, 1614265330, BODY).unwrap();
+        let now = at(1614265330);
+        let refused = |secret, id, ts, body: &[u8]| verify_at(secret, id, ts, &signature, body, now).unwrap_err();
+        assert_eq!(
+            refused(SECRET, ID, "1614265330", b"{}"),
+            VerifyError::NoMatchingSignature
+        );
+        assert_eq!(
+            refused(SECRET, "msg_other", "1614265330", BODY),
+            VerifyError::NoMatchingSignature
+        );
+        assert_eq!(
+            refused(SECRET, ID, "1614265331", BODY),
+            VerifyError::NoMatchingSignature
+        );
+        assert_eq!(
+            refused("whsec_AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA", ID, "1614265330", BODY),
+            VerifyError::NoMatchingSignature
+        );
+        assert_eq!(refused("nope", ID, "1614265330", BODY), VerifyError::BadSecret);
+        assert_eq!(
+            verify_at(SECRET, ID, "1614265330", &signature, BODY, at(1614265330 + 301)).unwrap_err(),
+            VerifyError::TimestampOutOfTolerance
+        );
+    }
+
+    #[test]
+    fn any_of_several_signatures_may_match_during_a_rotation() {
+        let good = sign(SECRET, ID, 1614265330, BODY).unwrap();
+        let header = format!("v1,AAAA {good} v1a,ignored");
+        assert!(verify_at(SECRET, ID, "1614265330", &header, BODY, at(1614265330)).is_ok());
+    }
+}

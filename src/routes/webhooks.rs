@@ -1,0 +1,212 @@
+//! `POST /webhook-endpoints` (an idempotent operation), `GET /webhook-endpoints`,
+//! `DELETE /webhook-endpoints/{id}`, `GET /events/{id}` (contract section 4c).
+
+use actix_web::{web, HttpRequest, HttpResponse};
+use chrono::{DateTime, Utc};
+use oncepay_protocol::routes;
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+use super::pipeline::{route, Endpoint};
+use super::schemas::{NotFound, Overloaded, Unauthorized, Unavailable};
+use crate::domain::{EndpointId, EventId};
+use crate::error::ApiError;
+use crate::state::AppState;
+use crate::webhooks::endpoints::{self, EVENT_TYPES};
+use crate::webhooks::{target, CreateEndpoint, EndpointRow};
+
+pub fn configure(cfg: &mut web::ServiceConfig) {
+    route::<CreateWebhookEndpoint>(cfg);
+    cfg.route(routes::LIST_WEBHOOK_ENDPOINTS.path, web::get().to(list));
+    cfg.route(routes::DELETE_WEBHOOK_ENDPOINT.path, web::delete().to(delete));
+    cfg.route(routes::GET_EVENT.path, web::get().to(show_event));
+}
+
+/// Body of `POST /webhook-endpoints`.
+#[derive(Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct WebhookEndpointIn {
+    /// Where events are POSTed: an `http` or `https` URL whose host resolves to public
+    /// addresses only (unless the server allows private ones).
+    pub url: String,
+    /// The event types to receive (at least one); absent: every type, present and future.
+    #[schema(example = json!(["payment.succeeded", "payment.refunded"]))]
+    pub events: Option<Vec<String>>,
+}
+
+/// A new endpoint, with its signing secret (shown here only; a replay shows the same).
+#[derive(Serialize, ToSchema)]
+pub struct WebhookEndpointOut {
+    id: EndpointId,
+    url: String,
+    events: Vec<String>,
+    /// `whsec_` + base64 of the HMAC key (Standard Webhooks).
+    secret: String,
+    created_at: DateTime<Utc>,
+}
+
+/// An endpoint as listed: never its secret.
+#[derive(Serialize, ToSchema)]
+struct WebhookEndpointListed {
+    id: EndpointId,
+    url: String,
+    events: Vec<String>,
+    created_at: DateTime<Utc>,
+    /// `enabled`, or `disabled` (410 Gone, or the retry schedule failed throughout).
+    status: &'static str,
+    disabled_at: Option<DateTime<Utc>>,
+    /// `gone` or `failing`.
+    disabled_reason: Option<String>,
+}
+
+/// An event as delivered (its `id` is the `webhook-id`).
+#[derive(Serialize, ToSchema)]
+struct EventOut {
+    id: EventId,
+    #[serde(rename = "type")]
+    kind: String,
+    timestamp: String,
+    data: serde_json::Value,
+}
+
+fn events_or_all(events: Option<Vec<String>>) -> Vec<String> {
+    events.unwrap_or_else(|| EVENT_TYPES.iter().map(|&t| t.to_owned()).collect())
+}
+
+pub struct CreateWebhookEndpoint;
+
+impl Endpoint for CreateWebhookEndpoint {
+    type Effect = CreateEndpoint;
+    type In = WebhookEndpointIn;
+    type Out = WebhookEndpointOut;
+
+    fn effect(req: &HttpRequest, body: WebhookEndpointIn) -> Result<(CreateEndpoint, Option<String>), ApiError> {
+        let state = req
+            .app_data::<web::Data<AppState>>()
+            .ok_or_else(|| ApiError::Internal(anyhow::anyhow!("no application state")))?;
+        let url = target::parse(&body.url).map_err(|e| ApiError::InvalidRequest(e.to_string()))?;
+        if let Some(events) = &body.events {
+            if events.is_empty() {
+                return Err(ApiError::InvalidRequest(
+                    "`events` must name at least one event type (omit it for all)".to_owned(),
+                ));
+            }
+            if let Some(unknown) = events.iter().find(|e| !EVENT_TYPES.contains(&e.as_str())) {
+                return Err(ApiError::InvalidRequest(format!(
+                    "`events`: {unknown:?} is not one of {}",
+                    EVENT_TYPES.join(", ")
+                )));
+            }
+        }
+        // The host's addresses, looked up now (a blocking lookup: registrations are rare);
+        // deliveries check them again on every connection.
+        target::check_blocking(&url, state.settings.webhooks.allow_private)
+            .map_err(|e| ApiError::InvalidRequest(e.to_string()))?;
+        let sealer = state.webhook_secrets.clone().ok_or(ApiError::WebhooksNotConfigured)?;
+        let mut events = body.events;
+        if let Some(events) = &mut events {
+            events.sort();
+            events.dedup();
+        }
+        Ok((
+            CreateEndpoint {
+                url: url.to_string(),
+                events,
+                sealer,
+            },
+            None,
+        ))
+    }
+
+    fn render(row: EndpointRow) -> Result<WebhookEndpointOut, ApiError> {
+        Ok(WebhookEndpointOut {
+            id: row.id,
+            url: row.url,
+            events: events_or_all(row.events),
+            secret: row.secret,
+            created_at: row.created_at,
+        })
+    }
+}
+
+/// The tenant's webhook endpoints (deleted ones left out), never their secrets.
+#[utoipa::path(
+    get, path = "/webhook-endpoints", tag = "webhooks", operation_id = "list_webhook_endpoints", security(("api_key" = [])),
+    responses(
+        (status = 200, description = "The endpoints, oldest first.", body = [WebhookEndpointListed]),
+        (status = 401, response = Unauthorized), (status = 429, response = Overloaded), (status = 503, response = Unavailable),
+    )
+)]
+pub(super) async fn list(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+    let tenant = crate::auth::tenant(&req, &state.db, &state.tenants).await?;
+    let mut conn = state.conn().await?;
+    let rows = conn.run(async |c| endpoints::list(c, tenant.id).await).await?;
+    let listed: Vec<_> = rows
+        .into_iter()
+        .map(|e| WebhookEndpointListed {
+            id: e.id,
+            url: e.url,
+            events: events_or_all(e.events),
+            created_at: e.created_at,
+            status: if e.disabled_at.is_some() { "disabled" } else { "enabled" },
+            disabled_at: e.disabled_at,
+            disabled_reason: e.disabled_reason,
+        })
+        .collect();
+    Ok(HttpResponse::Ok().json(listed))
+}
+
+/// Deletes an endpoint: nothing more is sent to it, its pending deliveries are cancelled.
+#[utoipa::path(
+    delete, path = "/webhook-endpoints/{id}", tag = "webhooks", operation_id = "delete_webhook_endpoint", security(("api_key" = [])),
+    params(("id" = EndpointId, Path, description = "The endpoint's id; another tenant's answers 404.")),
+    responses(
+        (status = 204, description = "Deleted."),
+        (status = 401, response = Unauthorized), (status = 404, response = NotFound),
+        (status = 429, response = Overloaded), (status = 503, response = Unavailable),
+    )
+)]
+pub(super) async fn delete(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+    let tenant = crate::auth::tenant(&req, &state.db, &state.tenants).await?;
+    let id = req
+        .match_info()
+        .get("id")
+        .and_then(EndpointId::parse)
+        .ok_or(ApiError::NotFound)?;
+    let mut conn = state.conn().await?;
+    if conn.run(async |c| endpoints::delete(c, tenant.id, id).await).await? {
+        Ok(HttpResponse::NoContent().finish())
+    } else {
+        Err(ApiError::NotFound)
+    }
+}
+
+/// An event as delivered (until purged, a retention after its deliveries finished).
+#[utoipa::path(
+    get, path = "/events/{id}", tag = "webhooks", operation_id = "get_event", security(("api_key" = [])),
+    params(("id" = EventId, Path, description = "The event's id (its `webhook-id`); another tenant's answers 404.")),
+    responses(
+        (status = 200, description = "The event: `type`, `timestamp` and `data` as in the delivered body.", body = EventOut),
+        (status = 401, response = Unauthorized), (status = 404, response = NotFound),
+        (status = 429, response = Overloaded), (status = 503, response = Unavailable),
+    )
+)]
+pub(super) async fn show_event(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+    let tenant = crate::auth::tenant(&req, &state.db, &state.tenants).await?;
+    let id = req
+        .match_info()
+        .get("id")
+        .and_then(EventId::parse)
+        .ok_or(ApiError::NotFound)?;
+    let mut conn = state.conn().await?;
+    let event = conn
+        .run(async |c| endpoints::event(c, tenant.id, id).await)
+        .await?
+        .ok_or(ApiError::NotFound)?;
+    Ok(HttpResponse::Ok().json(EventOut {
+        id: event.id,
+        kind: event.event_type,
+        timestamp: event.created_at.to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+        data: event.data,
+    }))
+}

@@ -1,0 +1,201 @@
+//! `POST /webhook-endpoints` as an idempotent operation (its key row, its replay: the same
+//! secret, decrypted again), and the reads behind `GET /webhook-endpoints`,
+//! `DELETE /webhook-endpoints/{id}` and `GET /events/{id}`.
+
+use std::sync::Arc;
+
+use chrono::{DateTime, Utc};
+use sqlx::PgConnection;
+use uuid::Uuid;
+
+use super::secrets::SecretBox;
+use crate::domain::{EndpointId, EventId, TenantId};
+use crate::ledger::{settle, ClaimArgs, Effect, Outcome, Reply};
+use crate::operation::{ClaimOutcome, Decline, Operation};
+
+/// The event types a tenant may subscribe to (the SQL domain `oncepay_webhook_event_type`).
+pub const EVENT_TYPES: [&str; 7] = [
+    "payment.succeeded",
+    "payment.refunded",
+    "deposit.succeeded",
+    "transfer.succeeded",
+    "top_up.succeeded",
+    "top_up.failed",
+    "top_up.refunded",
+];
+
+/// A row of `webhook_endpoints`, whole, as the function returns it.
+#[derive(Clone, Debug, sqlx::Type)]
+#[sqlx(type_name = "webhook_endpoints")]
+pub struct StoredEndpoint {
+    pub tenant_id: Uuid,
+    pub endpoint_id: Uuid,
+    pub url: String,
+    pub event_types: Option<Vec<String>>,
+    pub secret_encrypted: Vec<u8>,
+    pub previous_secret_encrypted: Option<Vec<u8>>,
+    pub previous_secret_expires_at: Option<DateTime<Utc>>,
+    pub idempotency_key: Option<String>,
+    pub created_at: DateTime<Utc>,
+    pub disabled_at: Option<DateTime<Utc>>,
+    pub disabled_reason: Option<String>,
+    pub deleted_at: Option<DateTime<Utc>>,
+}
+
+/// An endpoint as its creation answers it: with its secret in clear.
+#[derive(Clone, Debug)]
+pub struct EndpointRow {
+    pub id: EndpointId,
+    pub url: String,
+    pub events: Option<Vec<String>>,
+    pub secret: String,
+    pub created_at: DateTime<Utc>,
+}
+
+/// Registers an endpoint: `url` already checked ([`super::target`]), `events` already
+/// validated against [`EVENT_TYPES`] (`None`: all).
+pub struct CreateEndpoint {
+    pub url: String,
+    pub events: Option<Vec<String>>,
+    pub sealer: Arc<SecretBox>,
+}
+
+impl Effect for CreateEndpoint {
+    const OPERATION: Operation = Operation::CreateWebhookEndpoint;
+    type Row = EndpointRow;
+
+    async fn run(
+        &self,
+        conn: &mut PgConnection,
+        tenant: TenantId,
+        claim: &ClaimArgs,
+    ) -> Result<Outcome<EndpointRow>, sqlx::Error> {
+        let sealed = self.sealer.seal(tenant.get(), &SecretBox::generate());
+        let r = sqlx::query!(
+            r#"SELECT outcome AS "outcome!: ClaimOutcome", decline AS "decline: Decline", expires_at,
+                      resource AS "resource: StoredEndpoint"
+               FROM oncepay_create_webhook_endpoint($1, $2, $3, $4, $5)"#,
+            tenant.get(),
+            claim as _,
+            self.url,
+            self.events.as_deref() as Option<&[String]>,
+            sealed,
+        )
+        .fetch_one(conn)
+        .await?;
+        let outcome = settle(r.outcome, r.decline, r.expires_at, r.resource)?;
+        let open = |stored: StoredEndpoint| -> Result<EndpointRow, sqlx::Error> {
+            let secret = self
+                .sealer
+                .open(tenant.get(), &stored.secret_encrypted)
+                .map_err(|e| sqlx::Error::Decode(e.into()))?;
+            Ok(EndpointRow {
+                id: EndpointId::from_uuid(stored.endpoint_id),
+                url: stored.url,
+                events: stored.event_types,
+                secret,
+                created_at: stored.created_at,
+            })
+        };
+        let result = match outcome.result {
+            Ok(Reply::New(stored)) => Ok(Reply::New(open(stored)?)),
+            Ok(Reply::Replayed(stored)) => Ok(Reply::Replayed(open(stored)?)),
+            Err(refusal) => Err(refusal),
+        };
+        Ok(Outcome {
+            result,
+            expires_at: outcome.expires_at,
+        })
+    }
+}
+
+/// An endpoint as `GET /webhook-endpoints` lists it (never its secret).
+#[derive(Clone, Debug)]
+pub struct ListedEndpoint {
+    pub id: EndpointId,
+    pub url: String,
+    pub events: Option<Vec<String>>,
+    pub created_at: DateTime<Utc>,
+    pub disabled_at: Option<DateTime<Utc>>,
+    pub disabled_reason: Option<String>,
+}
+
+/// The tenant's endpoints, deleted ones left out, oldest first.
+pub async fn list(conn: &mut PgConnection, tenant: TenantId) -> Result<Vec<ListedEndpoint>, sqlx::Error> {
+    let rows = sqlx::query!(
+        r#"SELECT endpoint_id, url, event_types, created_at, disabled_at, disabled_reason
+             FROM webhook_endpoints
+            WHERE tenant_id = $1 AND deleted_at IS NULL
+            ORDER BY created_at, endpoint_id"#,
+        tenant.get(),
+    )
+    .fetch_all(conn)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|r| ListedEndpoint {
+            id: EndpointId::from_uuid(r.endpoint_id),
+            url: r.url,
+            events: r.event_types,
+            created_at: r.created_at,
+            disabled_at: r.disabled_at,
+            disabled_reason: r.disabled_reason,
+        })
+        .collect())
+}
+
+/// Deletes an endpoint (its pending deliveries are cancelled); `false` if the tenant has no
+/// such endpoint (or it was deleted already).
+pub async fn delete(conn: &mut PgConnection, tenant: TenantId, endpoint: EndpointId) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar!(
+        r#"SELECT oncepay_webhook_disable($1, $2, 'deleted') AS "deleted!""#,
+        tenant.get(),
+        endpoint.get(),
+    )
+    .fetch_one(conn)
+    .await
+}
+
+/// An event as delivered.
+#[derive(Clone, Debug)]
+pub struct EventRow {
+    pub id: EventId,
+    pub event_type: String,
+    pub data: serde_json::Value,
+    pub created_at: DateTime<Utc>,
+}
+
+pub async fn event(conn: &mut PgConnection, tenant: TenantId, event: EventId) -> Result<Option<EventRow>, sqlx::Error> {
+    let row = sqlx::query!(
+        r#"SELECT event_id, event_type, data, created_at FROM webhook_events
+            WHERE tenant_id = $1 AND event_id = $2"#,
+        tenant.get(),
+        event.get(),
+    )
+    .fetch_optional(conn)
+    .await?;
+    Ok(row.map(|r| EventRow {
+        id: EventId::from_uuid(r.event_id),
+        event_type: r.event_type,
+        data: r.data,
+        created_at: r.created_at,
+    }))
+}
+
+impl EventRow {
+    /// The body every attempt sends (Standard Webhooks: `{"type","timestamp","data"}`),
+    /// the same bytes each time.
+    pub fn body(&self) -> Vec<u8> {
+        body(&self.event_type, self.created_at, &self.data)
+    }
+}
+
+/// The delivered body of an event.
+pub fn body(event_type: &str, created_at: DateTime<Utc>, data: &serde_json::Value) -> Vec<u8> {
+    serde_json::to_vec(&serde_json::json!({
+        "type": event_type,
+        "timestamp": created_at.to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+        "data": data,
+    }))
+    .expect("a JSON value serialises")
+}

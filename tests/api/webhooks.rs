@@ -1,0 +1,609 @@
+//! Webhooks (contract section 4c) against a real receiver of the tests' own
+//! (`webhook_receiver`): every committed change's event arrives, signed, once acknowledged;
+//! a duplicate carries the same `webhook-id`; no event of a rolled-back or replayed change;
+//! per resource in order. Each fault of the issue has its scenario: the receiver down then
+//! back, 500 then 200, an answer lost after the receiver processed it, 410, a schedule spent,
+//! `Retry-After`, three replicas at once, a late commit. (The kill -9 of a replica and the
+//! PostgreSQL restart are in `make chaos`: tests/chaos/webhooks.rs.)
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use reqwest::Method;
+use serde_json::json;
+use uuid::Uuid;
+
+use crate::helpers::{metric_value, new_key, TestApp};
+use crate::webhook_receiver::{Receiver, Reply};
+
+const WAIT: Duration = Duration::from_secs(60);
+
+/// A replica that delivers webhooks.
+fn delivering(settings: &mut oncepay::config::Settings) {
+    settings.webhooks.concurrency = 16;
+}
+
+async fn delivering_app() -> TestApp {
+    TestApp::builder().settings(delivering).spawn().await
+}
+
+/// Registers `receiver` for the app's tenant; gives the endpoint's id.
+async fn subscribe(app: &TestApp, receiver: &Receiver, events: Option<&[&str]>) -> String {
+    let mut body = json!({ "url": receiver.url() });
+    if let Some(events) = events {
+        body["events"] = json!(events);
+    }
+    let answer = app.post("/webhook-endpoints", Some(&new_key()), &body).await;
+    assert_eq!(answer.status, 201, "{}", answer.body);
+    receiver.set_secret(answer.body["secret"].as_str().unwrap());
+    answer.body["id"].as_str().unwrap().to_owned()
+}
+
+/// Pays `amount` from `main`; the payment's id.
+async fn pay(app: &TestApp, amount: i64) -> String {
+    let answer = app.pay(Some(&new_key()), amount).await;
+    assert_eq!(answer.status, 201, "{}", answer.body);
+    answer.body["id"].as_str().unwrap().to_owned()
+}
+
+async fn refund(app: &TestApp, payment: &str) {
+    let answer = app.refund(Some(&new_key()), payment).await;
+    assert_eq!(answer.status, 200, "{}", answer.body);
+}
+
+/// Every event the database holds for the tenant's committed changes, as `check` wants them:
+/// each payment (and its refund), deposit and transfer.
+async fn committed(app: &TestApp) -> BTreeMap<String, Vec<&'static str>> {
+    let mut expected = BTreeMap::new();
+    let payments: Vec<(Uuid, bool)> =
+        sqlx::query_as("SELECT payment_id, refunded_at IS NOT NULL FROM payments WHERE tenant_id = $1")
+            .bind(app.tenant_id)
+            .fetch_all(&app.pool)
+            .await
+            .unwrap();
+    for (id, refunded) in payments {
+        let types = if refunded {
+            vec!["payment.succeeded", "payment.refunded"]
+        } else {
+            vec!["payment.succeeded"]
+        };
+        expected.insert(id.to_string(), types);
+    }
+    for (id,) in sqlx::query_as::<_, (Uuid,)>("SELECT deposit_id FROM deposits WHERE tenant_id = $1")
+        .bind(app.tenant_id)
+        .fetch_all(&app.pool)
+        .await
+        .unwrap()
+    {
+        expected.insert(id.to_string(), vec!["deposit.succeeded"]);
+    }
+    for (id,) in sqlx::query_as::<_, (Uuid,)>("SELECT transfer_id FROM transfers WHERE tenant_id = $1")
+        .bind(app.tenant_id)
+        .fetch_all(&app.pool)
+        .await
+        .unwrap()
+    {
+        expected.insert(id.to_string(), vec!["transfer.succeeded"]);
+    }
+    expected
+}
+
+fn event_count(expected: &BTreeMap<String, Vec<&str>>) -> usize {
+    expected.values().map(Vec::len).sum()
+}
+
+/// Waits for every committed event of the app's tenant, then checks what arrived.
+async fn all_delivered(app: &TestApp, receiver: &Receiver) -> crate::webhook_receiver::Report {
+    let expected = committed(app).await;
+    receiver.wait_for_acknowledged(event_count(&expected), WAIT).await;
+    // Late duplicates have a moment to show up before the check.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    receiver.check(&expected)
+}
+
+#[tokio::test]
+async fn an_endpoint_is_created_once_listed_without_its_secret_and_deleted() {
+    let app = TestApp::builder().spawn().await;
+    let key = new_key();
+    let body = json!({ "url": "http://127.0.0.1:9/hooks", "events": ["payment.succeeded", "payment.refunded"] });
+    let first = app.post("/webhook-endpoints", Some(&key), &body).await;
+    assert_eq!(first.status, 201, "{}", first.body);
+    let secret = first.body["secret"].as_str().unwrap();
+    assert!(secret.starts_with("whsec_"), "{secret}");
+    assert_eq!(first.body["events"], json!(["payment.refunded", "payment.succeeded"]));
+    assert_eq!(first.header("Idempotency-Replayed"), Some("false"));
+    // A replay answers the same endpoint and the same secret; nothing new is stored.
+    let replay = app.post("/webhook-endpoints", Some(&key), &body).await;
+    assert_eq!(replay.status, 201);
+    assert!(replay.replayed());
+    assert_eq!(replay.body, first.body);
+    let other = app
+        .post(
+            "/webhook-endpoints",
+            Some(&key),
+            &json!({ "url": "http://127.0.0.1:10/" }),
+        )
+        .await;
+    other.assert_problem(422, "idempotency_key_reused");
+
+    // The database holds the secret only encrypted.
+    let stored: Vec<u8> = sqlx::query_scalar("SELECT secret_encrypted FROM webhook_endpoints WHERE tenant_id = $1")
+        .bind(app.tenant_id)
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    let key_bytes = oncepay::webhooks::signing::key_of(secret).unwrap();
+    assert!(!stored.windows(key_bytes.len()).any(|w| w == key_bytes.as_slice()));
+    assert!(!stored.windows(secret.len()).any(|w| w == secret.as_bytes()));
+
+    let all = app
+        .post(
+            "/webhook-endpoints",
+            Some(&new_key()),
+            &json!({ "url": "https://93.184.216.34/x" }),
+        )
+        .await;
+    assert_eq!(all.status, 201, "{}", all.body);
+    assert_eq!(all.body["events"].as_array().unwrap().len(), 7);
+
+    let listed = app.get("/webhook-endpoints").await;
+    assert_eq!(listed.status, 200);
+    let listed = listed.body.as_array().unwrap().clone();
+    assert_eq!(listed.len(), 2);
+    assert!(listed
+        .iter()
+        .all(|e| e.get("secret").is_none() && e["status"] == "enabled"));
+
+    let id = first.body["id"].as_str().unwrap();
+    // Another tenant neither sees nor deletes it.
+    let stranger = TestApp::builder().spawn().await;
+    assert_eq!(stranger.get("/webhook-endpoints").await.body, json!([]));
+    let response = stranger
+        .client
+        .delete(stranger.url(&format!("/webhook-endpoints/{id}")))
+        .bearer_auth(&stranger.api_key)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 404);
+    let delete = || {
+        app.client
+            .delete(app.url(&format!("/webhook-endpoints/{id}")))
+            .bearer_auth(&app.api_key)
+            .send()
+    };
+    assert_eq!(delete().await.unwrap().status(), 204);
+    assert_eq!(delete().await.unwrap().status(), 404);
+    assert_eq!(app.get("/webhook-endpoints").await.body.as_array().unwrap().len(), 1);
+    app.get("/events/not-an-id").await.assert_problem(404, "not_found");
+    app.get(&format!("/events/{}", Uuid::new_v4()))
+        .await
+        .assert_problem(404, "not_found");
+}
+
+#[tokio::test]
+async fn private_targets_unknown_events_and_a_server_without_a_key_are_refused() {
+    let app = TestApp::builder()
+        .settings(|s| s.webhooks.allow_private = false)
+        .spawn()
+        .await;
+    for url in [
+        "http://127.0.0.1:8080/x",
+        "http://localhost/x",
+        "http://10.0.0.1/x",
+        "http://192.168.1.10/x",
+        "http://169.254.169.254/latest/meta-data",
+        "http://[::1]/x",
+        "http://[fe80::1]/x",
+        "ftp://example.com/x",
+        "not a url",
+        "https://user:pw@example.com/x",
+    ] {
+        let answer = app
+            .post("/webhook-endpoints", Some(&new_key()), &json!({ "url": url }))
+            .await;
+        answer.assert_problem(400, "invalid_request");
+    }
+    for events in [json!([]), json!(["payment.created"]), json!("payment.succeeded")] {
+        let answer = app
+            .post(
+                "/webhook-endpoints",
+                Some(&new_key()),
+                &json!({ "url": "https://93.184.216.34/", "events": events }),
+            )
+            .await;
+        answer.assert_problem(400, "invalid_request");
+    }
+    let unknown_field = app
+        .post(
+            "/webhook-endpoints",
+            Some(&new_key()),
+            &json!({ "url": "https://93.184.216.34/", "secret": "x" }),
+        )
+        .await;
+    unknown_field.assert_problem(400, "invalid_request");
+    let stored: i64 = sqlx::query_scalar("SELECT count(*) FROM webhook_endpoints WHERE tenant_id = $1")
+        .bind(app.tenant_id)
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(stored, 0);
+
+    let unconfigured = TestApp::builder()
+        .settings(|s| s.webhooks.secret_key = None)
+        .spawn()
+        .await;
+    let answer = unconfigured
+        .post(
+            "/webhook-endpoints",
+            Some(&new_key()),
+            &json!({ "url": "https://93.184.216.34/" }),
+        )
+        .await;
+    answer.assert_problem(501, "webhooks_not_configured");
+}
+
+#[tokio::test]
+async fn every_committed_change_arrives_signed_in_order_and_no_replay_decline_or_rollback_emits() {
+    let app = delivering_app().await;
+    let receiver = Receiver::start().await;
+    subscribe(&app, &receiver, None).await;
+    app.open_account("a", 1_000).await;
+    app.open_account("b", 0).await;
+
+    let key = new_key();
+    let paid = app.pay(Some(&key), 100).await;
+    let payment = paid.body["id"].as_str().unwrap().to_owned();
+    assert!(app.pay(Some(&key), 100).await.replayed());
+    refund(&app, &payment).await;
+    let declined = app.pay(Some(&new_key()), 1_000_000).await;
+    declined.assert_problem(402, "insufficient_funds");
+    let deposit = app.deposit(Some(&new_key()), "a", 50).await;
+    assert_eq!(deposit.status, 201);
+    let transfer = app.transfer(Some(&new_key()), "a", "b", 25).await;
+    assert_eq!(transfer.status, 201);
+
+    // A change rolled back: its function ran (and emitted) inside a transaction that aborts.
+    let mut tx = app.pool.begin().await.unwrap();
+    let rolled_back: Uuid = sqlx::query_scalar(
+        "SELECT (resource).payment_id FROM oncepay_pay($1, ROW(NULL, false, NULL, 'pay', 'POST', '/payments', 0, 1000, 201, '{}')::oncepay_claim_args, 'main', 7)",
+    )
+    .bind(app.tenant_id)
+    .fetch_one(&mut *tx)
+    .await
+    .unwrap();
+    tx.rollback().await.unwrap();
+
+    let report = all_delivered(&app, &receiver).await;
+    assert_eq!(report.events, 4, "{report:?}");
+    let messages = receiver.messages();
+    assert!(messages.iter().all(|m| m.resource != rolled_back.to_string()));
+
+    // The bodies: {"type","timestamp","data"}, data as the resource's GET (or answer).
+    let of = |t: &str| messages.iter().find(|m| m.event_type == t).unwrap().clone();
+    let succeeded = of("payment.succeeded");
+    assert_eq!(succeeded.body["data"]["id"], payment);
+    assert_eq!(succeeded.body["data"]["amount"], 100);
+    assert_eq!(succeeded.body["data"]["status"], "succeeded");
+    assert_eq!(succeeded.body["data"]["account"], "main");
+    let refunded = of("payment.refunded");
+    assert_eq!(refunded.body["data"]["status"], "refunded");
+    assert!(refunded.body["data"]["refunded_at"].is_string());
+    assert_eq!(of("deposit.succeeded").body["data"]["balance"], deposit.body["balance"]);
+    assert_eq!(of("transfer.succeeded").body["data"]["from"], "a");
+    let headers = &succeeded.headers;
+    assert_eq!(headers["webhook-id"], succeeded.id);
+    assert!(headers["webhook-signature"].starts_with("v1,"));
+    let ts: i64 = headers["webhook-timestamp"].parse().unwrap();
+    assert!((chrono::Utc::now().timestamp() - ts).abs() < 60);
+
+    // GET /events/{id} answers the event as delivered.
+    let event = app.get(&format!("/events/{}", succeeded.id)).await;
+    assert_eq!(event.status, 200);
+    assert_eq!(event.body["type"], succeeded.body["type"]);
+    assert_eq!(event.body["timestamp"], succeeded.body["timestamp"]);
+    assert_eq!(event.body["data"], succeeded.body["data"]);
+    let stranger = TestApp::builder().spawn().await;
+    stranger
+        .get(&format!("/events/{}", succeeded.id))
+        .await
+        .assert_problem(404, "not_found");
+
+    // Each attempt is recorded: status, latency, the answer's first bytes.
+    let (status, head): (Option<i16>, Option<String>) = sqlx::query_as(
+        "SELECT status, response_head FROM webhook_attempts WHERE tenant_id = $1 AND event_id = $2::uuid",
+    )
+    .bind(app.tenant_id)
+    .bind(&succeeded.id)
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!((status, head.as_deref()), (Some(200), Some("ok")));
+}
+
+#[tokio::test]
+async fn an_endpoint_receives_only_the_types_it_subscribed_to() {
+    let app = delivering_app().await;
+    let refunds = Receiver::start().await;
+    subscribe(&app, &refunds, Some(&["payment.refunded"])).await;
+    let payment = pay(&app, 10).await;
+    refund(&app, &payment).await;
+    refunds.wait_for_acknowledged(1, WAIT).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let messages = refunds.messages();
+    assert!(
+        messages.iter().all(|m| m.event_type == "payment.refunded"),
+        "{messages:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_receiver_down_then_back_gets_every_event() {
+    let app = delivering_app().await;
+    let receiver = Receiver::unstarted().await;
+    subscribe(&app, &receiver, None).await;
+    let mut payments = Vec::new();
+    for _ in 0..10 {
+        payments.push(pay(&app, 10).await);
+    }
+    for payment in &payments[..5] {
+        refund(&app, payment).await;
+    }
+    // Refused connections, attempt after attempt.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let failed: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM webhook_attempts WHERE tenant_id = $1 AND status IS NULL AND error IS NOT NULL",
+    )
+    .bind(app.tenant_id)
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert!(failed >= 10, "{failed} failed attempts recorded");
+    receiver.start_again().await;
+    let report = all_delivered(&app, &receiver).await;
+    assert_eq!(report.events, 15, "{report:?}");
+}
+
+#[tokio::test]
+async fn a_receiver_answering_500_then_200_gets_each_event_again_with_its_id_in_order() {
+    let app = delivering_app().await;
+    let receiver = Receiver::start().await;
+    receiver.script(|m| {
+        if m.nth <= 2 {
+            Reply::Status(500)
+        } else {
+            Reply::Status(200)
+        }
+    });
+    subscribe(&app, &receiver, None).await;
+    for _ in 0..5 {
+        let payment = pay(&app, 10).await;
+        refund(&app, &payment).await;
+    }
+    let report = all_delivered(&app, &receiver).await;
+    assert_eq!(report.events, 10);
+    assert!(report.duplicates >= 20, "{report:?}");
+}
+
+#[tokio::test]
+async fn an_answer_lost_after_the_receiver_processed_it_is_resent_with_the_same_id() {
+    let app = delivering_app().await;
+    let receiver = Receiver::start().await;
+    receiver.script(|m| if m.nth == 1 { Reply::Close } else { Reply::Status(200) });
+    subscribe(&app, &receiver, None).await;
+    for _ in 0..5 {
+        pay(&app, 10).await;
+    }
+    let report = all_delivered(&app, &receiver).await;
+    assert_eq!(report.events, 5);
+    assert!(report.duplicates >= 5, "{report:?}");
+}
+
+#[tokio::test]
+async fn gone_disables_the_endpoint_and_a_spent_schedule_gives_up() {
+    let app = TestApp::builder()
+        .settings(|s| {
+            delivering(s);
+            s.webhooks.retry_schedule = vec![Duration::from_millis(100), Duration::from_millis(100)];
+        })
+        .spawn()
+        .await;
+    let gone = Receiver::start().await;
+    gone.script(|_| Reply::Status(410));
+    let failing = Receiver::start().await;
+    failing.script(|_| Reply::Status(500));
+    let gone_id = subscribe(&app, &gone, None).await;
+    let failing_id = subscribe(&app, &failing, None).await;
+    pay(&app, 10).await;
+
+    let deadline = Instant::now() + WAIT;
+    let states = loop {
+        let states: Vec<(Uuid, String, Option<String>)> = sqlx::query_as(
+            "SELECT e.endpoint_id, d.state, e.disabled_reason FROM webhook_deliveries d
+               JOIN webhook_endpoints e USING (tenant_id, endpoint_id) WHERE d.tenant_id = $1 ORDER BY 1",
+        )
+        .bind(app.tenant_id)
+        .fetch_all(&app.pool)
+        .await
+        .unwrap();
+        if states.iter().all(|(_, state, _)| state != "pending") || Instant::now() > deadline {
+            break states;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    for (endpoint, state, reason) in &states {
+        if endpoint.to_string() == gone_id {
+            assert_eq!((state.as_str(), reason.as_deref()), ("given_up", Some("gone")));
+        } else {
+            assert_eq!(endpoint.to_string(), failing_id);
+            assert_eq!((state.as_str(), reason.as_deref()), ("given_up", Some("failing")));
+        }
+    }
+    assert_eq!(gone.messages().len(), 1, "410 is not retried");
+    // The first attempt and one per wait of the schedule: 3 with this replica's schedule.
+    // (Replicas of other test processes share the database and may claim a retry with
+    // their own, longer schedule: in production every replica has the same one.)
+    assert!(failing.messages().len() >= 3, "{} attempts", failing.messages().len());
+    assert!(failing.messages().iter().all(|m| m.id == failing.messages()[0].id));
+    let listed = app.get("/webhook-endpoints").await.body;
+    assert!(
+        listed.as_array().unwrap().iter().all(|e| e["status"] == "disabled"),
+        "{listed}"
+    );
+    // The gauge of disabled endpoints is read from the database (every replica's, every
+    // test's: at least these two), refreshed every 5 s. (The counters by outcome count this
+    // process's attempts; a replica of another test process may have made these.)
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let disabled = metric_value(&app.metrics().await, "oncepay_webhook_endpoints_disabled");
+        if disabled >= 2.0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "oncepay_webhook_endpoints_disabled = {disabled}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // A disabled endpoint gets no new event.
+    let attempts = failing.messages().len();
+    pay(&app, 10).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(failing.messages().len(), attempts);
+}
+
+#[tokio::test]
+async fn retry_after_on_503_is_honoured() {
+    let app = delivering_app().await;
+    let receiver = Receiver::start().await;
+    receiver.script(|m| {
+        if m.nth == 1 {
+            Reply::RetryAfter(503, 2)
+        } else {
+            Reply::Status(200)
+        }
+    });
+    subscribe(&app, &receiver, None).await;
+    pay(&app, 10).await;
+    all_delivered(&app, &receiver).await;
+    let messages = receiver.messages();
+    assert_eq!(messages.len(), 2);
+    let gap = messages[1].at - messages[0].at;
+    // The schedule's first wait is 0.2 s; Retry-After asked for 2.
+    assert!(gap >= Duration::from_millis(1_900), "{gap:?}");
+}
+
+/// The trap of outbox readers that page by a sequence: an event whose transaction commits
+/// after later ones is not skipped. Here a payment's transaction stays open while later
+/// payments commit and are delivered; it then commits, and its event is delivered too.
+#[tokio::test]
+async fn an_event_committed_late_is_not_skipped() {
+    let app = delivering_app().await;
+    let receiver = Receiver::start().await;
+    subscribe(&app, &receiver, None).await;
+    // Its own account: the open transaction holds that row's lock, not main's.
+    app.open_account("late", 100).await;
+    let mut tx = app.pool.begin().await.unwrap();
+    let late: Uuid = sqlx::query_scalar(
+        "SELECT (resource).payment_id FROM oncepay_pay($1, ROW(NULL, false, NULL, 'pay', 'POST', '/payments', 0, 1000, 201, '{}')::oncepay_claim_args, 'late', 7)",
+    )
+    .bind(app.tenant_id)
+    .fetch_one(&mut *tx)
+    .await
+    .unwrap();
+    for _ in 0..5 {
+        pay(&app, 10).await;
+    }
+    receiver.wait_for_acknowledged(5, WAIT).await;
+    tx.commit().await.unwrap();
+    let report = all_delivered(&app, &receiver).await;
+    assert_eq!(report.events, 6);
+    assert!(receiver.messages().iter().any(|m| m.resource == late.to_string()));
+}
+
+/// Three replicas deliver at once, each claiming from the same tables, while the payments
+/// and refunds arrive concurrently on all three: every event arrives (none skipped under
+/// concurrent writers), duplicates only with their id, in order per payment, and never more
+/// attempts in flight to the endpoint than its bound.
+#[tokio::test]
+async fn three_replicas_deliver_every_event_with_bounded_concurrency_per_endpoint() {
+    let apps = TestApp::builder().settings(delivering).spawn_instances(3).await;
+    let receiver = Receiver::start().await;
+    // Some answers lost, some 500s: retries run on whichever replica claims them.
+    receiver.script(|m| match (m.nth, m.id.as_bytes()[0] % 4) {
+        (1, 0) => Reply::Status(500),
+        (1, 1) => Reply::Close,
+        _ => Reply::Status(200),
+    });
+    // Slow answers, so that attempts overlap and the bound is what limits them.
+    receiver.set_delay(Duration::from_millis(100));
+    subscribe(&apps[0], &receiver, None).await;
+    apps[0].deposit(Some(&new_key()), "main", 1_000_000).await;
+    let mut tasks = Vec::new();
+    for i in 0..60 {
+        let app = apps[i % 3].clone();
+        tasks.push(tokio::spawn(async move {
+            let payment = pay(&app, 10).await;
+            if i % 3 == 0 {
+                refund(&app, &payment).await;
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let report = all_delivered(&apps[0], &receiver).await;
+    assert_eq!(report.events, 60 + 20 + 1, "{report:?}");
+    let bound = apps[0].state.settings.webhooks.endpoint_concurrency as usize;
+    assert_eq!(
+        receiver.max_in_flight(),
+        bound,
+        "attempts in flight at once to the endpoint"
+    );
+    let replicas: i64 = sqlx::query_scalar("SELECT count(DISTINCT replica) FROM webhook_attempts WHERE tenant_id = $1")
+        .bind(apps[0].tenant_id)
+        .fetch_one(&apps[0].pool)
+        .await
+        .unwrap();
+    println!("three replicas: {} messages for {} events, {} duplicates, max in flight {}, replicas that attempted {replicas}", report.messages, report.events, report.duplicates, receiver.max_in_flight());
+}
+
+#[tokio::test]
+async fn delivered_events_are_purged_after_the_retention_and_pending_ones_kept() {
+    let app = delivering_app().await;
+    let receiver = Receiver::start().await;
+    subscribe(&app, &receiver, None).await;
+    pay(&app, 10).await;
+    all_delivered(&app, &receiver).await;
+    let down = Receiver::unstarted().await;
+    subscribe(&app, &down, None).await;
+    pay(&app, 10).await;
+    // Age every finished delivery past the retention.
+    sqlx::query("UPDATE webhook_deliveries SET finished_at = now() - interval '30 days' WHERE tenant_id = $1 AND finished_at IS NOT NULL")
+        .bind(app.tenant_id)
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    let purged = app.admin(Method::POST, "/admin/purge", None).await;
+    assert_eq!(purged.status, 200);
+    let counts = || async {
+        let r: (i64, i64, i64) = sqlx::query_as(
+            "SELECT (SELECT count(*) FROM webhook_events WHERE tenant_id = $1),
+                    (SELECT count(*) FROM webhook_deliveries WHERE tenant_id = $1),
+                    (SELECT count(*) FROM webhook_attempts a WHERE tenant_id = $1
+                        AND NOT EXISTS (SELECT FROM webhook_deliveries d WHERE d.tenant_id = a.tenant_id
+                                         AND d.event_id = a.event_id AND d.endpoint_id = a.endpoint_id))",
+        )
+        .bind(app.tenant_id)
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+        r
+    };
+    let (events, deliveries, orphans) = counts().await;
+    // The first payment's event (delivered to the one endpoint) is gone; the second's stays
+    // while its delivery to the endpoint that is down is pending.
+    assert_eq!(orphans, 0);
+    assert_eq!(events, 1, "events left");
+    assert!(deliveries >= 1);
+}
