@@ -125,6 +125,13 @@ pub struct ProcessorClient {
     counters: CallCounters,
 }
 
+impl std::fmt::Debug for ProcessorClient {
+    /// The processor's URL; never its key.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProcessorClient").field("base", &self.base).finish_non_exhaustive()
+    }
+}
+
 impl ProcessorClient {
     pub fn new(settings: &Processor, counters: CallCounters) -> anyhow::Result<Self> {
         let http = reqwest::Client::builder()
@@ -259,9 +266,9 @@ impl ProcessorClient {
     }
 
     async fn exchange<T: for<'de> Deserialize<'de>>(request: reqwest::RequestBuilder) -> Result<T, CallError> {
-        let response = request.send().await.map_err(|e| CallError::Unknown(format!("{e:#}")))?;
+        let response = request.send().await.map_err(|e| CallError::Unknown(chain(&e)))?;
         let status = response.status();
-        let body = response.bytes().await.map_err(|e| CallError::Unknown(format!("{e:#}")))?;
+        let body = response.bytes().await.map_err(|e| CallError::Unknown(chain(&e)))?;
         if status.is_success() {
             return serde_json::from_slice(&body)
                 .map_err(|e| CallError::Unknown(format!("an answer of {status} that could not be read: {e}")));
@@ -278,4 +285,16 @@ impl ProcessorClient {
         }
         Err(CallError::Unknown(format!("the processor answered {status}")))
     }
+}
+
+/// An error with its causes (reqwest's own message names only the URL).
+fn chain(err: &dyn std::error::Error) -> String {
+    let mut out = err.to_string();
+    let mut source = err.source();
+    while let Some(cause) = source {
+        out.push_str(": ");
+        out.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    out
 }
