@@ -28,6 +28,7 @@ mod key;
 pub mod policy;
 mod retry;
 mod tls;
+mod top_ups;
 mod transfers;
 
 use std::sync::Arc;
@@ -40,6 +41,7 @@ pub use calls::{Account, AccountCreated, Deposit, Payment, PaymentState, Refund}
 pub use config::{Backoff, BudgetConfig, ClientConfig};
 pub use error::{ClientError, Problem};
 pub use key::IdempotencyKey;
+pub use top_ups::{TopUp, TopUpRefund, TopUpState};
 pub use transfers::{Transfer, TransferState};
 
 use budget::RetryBudget;

@@ -104,11 +104,17 @@ pub async fn run(db: &Db, options: &Options) -> Result<Report, AuditError> {
                 dangling_keys: dangling_keys(tx, options).await?,
                 missing_keys: missing_keys(tx, options).await?,
                 double_charges: double_charges(tx, options).await?,
-                top_ups: Findings { count: 0, samples: Vec::new() },
+                top_ups: Findings {
+                    count: 0,
+                    samples: Vec::new(),
+                },
             };
             let warnings = Warnings {
                 suspected_keyless_duplicates: keyless_duplicates(tx, options).await?,
-                unconfirmed_intents: Findings { count: 0, samples: Vec::new() },
+                unconfirmed_intents: Findings {
+                    count: 0,
+                    samples: Vec::new(),
+                },
             };
             let mut invariants = invariants;
             let mut warnings = warnings;
@@ -468,13 +474,21 @@ async fn top_ups(
             if intent.status == "requires_confirmation" && !ours_committed {
                 let settled = row.is_none_or(|r| r.status != "processing");
                 if settled {
-                    orphans.push(finding(row.map(|r| r.tenant_id), *id, "never confirmed; charges nothing"));
+                    orphans.push(finding(
+                        row.map(|r| r.tenant_id),
+                        *id,
+                        "never confirmed; charges nothing",
+                    ));
                 }
             }
             continue;
         }
         let Some(row) = row else {
-            broken.push(finding(None, *id, "succeeded at the processor, but oncepay has no such top-up"));
+            broken.push(finding(
+                None,
+                *id,
+                "succeeded at the processor, but oncepay has no such top-up",
+            ));
             continue;
         };
         *succeeded_per_top_up.entry(row.top_up_id).or_default() += 1;
@@ -495,7 +509,10 @@ async fn top_ups(
         }
     }
     for row in &rows {
-        if !in_scope(row.tenant_id) || !(row.status == "succeeded" || row.status == "refunded") || !row.finished_before_read {
+        if !in_scope(row.tenant_id)
+            || !(row.status == "succeeded" || row.status == "refunded")
+            || !row.finished_before_read
+        {
             continue;
         }
         let charged = ours.iter().any(|(intent, id)| {

@@ -128,7 +128,9 @@ pub struct ProcessorClient {
 impl std::fmt::Debug for ProcessorClient {
     /// The processor's URL; never its key.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ProcessorClient").field("base", &self.base).finish_non_exhaustive()
+        f.debug_struct("ProcessorClient")
+            .field("base", &self.base)
+            .finish_non_exhaustive()
     }
 }
 
@@ -169,8 +171,13 @@ impl ProcessorClient {
     /// Confirms (charges) a PaymentIntent.
     pub async fn confirm_intent(&self, top_up_id: &str, intent: &str) -> Result<Intent, CallError> {
         let key = format!("oncepay-top-up-{top_up_id}-confirm");
-        self.post(Call::ConfirmIntent, &format!("/v1/payment_intents/{intent}/confirm"), &[], &key)
-            .await
+        self.post(
+            Call::ConfirmIntent,
+            &format!("/v1/payment_intents/{intent}/confirm"),
+            &[],
+            &key,
+        )
+        .await
     }
 
     pub async fn retrieve_intent(&self, intent: &str) -> Result<Intent, CallError> {
@@ -230,7 +237,9 @@ impl ProcessorClient {
         path: &str,
         query: &[(&str, String)],
     ) -> Result<T, CallError> {
-        let request = self.authorized(self.http.get(format!("{}{path}", self.base))).query(query);
+        let request = self
+            .authorized(self.http.get(format!("{}{path}", self.base)))
+            .query(query);
         self.send(call, request).await
     }
 

@@ -71,10 +71,7 @@ struct Rig {
     app: TestApp,
 }
 
-async fn rig(
-    plan: impl Fn(&Incoming) -> Action + Send + Sync + 'static,
-    adjust: impl FnOnce(&mut Settings),
-) -> Rig {
+async fn rig(plan: impl Fn(&Incoming) -> Action + Send + Sync + 'static, adjust: impl FnOnce(&mut Settings)) -> Rig {
     let stripe = Localstripe::start().await;
     let proxy = FaultProxy::start(&stripe.url, plan).await;
     let url = proxy.url.clone();
@@ -137,7 +134,10 @@ async fn retry_until_final(send: impl AsyncFn() -> Answer) -> Vec<Answer> {
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
-    panic!("no final answer after 40 attempts: {:?}", answers.last().map(|a| &a.body));
+    panic!(
+        "no final answer after 40 attempts: {:?}",
+        answers.last().map(|a| &a.body)
+    );
 }
 
 /// `oncepay audit --json` of the app's tenant, reconciling with the processor at `stripe`.
@@ -177,7 +177,10 @@ async fn assert_exactly_once(app: &TestApp, stripe: &Localstripe, top_up: &str, 
     );
     let state = app.get(&format!("/top-ups/{top_up}")).await;
     assert_eq!(state.status, 200);
-    assert_eq!(state.body["status"], if expect_charged { "succeeded" } else { "failed" });
+    assert_eq!(
+        state.body["status"],
+        if expect_charged { "succeeded" } else { "failed" }
+    );
     if expect_charged {
         let intent = state.body["processor_payment_id"].as_str().unwrap();
         let of_top_up = stripe.intents_of(top_up).await;
@@ -221,7 +224,10 @@ async fn a_top_up_charges_the_card_once_credits_once_and_replays() {
         let derived = call.key.as_deref().unwrap();
         assert!(derived.contains(&id) && !derived.contains(&key), "{derived}");
     }
-    assert_eq!(stripe.intents_of(&id).await[0]["metadata"]["oncepay_top_up_id"], id.as_str());
+    assert_eq!(
+        stripe.intents_of(&id).await[0]["metadata"]["oncepay_top_up_id"],
+        id.as_str()
+    );
     assert_exactly_once(&app, &stripe, &id, true).await;
 
     // Another tenant sees nothing of it.
@@ -229,12 +235,19 @@ async fn a_top_up_charges_the_card_once_credits_once_and_replays() {
         .settings(|s| with_processor(s, &proxy.url))
         .spawn()
         .await;
-    other.get(&format!("/top-ups/{id}")).await.assert_problem(404, "not_found");
+    other
+        .get(&format!("/top-ups/{id}"))
+        .await
+        .assert_problem(404, "not_found");
 }
 
 #[tokio::test]
 async fn declines_and_invalid_payment_methods_are_stored_and_replayed() {
-    let Rig { stripe, app, proxy: _proxy } = rig(|_: &Incoming| Action::Forward, |_| {}).await;
+    let Rig {
+        stripe,
+        app,
+        proxy: _proxy,
+    } = rig(|_: &Incoming| Action::Forward, |_| {}).await;
     let key = new_key();
     let declined = app.top_up(&key, "main", AMOUNT, DECLINED).await;
     declined.assert_problem(402, "card_declined");
@@ -259,12 +272,18 @@ async fn declines_and_invalid_payment_methods_are_stored_and_replayed() {
     // An unknown account is a stored 404 decided before the processor is asked.
     let before = stripe.intents().await.len();
     let key = new_key();
-    app.top_up(&key, "nobody", AMOUNT, VISA).await.assert_problem(404, "account_not_found");
+    app.top_up(&key, "nobody", AMOUNT, VISA)
+        .await
+        .assert_problem(404, "account_not_found");
     assert!(app.top_up(&key, "nobody", AMOUNT, VISA).await.replayed());
     assert_eq!(stripe.intents().await.len(), before);
     // Malformed requests are refused before anything is claimed.
-    app.top_up(&new_key(), "main", 0, VISA).await.assert_problem(400, "invalid_request");
-    app.top_up(&new_key(), "main", AMOUNT, "pm with space").await.assert_problem(400, "invalid_request");
+    app.top_up(&new_key(), "main", 0, VISA)
+        .await
+        .assert_problem(400, "invalid_request");
+    app.top_up(&new_key(), "main", AMOUNT, "pm with space")
+        .await
+        .assert_problem(400, "invalid_request");
 }
 
 #[tokio::test]
@@ -297,7 +316,10 @@ async fn fault_scenario(call: Call, action: Action) {
     // A held request reaches the processor late: let it, before counting charges.
     tokio::time::sleep(TIMEOUT).await;
     assert_exactly_once(&app, &stripe, &id, true).await;
-    assert!(proxy.seen().iter().any(|s| s.action == action), "the fault was injected");
+    assert!(
+        proxy.seen().iter().any(|s| s.action == action),
+        "the fault was injected"
+    );
 }
 
 #[tokio::test]
@@ -347,7 +369,11 @@ async fn a_refused_creation_is_resumed() {
 
 #[tokio::test]
 async fn a_decline_whose_answer_is_lost_is_answered_as_the_decline() {
-    let Rig { stripe, app, proxy: _proxy } = rig(first(Call::Confirm, 1, Action::DropAnswer), |_| {}).await;
+    let Rig {
+        stripe,
+        app,
+        proxy: _proxy,
+    } = rig(first(Call::Confirm, 1, Action::DropAnswer), |_| {}).await;
     let key = new_key();
     let answers = retry_until_final(async || app.top_up(&key, "main", AMOUNT, DECLINED).await).await;
     assert_eq!(answers[0].status, 503);
@@ -372,11 +398,20 @@ async fn a_refund_debits_first_and_refunds_once_across_a_lost_answer() {
     assert_eq!(answers[0].status, 503, "{}", answers[0].body);
     let last = answers.last().unwrap();
     assert_eq!(last.status, 200, "{}", last.body);
-    assert_eq!(last.body, json!({"id": id, "status": "refunded", "refunded": AMOUNT, "balance": MAIN_BALANCE}));
+    assert_eq!(
+        last.body,
+        json!({"id": id, "status": "refunded", "refunded": AMOUNT, "balance": MAIN_BALANCE})
+    );
     assert!(!last.replayed());
     assert!(app.refund_top_up(&key, &id).await.replayed());
-    app.refund_top_up(&new_key(), &id).await.assert_problem(409, "already_refunded");
-    assert_eq!(stripe.refunds_of(&intent).await.len(), 1, "refunded once at the processor");
+    app.refund_top_up(&new_key(), &id)
+        .await
+        .assert_problem(409, "already_refunded");
+    assert_eq!(
+        stripe.refunds_of(&intent).await.len(),
+        1,
+        "refunded once at the processor"
+    );
     assert_eq!(app.balance("main").await, MAIN_BALANCE, "debited once");
     assert_eq!(app.get(&format!("/top-ups/{id}")).await.body["status"], "refunded");
     // The retry looked first (GET, the lost refund was made) and refunded nothing more.
@@ -428,7 +463,10 @@ async fn a_retry_while_the_top_up_is_driven_waits_then_answers_409() {
     let duplicate = app.top_up(&key, "main", AMOUNT, VISA).await;
     duplicate.assert_problem(409, "request_in_progress");
     assert!(duplicate.header("retry-after").is_some());
-    assert!(started.elapsed() >= Duration::from_millis(300), "it waited ONCEPAY_INFLIGHT_WAIT_MS");
+    assert!(
+        started.elapsed() >= Duration::from_millis(300),
+        "it waited ONCEPAY_INFLIGHT_WAIT_MS"
+    );
     let original = original.await.unwrap();
     assert_eq!(original.status, 201, "{}", original.body);
     let replay = app.top_up(&key, "main", AMOUNT, VISA).await;
@@ -439,7 +477,11 @@ async fn a_retry_while_the_top_up_is_driven_waits_then_answers_409() {
 
 #[tokio::test]
 async fn a_top_up_whose_client_gave_up_is_finished_by_the_completer() {
-    let Rig { stripe, app, proxy: _proxy } = rig(first(Call::Confirm, 1, Action::DropAnswer), |s| {
+    let Rig {
+        stripe,
+        app,
+        proxy: _proxy,
+    } = rig(first(Call::Confirm, 1, Action::DropAnswer), |s| {
         s.completer_after = Duration::from_secs(1);
     })
     .await;
@@ -455,7 +497,10 @@ async fn a_top_up_whose_client_gave_up_is_finished_by_the_completer() {
     assert!(answer.replayed(), "finished by the completer before this retry");
     assert_exactly_once(&app, &stripe, &id, true).await;
     let metrics = app.metrics().await;
-    assert!(metrics.contains("oncepay_completer_operations_total{result=\"finished\"} 1"), "{metrics}");
+    assert!(
+        metrics.contains("oncepay_completer_operations_total{result=\"finished\"} 1"),
+        "{metrics}"
+    );
     assert!(metrics.contains("oncepay_processor_calls_total{call=\"retrieve_intent\",outcome=\"ok\"}"));
 }
 
@@ -467,7 +512,10 @@ async fn wait_for_status(app: &TestApp, key: &str, status: &str) {
                 return;
             }
         }
-        assert!(Instant::now() < deadline, "the top-up under {key} never became {status}");
+        assert!(
+            Instant::now() < deadline,
+            "the top-up under {key} never became {status}"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
@@ -595,7 +643,11 @@ async fn crash_scenario(call: Call, action: Action, refund: bool) {
             if state.body["status"] == "refunded" {
                 break;
             }
-            assert!(Instant::now() < deadline, "the refund was never finished: {}", state.body);
+            assert!(
+                Instant::now() < deadline,
+                "the refund was never finished: {}",
+                state.body
+            );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         let answers = retry_until_final(async || app.refund_top_up(&key, &id).await).await;
@@ -605,7 +657,11 @@ async fn crash_scenario(call: Call, action: Action, refund: bool) {
             .as_str()
             .unwrap()
             .to_owned();
-        assert_eq!(stripe.refunds_of(&intent).await.len(), 1, "refunded once at the processor");
+        assert_eq!(
+            stripe.refunds_of(&intent).await.len(),
+            1,
+            "refunded once at the processor"
+        );
         assert_eq!(app.balance("main").await, MAIN_BALANCE, "credited once, debited once");
         let report = audit(&app, &stripe).await;
         assert_eq!(report["clean"], true, "{report:#}");
@@ -651,7 +707,11 @@ async fn killed_after_the_debit_while_the_refund_was_at_the_processor() {
 
 #[tokio::test]
 async fn the_audit_names_a_charge_without_a_credited_top_up() {
-    let Rig { stripe, app, proxy: _proxy } = rig(|_: &Incoming| Action::Forward, |_| {}).await;
+    let Rig {
+        stripe,
+        app,
+        proxy: _proxy,
+    } = rig(|_: &Incoming| Action::Forward, |_| {}).await;
     let created = app.top_up(&new_key(), "main", AMOUNT, VISA).await;
     let id = created.body["id"].as_str().unwrap().to_owned();
     assert_eq!(audit(&app, &stripe).await["clean"], true);
@@ -681,7 +741,11 @@ async fn the_audit_names_a_charge_without_a_credited_top_up() {
 /// its call is out.
 #[tokio::test]
 async fn a_slow_processor_does_not_slow_balance_payments() {
-    let Rig { stripe, app, proxy: _proxy } = rig(
+    let Rig {
+        stripe,
+        app,
+        proxy: _proxy,
+    } = rig(
         |_: &Incoming| Action::HoldRequest(Duration::from_millis(500)),
         |s| {
             s.db_pool_size = 2;
@@ -718,5 +782,48 @@ async fn a_slow_processor_does_not_slow_balance_payments() {
         slowest < Duration::from_millis(450),
         "a payment waited {slowest:?}: a top-up held a connection across a processor call"
     );
-    assert_eq!(stripe.intents().await.iter().filter(|i| i["status"] == "succeeded").count(), 6);
+    assert_eq!(
+        stripe
+            .intents()
+            .await
+            .iter()
+            .filter(|i| i["status"] == "succeeded")
+            .count(),
+        6
+    );
+}
+
+/// `oncepay top-up` (the retrying client of the CLI) through a lost confirmation: it retries
+/// with its key and prints the top-up; `get-top-up` and `refund-top-up` follow.
+#[tokio::test]
+async fn the_cli_tops_up_across_a_lost_answer() {
+    let Rig {
+        stripe,
+        app,
+        proxy: _proxy,
+    } = rig(first(Call::Confirm, 1, Action::DropAnswer), |_| {}).await;
+    let env = [
+        ("ONCEPAY_URL", app.address.as_str()),
+        ("ONCEPAY_API_KEY", app.api_key.as_str()),
+    ];
+    let key = new_key();
+    let run = crate::cli::oncepay(
+        &["top-up", "--amount", "5000", "--payment-method", VISA, "--key", &key],
+        &env,
+    )
+    .await;
+    assert_eq!(run.status, 0, "{}", run.stderr);
+    let top_up = run.json();
+    assert_eq!(top_up["status"], "succeeded");
+    assert!(run.stderr.contains("503"), "the retry shows on stderr: {}", run.stderr);
+    let id = top_up["id"].as_str().unwrap().to_owned();
+    let state = crate::cli::oncepay(&["get-top-up", &id], &env).await;
+    assert_eq!(state.json()["status"], "succeeded");
+    assert_exactly_once(&app, &stripe, &id, true).await;
+    let refund = crate::cli::oncepay(&["refund-top-up", "--top-up", &id], &env).await;
+    assert_eq!(refund.status, 0, "{}", refund.stderr);
+    assert_eq!(refund.json()["status"], "refunded");
+    let declined = crate::cli::oncepay(&["top-up", "--amount", "5000", "--payment-method", DECLINED], &env).await;
+    assert_eq!(declined.status, 3, "{}", declined.stderr);
+    assert!(declined.stderr.contains("card_declined"), "{}", declined.stderr);
 }
