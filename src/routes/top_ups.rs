@@ -230,8 +230,8 @@ pub(super) async fn refund(
         EmptyBody::MeansEmptyObject,
     )
     .await?;
-    // An id that is no UUID names no top-up: 404, stored like any other.
-    let id = TopUpId::parse(&raw).unwrap_or(TopUpId::from_uuid(uuid::Uuid::nil()));
+    // An id that is no UUID names no top-up: 404 before anything is claimed.
+    let id = TopUpId::parse(&raw).ok_or(ApiError::NotFound)?;
     let top_ups = processor(&state)?;
     let answer = top_ups.refund(tenant.id, &claim, id).await.map_err(edge)?;
     respond(answer, keyed, |row| {
