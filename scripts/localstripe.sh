@@ -17,11 +17,16 @@ venv="$target/localstripe-venv"
 exe="$venv/bin/localstripe"
 
 install() {
+  # One installer at a time (tests start many instances at once); the others wait, then find it.
+  mkdir -p "$target"
+  exec 9>"$target/localstripe-venv.lock"
+  flock 9
   if ! [ -x "$exe" ] || ! "$venv/bin/pip" show localstripe 2>/dev/null | grep -q "^Version: $version\$"; then
     rm -rf "$venv"
     python3 -m venv "$venv"
     "$venv/bin/pip" install --quiet --disable-pip-version-check "localstripe==$version" >&2
   fi
+  flock -u 9
   echo "$exe"
 }
 

@@ -254,7 +254,10 @@ impl Settings {
             }
         }
         if self.currency.len() != 3 || !self.currency.bytes().all(|b| b.is_ascii_lowercase()) {
-            bail!("ONCEPAY_CURRENCY={:?} is not a three-letter ISO currency code", self.currency);
+            bail!(
+                "ONCEPAY_CURRENCY={:?} is not a three-letter ISO currency code",
+                self.currency
+            );
         }
         if let Some(processor) = &self.processor {
             if !(processor.url.starts_with("http://") || processor.url.starts_with("https://")) {

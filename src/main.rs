@@ -170,6 +170,14 @@ async fn run(command: ServerCommand) -> anyhow::Result<()> {
                 fingerprint_window: settings.fingerprint_window,
                 duplicate_window: std::time::Duration::from_secs(duplicate_window_secs),
                 samples,
+                completer_after: settings.completer_after,
+                processor: match &settings.processor {
+                    None => None,
+                    Some(processor) => Some(oncepay::topup::processor::ProcessorClient::new(
+                        processor,
+                        oncepay::metrics::Metrics::new().processor,
+                    )?),
+                },
             };
             let db = db::Db::new(&settings)?;
             db::check_schema(&db).await?;

@@ -165,15 +165,21 @@ impl Metrics {
             )
             .expect("valid metric"),
             duration: HistogramVec::new(
-                HistogramOpts::new("oncepay_processor_call_duration_seconds", "Card processor call latency by call")
-                    .buckets(vec![0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0]),
+                HistogramOpts::new(
+                    "oncepay_processor_call_duration_seconds",
+                    "Card processor call latency by call",
+                )
+                .buckets(vec![0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0]),
                 &["call"],
             )
             .expect("valid metric"),
         };
         let completer = crate::topup::CompleterCounters {
             runs: IntCounterVec::new(
-                Opts::new("oncepay_completer_runs_total", "Completer rounds of this process by outcome (ok, error)"),
+                Opts::new(
+                    "oncepay_completer_runs_total",
+                    "Completer rounds of this process by outcome (ok, error)",
+                ),
                 &["outcome"],
             )
             .expect("valid metric"),

@@ -252,7 +252,9 @@ impl Decline {
             Self::AlreadyRefunded => "the payment was already refunded",
             Self::AccountExists => "an account with this id already exists",
             Self::CardDeclined => "the card processor declined the charge; nothing was charged",
-            Self::InvalidPaymentMethod => "the card processor refused the payment method as invalid; nothing was charged",
+            Self::InvalidPaymentMethod => {
+                "the card processor refused the payment method as invalid; nothing was charged"
+            }
         }
     }
 }

@@ -1,5 +1,6 @@
 //! The client commands of the `oncepay` binary: `pay`, `refund`, `deposit`, `transfer`,
-//! `account create`, `balance`, `get-payment`, `get-transfer`. The answer's JSON goes to
+//! `top-up`, `refund-top-up`, `account create`, `balance`, `get-payment`, `get-transfer`,
+//! `get-top-up`. The answer's JSON goes to
 //! stdout; retries, replays and errors to stderr. Every read takes the id of what it reads as
 //! its argument (`balance u1`, `get-payment ID`, `get-transfer ID`), like `account create ID`.
 //!
@@ -75,6 +76,40 @@ pub enum ClientCommand {
         amount: i64,
         #[command(flatten)]
         key: KeyArg,
+    },
+    /// Top up an account from a card: POST /accounts/{id}/top-ups. The card is charged at the
+    /// processor at most once, however often this is retried with the same --key.
+    TopUp {
+        #[command(flatten)]
+        server: ServerArgs,
+        /// Amount in minor units (1 ..= 10^12).
+        #[arg(long)]
+        amount: i64,
+        /// The processor's payment method (`pm_...`).
+        #[arg(long)]
+        payment_method: String,
+        /// Account to credit (default: main).
+        #[arg(long)]
+        account: Option<String>,
+        #[command(flatten)]
+        key: KeyArg,
+    },
+    /// Refund a whole top-up (debited first, then refunded to the card): POST /top-ups/{id}/refund.
+    RefundTopUp {
+        #[command(flatten)]
+        server: ServerArgs,
+        /// The top-up's id.
+        #[arg(long)]
+        top_up: Uuid,
+        #[command(flatten)]
+        key: KeyArg,
+    },
+    /// A top-up's current state: GET /top-ups/{id}.
+    GetTopUp {
+        #[command(flatten)]
+        server: ServerArgs,
+        /// The top-up's id.
+        id: Uuid,
     },
     /// Accounts of the tenant.
     #[command(subcommand)]
@@ -249,6 +284,24 @@ async fn execute(command: ClientCommand) -> Result<(), Failed> {
             print(client(&server)?.payment(id).await?, None)
         }
         ClientCommand::GetTransfer { server, id } => print(client(&server)?.get_transfer(id).await?, None),
+        ClientCommand::TopUp {
+            server,
+            amount,
+            payment_method,
+            account,
+            key,
+        } => {
+            let key = key.resolve()?;
+            let reply = client(&server)?
+                .top_up(amount, &payment_method, account.as_deref(), &key)
+                .await;
+            print_keyed(reply, &key)
+        }
+        ClientCommand::RefundTopUp { server, top_up, key } => {
+            let key = key.resolve()?;
+            print_keyed(client(&server)?.refund_top_up(top_up, &key).await, &key)
+        }
+        ClientCommand::GetTopUp { server, id } => print(client(&server)?.get_top_up(id).await?, None),
     }
 }
 

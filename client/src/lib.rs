@@ -28,6 +28,7 @@ mod key;
 pub mod policy;
 mod retry;
 mod tls;
+mod top_ups;
 mod transfers;
 pub mod webhooks;
 
@@ -41,6 +42,7 @@ pub use calls::{Account, AccountCreated, Deposit, Payment, PaymentState, Refund}
 pub use config::{Backoff, BudgetConfig, ClientConfig};
 pub use error::{ClientError, Problem};
 pub use key::IdempotencyKey;
+pub use top_ups::{TopUp, TopUpRefund, TopUpState};
 pub use transfers::{Transfer, TransferState};
 
 use budget::RetryBudget;

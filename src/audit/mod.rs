@@ -17,6 +17,12 @@
 //!   stored in its own row (`expires_at - created_at`), so replicas started with different
 //!   windows raise no false alarm.
 //!
+//! - top-ups (docs/audit.md, "Top-ups"): none stays unfinished past the completer's window;
+//!   given the processor (`ONCEPAY_PROCESSOR_URL`), its PaymentIntents are read first and
+//!   every one carrying `metadata[oncepay_top_up_id]` that succeeded must be the one
+//!   PaymentIntent of a credited top-up of its amount, and every credited top-up (finished
+//!   before the PaymentIntents were read) must have its PaymentIntent succeeded.
+//!
 //! Warning only: keyless payments (policy `allow`) of the same tenant, account and amount
 //! within a few seconds. Without a key nothing tells a retry from a second purchase, so
 //! these are suspicions for a human, not broken invariants.
@@ -29,6 +35,7 @@ use sqlx::PgConnection;
 use uuid::Uuid;
 
 use crate::db::{Db, DbError};
+use crate::topup::processor::{Intent, ProcessorClient};
 
 pub use report::*;
 
@@ -45,12 +52,41 @@ pub struct Options {
     pub duplicate_window: Duration,
     /// How many example rows each finding lists.
     pub samples: i64,
+    /// `ONCEPAY_COMPLETER_AFTER_SECS`: a top-up unfinished after twice this and a minute is
+    /// stuck.
+    pub completer_after: Duration,
+    /// The card processor, whose PaymentIntents the top-ups are reconciled with.
+    pub processor: Option<ProcessorClient>,
 }
 
-/// Runs every check on one snapshot.
-pub async fn run(db: &Db, options: &Options) -> Result<Report, DbError> {
+/// Why an audit could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum AuditError {
+    #[error(transparent)]
+    Db(#[from] DbError),
+    #[error("the processor's PaymentIntents could not be read: {0}")]
+    Processor(String),
+}
+
+/// Runs every check on one snapshot (the processor's PaymentIntents read just before it).
+pub async fn run(db: &Db, options: &Options) -> Result<Report, AuditError> {
     let started = Instant::now();
-    let (snapshot_at, checked, invariants, warnings) = db
+    // The database's clock before the PaymentIntents are read: only top-ups finished before
+    // it must show as succeeded there.
+    let intents = match &options.processor {
+        None => None,
+        Some(processor) => {
+            let before = db
+                .run(async |c| sqlx::query_scalar!(r#"SELECT now() AS "now!""#).fetch_one(c).await)
+                .await?;
+            let intents = processor
+                .list_intents()
+                .await
+                .map_err(|e| AuditError::Processor(e.to_string()))?;
+            Some((before, intents))
+        }
+    };
+    let (snapshot_at, mut checked, invariants, warnings) = db
         .transaction(async |tx| {
             // A batch job, not a request: the server's per-statement bound would cut it off
             // on a big ledger, and the joins want memory rather than temporary files.
@@ -68,13 +104,27 @@ pub async fn run(db: &Db, options: &Options) -> Result<Report, DbError> {
                 dangling_keys: dangling_keys(tx, options).await?,
                 missing_keys: missing_keys(tx, options).await?,
                 double_charges: double_charges(tx, options).await?,
+                top_ups: Findings {
+                    count: 0,
+                    samples: Vec::new(),
+                },
             };
             let warnings = Warnings {
                 suspected_keyless_duplicates: keyless_duplicates(tx, options).await?,
+                unconfirmed_intents: Findings {
+                    count: 0,
+                    samples: Vec::new(),
+                },
             };
+            let mut invariants = invariants;
+            let mut warnings = warnings;
+            let (broken, orphans) = top_ups(tx, options, intents.as_ref()).await?;
+            invariants.top_ups = sampled(broken, options.samples);
+            warnings.unconfirmed_intents = sampled(orphans, options.samples);
             Ok((snapshot_at, checked, invariants, warnings))
         })
         .await?;
+    checked.processor_intents = intents.as_ref().map(|(_, all)| all.len() as i64);
     Ok(Report {
         clean: invariants.broken() == 0,
         snapshot_at,
@@ -102,6 +152,7 @@ async fn checked(
                   (SELECT count(*) FROM payments WHERE $1::uuid IS NULL OR tenant_id = $1) AS "payments!",
                   (SELECT count(*) FROM deposits WHERE $1::uuid IS NULL OR tenant_id = $1) AS "deposits!",
                   (SELECT count(*) FROM transfers WHERE $1::uuid IS NULL OR tenant_id = $1) AS "transfers!",
+                  (SELECT count(*) FROM top_ups WHERE $1::uuid IS NULL OR tenant_id = $1) AS "top_ups!",
                   (SELECT count(*) FROM idempotency_keys WHERE $1::uuid IS NULL OR tenant_id = $1) AS "key_rows!""#,
         tenant,
     )
@@ -116,6 +167,8 @@ async fn checked(
             deposits: row.deposits,
             transfers: row.transfers,
             key_rows: row.key_rows,
+            top_ups: row.top_ups,
+            processor_intents: None,
         },
     ))
 }
@@ -140,23 +193,31 @@ async fn balances(conn: &mut PgConnection, o: &Options) -> Result<Findings<Balan
                        SELECT tenant_id, from_account_id, -amount FROM transfers
                         WHERE $1::uuid IS NULL OR tenant_id = $1) legs
                 GROUP BY tenant_id, account_id),
+           topped_up AS (
+               SELECT tenant_id, account_id,
+                      coalesce(sum(amount) FILTER (WHERE balance_after IS NOT NULL), 0)
+                      - coalesce(sum(amount) FILTER (WHERE refund_state IS NOT NULL), 0) AS net
+                 FROM top_ups WHERE $1::uuid IS NULL OR tenant_id = $1
+                GROUP BY tenant_id, account_id),
            expected AS (
                SELECT a.tenant_id, a.account_id, a.opening_balance, a.balance,
                       coalesce(d.deposited, 0) AS deposited, coalesce(p.paid, 0) AS paid,
-                      coalesce(p.refunded, 0) AS refunded, coalesce(t.net, 0) AS transferred_net
+                      coalesce(p.refunded, 0) AS refunded, coalesce(t.net, 0) AS transferred_net,
+                      coalesce(u.net, 0) AS topped_up_net
                  FROM accounts a
                  LEFT JOIN paid p USING (tenant_id, account_id)
                  LEFT JOIN deposited d USING (tenant_id, account_id)
                  LEFT JOIN transferred t USING (tenant_id, account_id)
+                 LEFT JOIN topped_up u USING (tenant_id, account_id)
                 WHERE $1::uuid IS NULL OR a.tenant_id = $1)
            SELECT tenant_id AS "tenant_id!", account_id AS "account_id!",
                   opening_balance AS "opening_balance!", deposited::bigint AS "deposited!",
                   paid::bigint AS "paid!", refunded::bigint AS "refunded!",
-                  transferred_net::bigint AS "transferred_net!",
-                  (opening_balance + deposited - paid + refunded + transferred_net)::bigint AS "expected!",
+                  transferred_net::bigint AS "transferred_net!", topped_up_net::bigint AS "topped_up_net!",
+                  (opening_balance + deposited - paid + refunded + transferred_net + topped_up_net)::bigint AS "expected!",
                   balance AS "balance!", count(*) OVER () AS "total!"
              FROM expected
-            WHERE opening_balance + deposited - paid + refunded + transferred_net <> balance
+            WHERE opening_balance + deposited - paid + refunded + transferred_net + topped_up_net <> balance
             ORDER BY tenant_id, account_id
             LIMIT $2"#,
         o.tenant_id,
@@ -195,12 +256,20 @@ async fn dangling_keys(conn: &mut PgConnection, o: &Options) -> Result<Findings<
                                      THEN 'names no transfer made with this key' END
                            WHEN 'open_account' THEN
                                 CASE WHEN a.account_id IS NULL THEN 'names no account' END
+                           WHEN 'top_up' THEN
+                                CASE WHEN u.idempotency_key IS DISTINCT FROM k.key
+                                     THEN 'names no top-up made with this key'
+                                     WHEN u.status = 'failed' THEN 'a stored success naming a failed top-up' END
+                           WHEN 'refund_top_up' THEN
+                                CASE WHEN u.refund_key IS DISTINCT FROM k.key
+                                     THEN 'names no top-up refunded with this key' END
                       END AS problem
                  FROM k
                  LEFT JOIN payments p ON p.tenant_id = k.tenant_id AND p.payment_id = k.resource_uuid
                  LEFT JOIN deposits d ON d.tenant_id = k.tenant_id AND d.deposit_id = k.resource_uuid
                  LEFT JOIN transfers t ON t.tenant_id = k.tenant_id AND t.transfer_id = k.resource_uuid
-                 LEFT JOIN accounts a ON a.tenant_id = k.tenant_id AND a.account_id = k.resource_id)
+                 LEFT JOIN accounts a ON a.tenant_id = k.tenant_id AND a.account_id = k.resource_id
+                 LEFT JOIN top_ups u ON u.tenant_id = k.tenant_id AND u.top_up_id = k.resource_uuid)
            SELECT tenant_id AS "tenant_id!", key AS "key!", path AS "path!", status AS "status!",
                   resource_id, problem AS "problem!", count(*) OVER () AS "total!"
              FROM found
@@ -322,4 +391,154 @@ async fn keyless_duplicates(conn: &mut PgConnection, o: &Options) -> Result<Find
     .fetch_all(conn)
     .await?;
     Ok(Findings::from_rows(rows, |r| r.total))
+}
+
+fn sampled(mut all: Vec<TopUpFinding>, samples: i64) -> Findings<TopUpFinding> {
+    let count = all.len() as i64;
+    all.truncate(usize::try_from(samples).unwrap_or(0));
+    Findings { count, samples: all }
+}
+
+/// The top-ups' checks: unfinished past the completer's window; given the processor's
+/// PaymentIntents (read before the snapshot, with the database's clock then), each
+/// succeeded one of oncepay's against its top-up, and each credited top-up against its
+/// PaymentIntent. Gives the broken invariants and the unconfirmed PaymentIntents.
+async fn top_ups(
+    conn: &mut PgConnection,
+    o: &Options,
+    intents: Option<&(chrono::DateTime<chrono::Utc>, Vec<Intent>)>,
+) -> Result<(Vec<TopUpFinding>, Vec<TopUpFinding>), sqlx::Error> {
+    let stuck_after = (o.completer_after * 2 + Duration::from_secs(60)).as_secs_f64();
+    let mut broken: Vec<TopUpFinding> = sqlx::query!(
+        r#"SELECT tenant_id, top_up_id, processor_payment_id,
+                  CASE WHEN status = 'processing' THEN 'processing' ELSE 'refund debited, not refunded at the processor' END AS "what!"
+             FROM top_ups
+            WHERE (status = 'processing' OR refund_state = 'debited')
+              AND created_at < now() - make_interval(secs => $2)
+              AND ($1::uuid IS NULL OR tenant_id = $1)
+            ORDER BY created_at"#,
+        o.tenant_id,
+        stuck_after,
+    )
+    .fetch_all(&mut *conn)
+    .await?
+    .into_iter()
+    .map(|r| TopUpFinding {
+        tenant_id: Some(r.tenant_id),
+        top_up_id: Some(r.top_up_id),
+        processor_payment_id: r.processor_payment_id,
+        problem: format!("{} for longer than the completer's window ({stuck_after:.0} s)", r.what),
+    })
+    .collect();
+    let mut orphans = Vec::new();
+    let Some((read_at, intents)) = intents else {
+        return Ok((broken, orphans));
+    };
+    let ours: Vec<(&Intent, Option<Uuid>)> = intents
+        .iter()
+        .filter_map(|i| i.top_up_id().map(|id| (i, Uuid::parse_str(id).ok())))
+        .collect();
+    let ids: Vec<Uuid> = ours.iter().filter_map(|(_, id)| *id).collect();
+    // Every top-up a PaymentIntent names (whatever the audit's tenant: a PaymentIntent names
+    // no tenant), and every top-up of the audit's scope credited before the read.
+    let rows = sqlx::query!(
+        r#"SELECT tenant_id, top_up_id, amount AS "amount!: i64", status AS "status!: String",
+                  processor_payment_id, (finished_at < $3) AS "finished_before_read!"
+             FROM top_ups
+            WHERE top_up_id = ANY($2)
+               OR (($1::uuid IS NULL OR tenant_id = $1) AND balance_after IS NOT NULL AND finished_at < $3)"#,
+        o.tenant_id,
+        &ids,
+        read_at,
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+    let by_id: std::collections::HashMap<Uuid, _> = rows.iter().map(|r| (r.top_up_id, r)).collect();
+    let in_scope = |tenant: Uuid| o.tenant_id.is_none_or(|t| t == tenant);
+    let mut succeeded_per_top_up: std::collections::HashMap<Uuid, usize> = std::collections::HashMap::new();
+    for (intent, id) in &ours {
+        let finding = |tenant, top_up, problem: &str| TopUpFinding {
+            tenant_id: tenant,
+            top_up_id: top_up,
+            processor_payment_id: Some(intent.id.clone()),
+            problem: problem.to_owned(),
+        };
+        let row = id.and_then(|id| by_id.get(&id));
+        if let Some(row) = row {
+            if !in_scope(row.tenant_id) {
+                continue;
+            }
+        }
+        let ours_committed = row.is_some_and(|r| r.processor_payment_id.as_deref() == Some(intent.id.as_str()));
+        if intent.status != "succeeded" {
+            if intent.status == "requires_confirmation" && !ours_committed {
+                let settled = row.is_none_or(|r| r.status != "processing");
+                if settled {
+                    orphans.push(finding(
+                        row.map(|r| r.tenant_id),
+                        *id,
+                        "never confirmed; charges nothing",
+                    ));
+                }
+            }
+            continue;
+        }
+        let Some(row) = row else {
+            broken.push(finding(
+                None,
+                *id,
+                "succeeded at the processor, but oncepay has no such top-up",
+            ));
+            continue;
+        };
+        *succeeded_per_top_up.entry(row.top_up_id).or_default() += 1;
+        let problem = if !ours_committed {
+            Some("succeeded at the processor, but is not its top-up's PaymentIntent (a second charge)")
+        } else if row.status == "failed" {
+            Some("succeeded at the processor, but its top-up is recorded as failed (not credited)")
+        } else if row.status == "processing" {
+            // Between the confirmation and its record, or stuck (reported above).
+            None
+        } else if row.amount != intent.amount {
+            Some("succeeded with another amount than its top-up's")
+        } else {
+            None
+        };
+        if let Some(problem) = problem {
+            broken.push(finding(Some(row.tenant_id), Some(row.top_up_id), problem));
+        }
+    }
+    for row in &rows {
+        if !in_scope(row.tenant_id)
+            || !(row.status == "succeeded" || row.status == "refunded")
+            || !row.finished_before_read
+        {
+            continue;
+        }
+        let charged = ours.iter().any(|(intent, id)| {
+            *id == Some(row.top_up_id)
+                && intent.status == "succeeded"
+                && row.processor_payment_id.as_deref() == Some(intent.id.as_str())
+        });
+        if !charged {
+            broken.push(TopUpFinding {
+                tenant_id: Some(row.tenant_id),
+                top_up_id: Some(row.top_up_id),
+                processor_payment_id: row.processor_payment_id.clone(),
+                problem: "credited, but its PaymentIntent has not succeeded at the processor".to_owned(),
+            });
+        }
+    }
+    for (top_up, n) in succeeded_per_top_up {
+        if n > 1 {
+            let tenant = by_id.get(&top_up).map(|r| r.tenant_id);
+            broken.push(TopUpFinding {
+                tenant_id: tenant,
+                top_up_id: Some(top_up),
+                processor_payment_id: None,
+                problem: format!("{n} succeeded PaymentIntents for one top-up"),
+            });
+        }
+    }
+    Ok((broken, orphans))
 }

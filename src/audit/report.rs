@@ -38,6 +38,9 @@ pub struct Checked {
     pub deposits: i64,
     pub transfers: i64,
     pub key_rows: i64,
+    pub top_ups: i64,
+    /// PaymentIntents read from the processor (`None`: no processor configured).
+    pub processor_intents: Option<i64>,
 }
 
 #[derive(Debug, Serialize)]
@@ -50,12 +53,18 @@ pub struct Invariants {
     pub missing_keys: Findings<MissingKey>,
     /// Two effects under one key closer together than that key could legitimately allow.
     pub double_charges: Findings<DoubleCharge>,
+    /// Top-ups against the processor's PaymentIntents, and top-ups left unfinished past the
+    /// completer's window (docs/audit.md says what to do with each).
+    pub top_ups: Findings<TopUpFinding>,
 }
 
 #[derive(Debug, Serialize)]
 pub struct Warnings {
     /// Keyless payments of the same tenant, account and amount within the duplicate window.
     pub suspected_keyless_duplicates: Findings<SuspectedDuplicate>,
+    /// PaymentIntents of oncepay's never confirmed and not their top-up's (a create whose
+    /// answer was lost): they charge nothing.
+    pub unconfirmed_intents: Findings<TopUpFinding>,
 }
 
 /// How many rows broke a check (all of them) and the first few, for a human to look at.
@@ -81,6 +90,8 @@ pub struct BalanceMismatch {
     pub deposited: i64,
     pub paid: i64,
     pub refunded: i64,
+    /// Succeeded top-ups minus the refunds of top-ups debited.
+    pub topped_up_net: i64,
     /// Transfers into the account minus transfers out of it.
     pub transferred_net: i64,
     pub expected: i64,
@@ -126,6 +137,14 @@ pub struct DoubleCharge {
     pub total: i64,
 }
 
+#[derive(Debug, Clone, Serialize)]
+pub struct TopUpFinding {
+    pub tenant_id: Option<Uuid>,
+    pub top_up_id: Option<Uuid>,
+    pub processor_payment_id: Option<String>,
+    pub problem: String,
+}
+
 #[derive(Debug, Serialize)]
 pub struct SuspectedDuplicate {
     pub tenant_id: Uuid,
@@ -140,7 +159,11 @@ pub struct SuspectedDuplicate {
 
 impl Invariants {
     pub fn broken(&self) -> i64 {
-        self.balances.count + self.dangling_keys.count + self.missing_keys.count + self.double_charges.count
+        self.balances.count
+            + self.dangling_keys.count
+            + self.missing_keys.count
+            + self.double_charges.count
+            + self.top_ups.count
     }
 }
 
@@ -173,7 +196,7 @@ impl fmt::Display for Report {
             .map_or_else(|| "every tenant".to_owned(), |t| format!("tenant {t}"));
         writeln!(
             out,
-            "oncepay audit of {tenant} at {} ({} ms): {} tenants, {} accounts, {} payments, {} deposits, {} transfers, {} key rows",
+            "oncepay audit of {tenant} at {} ({} ms): {} tenants, {} accounts, {} payments, {} deposits, {} transfers, {} top-ups, {} key rows",
             self.snapshot_at.format("%Y-%m-%d %H:%M:%S%.3f UTC"),
             self.elapsed_ms,
             c.tenants,
@@ -181,18 +204,19 @@ impl fmt::Display for Report {
             c.payments,
             c.deposits,
             c.transfers,
+            c.top_ups,
             c.key_rows
         )?;
         let inv = &self.invariants;
         status_line(
             &mut out,
             &inv.balances,
-            "accounts where opening + deposits - payments + refunds + transfers != balance",
+            "accounts where opening + deposits - payments + refunds + transfers + top-ups != balance",
             "BROKEN",
         )?;
         samples(&mut out, &inv.balances, |b| {
             format!(
-                "tenant {} account {}: {} + {} - {} + {} + {} = {}, balance {}",
+                "tenant {} account {}: {} + {} - {} + {} + {} + {} = {}, balance {}",
                 b.tenant_id,
                 b.account_id,
                 b.opening_balance,
@@ -200,6 +224,7 @@ impl fmt::Display for Report {
                 b.paid,
                 b.refunded,
                 b.transferred_net,
+                b.topped_up_net,
                 b.expected,
                 b.balance
             )
@@ -256,6 +281,33 @@ impl fmt::Display for Report {
                 d.tenant_id, d.key, d.kind, d.earlier_id, d.id, d.seconds_apart
             )
         })?;
+        let top_up_line = |t: &TopUpFinding| {
+            format!(
+                "top-up {} PaymentIntent {} (tenant {}): {}",
+                t.top_up_id.map_or_else(|| "(none)".to_owned(), |id| id.to_string()),
+                t.processor_payment_id.as_deref().unwrap_or("(none)"),
+                t.tenant_id.map_or_else(|| "unknown".to_owned(), |id| id.to_string()),
+                t.problem
+            )
+        };
+        let against = match c.processor_intents {
+            Some(n) => format!("against the processor's {n} PaymentIntents"),
+            None => "(no processor configured: its PaymentIntents not read)".to_owned(),
+        };
+        status_line(
+            &mut out,
+            &inv.top_ups,
+            &format!("top-ups {against}, or unfinished past the completer's window"),
+            "BROKEN",
+        )?;
+        samples(&mut out, &inv.top_ups, top_up_line)?;
+        status_line(
+            &mut out,
+            &self.warnings.unconfirmed_intents,
+            "PaymentIntents of oncepay's never confirmed and not their top-up's (nothing charged)",
+            "warning",
+        )?;
+        samples(&mut out, &self.warnings.unconfirmed_intents, top_up_line)?;
         let dups = &self.warnings.suspected_keyless_duplicates;
         status_line(
             &mut out,

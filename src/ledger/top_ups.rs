@@ -198,7 +198,11 @@ pub async fn unfinished(conn: &mut PgConnection) -> Result<i64, sqlx::Error> {
 }
 
 /// A top-up's row, for `GET /top-ups/{id}`.
-pub async fn top_up(conn: &mut PgConnection, tenant: TenantId, top_up: TopUpId) -> Result<Option<TopUpRow>, sqlx::Error> {
+pub async fn top_up(
+    conn: &mut PgConnection,
+    tenant: TenantId,
+    top_up: TopUpId,
+) -> Result<Option<TopUpRow>, sqlx::Error> {
     sqlx::query_scalar!(
         r#"SELECT r AS "r!: TopUpRow" FROM top_ups r WHERE tenant_id = $1 AND top_up_id = $2"#,
         tenant.get(),

@@ -152,8 +152,15 @@ pub(super) async fn create(
     state: web::Data<AppState>,
 ) -> Result<HttpResponse, ApiError> {
     let account_raw = req.match_info().get("id").unwrap_or_default().to_owned();
-    let (tenant, input, claim, keyed) =
-        intake::<TopUpIn>(&req, payload, &state, Operation::TopUp, Some(&account_raw), EmptyBody::Refused).await?;
+    let (tenant, input, claim, keyed) = intake::<TopUpIn>(
+        &req,
+        payload,
+        &state,
+        Operation::TopUp,
+        Some(&account_raw),
+        EmptyBody::Refused,
+    )
+    .await?;
     let account = AccountId::parse(&account_raw).map_err(ApiError::InvalidRequest)?;
     if input.payment_method.is_empty()
         || input.payment_method.len() > MAX_PAYMENT_METHOD_LEN
@@ -179,10 +186,16 @@ pub(super) async fn create(
             currency: row.currency.clone(),
             status: "succeeded",
             processor_payment_id: row.processor_payment_id.clone(),
-            balance: row.balance_after.ok_or_else(|| super::pipeline::corrupt("a succeeded top-up without its balance"))?,
+            balance: row
+                .balance_after
+                .ok_or_else(|| super::pipeline::corrupt("a succeeded top-up without its balance"))?,
             created_at: row.created_at,
         };
-        Ok((StatusCode::CREATED, serde_json::to_value(&out).map_err(|e| ApiError::Internal(e.into()))?, Some(routes::GET_TOP_UP.with_id(&out.id.to_string()))))
+        Ok((
+            StatusCode::CREATED,
+            serde_json::to_value(&out).map_err(|e| ApiError::Internal(e.into()))?,
+            Some(routes::GET_TOP_UP.with_id(&out.id.to_string())),
+        ))
     })
 }
 
@@ -217,8 +230,8 @@ pub(super) async fn refund(
         EmptyBody::MeansEmptyObject,
     )
     .await?;
-    // An id that is no UUID names no top-up: 404, stored like any other.
-    let id = TopUpId::parse(&raw).unwrap_or(TopUpId::from_uuid(uuid::Uuid::nil()));
+    // An id that is no UUID names no top-up: 404 before anything is claimed.
+    let id = TopUpId::parse(&raw).ok_or(ApiError::NotFound)?;
     let top_ups = processor(&state)?;
     let answer = top_ups.refund(tenant.id, &claim, id).await.map_err(edge)?;
     respond(answer, keyed, |row| {
@@ -230,7 +243,11 @@ pub(super) async fn refund(
                 .balance_after_refund
                 .ok_or_else(|| super::pipeline::corrupt("a refunded top-up without its balance"))?,
         };
-        Ok((StatusCode::OK, serde_json::to_value(&out).map_err(|e| ApiError::Internal(e.into()))?, None))
+        Ok((
+            StatusCode::OK,
+            serde_json::to_value(&out).map_err(|e| ApiError::Internal(e.into()))?,
+            None,
+        ))
     })
 }
 
@@ -304,7 +321,10 @@ fn edge(err: TopUpError) -> ApiError {
     match err {
         TopUpError::Db(err) => err.into(),
         TopUpError::ProcessorUnknown(why) => {
-            tracing::warn!(why, "top-up answered 503: the processor's outcome is unknown, the key stays with it");
+            tracing::warn!(
+                why,
+                "top-up answered 503: the processor's outcome is unknown, the key stays with it"
+            );
             ApiError::ProcessorUnknown
         }
         TopUpError::InProgress => ApiError::InProgress,

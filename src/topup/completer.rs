@@ -35,7 +35,11 @@ pub async fn run(top_ups: TopUps, after: Duration, counters: CompleterCounters) 
 }
 
 /// One round: leases the stale top-ups and drives each; gives how many it drove.
-pub async fn run_once(top_ups: &TopUps, after: Duration, counters: &CompleterCounters) -> Result<usize, crate::db::DbError> {
+pub async fn run_once(
+    top_ups: &TopUps,
+    after: Duration,
+    counters: &CompleterCounters,
+) -> Result<usize, crate::db::DbError> {
     let owner = Uuid::new_v4();
     let after_secs = i32::try_from(after.as_secs()).unwrap_or(i32::MAX);
     let lease_secs = top_ups.lease_secs();

@@ -45,7 +45,10 @@ const MAX_ROUNDS: usize = 6;
 pub enum Answer {
     /// The top-up succeeded (or the refund was made). `replayed`: it was final before this
     /// request came.
-    Done { row: TopUpRow, replayed: bool },
+    Done {
+        row: TopUpRow,
+        replayed: bool,
+    },
     /// A stored decline; the row when the decline belongs to a top-up (the processor's
     /// `decline_code`).
     Declined {
@@ -94,7 +97,13 @@ pub struct TopUps {
 }
 
 impl TopUps {
-    pub fn new(db: Db, processor: ProcessorClient, currency: String, timeout: Duration, inflight_wait: Duration) -> Self {
+    pub fn new(
+        db: Db,
+        processor: ProcessorClient,
+        currency: String,
+        timeout: Duration,
+        inflight_wait: Duration,
+    ) -> Self {
         Self {
             db,
             processor,
@@ -177,7 +186,12 @@ impl TopUps {
 
     /// Drives a top-up whose lease `owner` holds to a final state, or gives the lease back
     /// and answers `ProcessorUnknown`.
-    pub async fn drive_top_up(&self, mut row: TopUpRow, owner: Uuid, mut resumed: bool) -> Result<TopUpRow, TopUpError> {
+    pub async fn drive_top_up(
+        &self,
+        mut row: TopUpRow,
+        owner: Uuid,
+        mut resumed: bool,
+    ) -> Result<TopUpRow, TopUpError> {
         for _ in 0..MAX_ROUNDS {
             if *row.status != "processing" {
                 return Ok(row);
@@ -232,9 +246,19 @@ impl TopUps {
 
     /// Phase 3: confirm the committed PaymentIntent (after a look, when resuming) and record
     /// the final state.
-    async fn settle_intent(&self, row: &TopUpRow, id: &str, intent: &str, resumed: bool) -> Result<(TopUpRow, bool), String> {
+    async fn settle_intent(
+        &self,
+        row: &TopUpRow,
+        id: &str,
+        intent: &str,
+        resumed: bool,
+    ) -> Result<(TopUpRow, bool), String> {
         if resumed {
-            let seen = self.processor.retrieve_intent(intent).await.map_err(|e| e.to_string())?;
+            let seen = self
+                .processor
+                .retrieve_intent(intent)
+                .await
+                .map_err(|e| e.to_string())?;
             match seen.status.as_str() {
                 "succeeded" => return self.succeed(row, intent).await,
                 "requires_confirmation" => {}
@@ -247,7 +271,10 @@ impl TopUps {
         }
         match self.processor.confirm_intent(id, intent).await {
             Ok(confirmed) if confirmed.status == "succeeded" => self.succeed(row, intent).await,
-            Ok(confirmed) => Err(format!("PaymentIntent {intent} is {} after its confirmation", confirmed.status)),
+            Ok(confirmed) => Err(format!(
+                "PaymentIntent {intent} is {} after its confirmation",
+                confirmed.status
+            )),
             Err(CallError::Refused { status: 402, error }) => self.fail(row, Decline::CardDeclined, &error).await,
             // It may have been confirmed already (a lost answer): look, then decide.
             Err(CallError::Refused { .. }) => Ok((row.clone(), true)),
@@ -264,7 +291,12 @@ impl TopUps {
         Ok((next, false))
     }
 
-    async fn fail(&self, row: &TopUpRow, decline: Decline, error: &processor::ErrorObject) -> Result<(TopUpRow, bool), String> {
+    async fn fail(
+        &self,
+        row: &TopUpRow,
+        decline: Decline,
+        error: &processor::ErrorObject,
+    ) -> Result<(TopUpRow, bool), String> {
         let code = error.decline_code.as_deref().or(error.code.as_deref());
         let next = self
             .db
@@ -276,7 +308,12 @@ impl TopUps {
 
     /// Drives a refund whose lease `owner` holds (the balance already debited) until the
     /// processor refunded, or gives the lease back.
-    pub async fn drive_refund(&self, mut row: TopUpRow, owner: Uuid, mut resumed: bool) -> Result<TopUpRow, TopUpError> {
+    pub async fn drive_refund(
+        &self,
+        mut row: TopUpRow,
+        owner: Uuid,
+        mut resumed: bool,
+    ) -> Result<TopUpRow, TopUpError> {
         for _ in 0..MAX_ROUNDS {
             if row.refund_state.as_deref().map(String::as_str) != Some("debited") {
                 return Ok(row);
@@ -297,14 +334,19 @@ impl TopUps {
         if row.refund_state.as_deref().map(String::as_str) != Some("debited") {
             return Ok(row);
         }
-        Err(self.give_back(&row, owner, "the refund did not settle".to_owned()).await)
+        Err(self
+            .give_back(&row, owner, "the refund did not settle".to_owned())
+            .await)
     }
 
     async fn refund_step(&self, row: &TopUpRow, intent: &str, resumed: bool) -> Result<TopUpRow, String> {
         let id = row.top_up_id.to_string();
         if resumed {
             let refunds = self.processor.list_refunds(intent).await.map_err(|e| e.to_string())?;
-            if let Some(done) = refunds.iter().find(|r| r.status == "succeeded" || r.status == "pending") {
+            if let Some(done) = refunds
+                .iter()
+                .find(|r| r.status == "succeeded" || r.status == "pending")
+            {
                 return self.record_refund(row, &done.id).await;
             }
         }
@@ -371,7 +413,9 @@ fn settle(begun: Begun) -> Result<Settled, TopUpError> {
 fn settle_refund(begun: Begun) -> Result<Settled, TopUpError> {
     Ok(match (begun.outcome, begun.decline, begun.row, begun.owned) {
         (_, None, Some(row), true) => Settled::Owned(row),
-        (ClaimOutcome::Replayed, None, Some(row), false) if row.refund_state.as_deref().map(String::as_str) == Some("debited") => {
+        (ClaimOutcome::Replayed, None, Some(row), false)
+            if row.refund_state.as_deref().map(String::as_str) == Some("debited") =>
+        {
             Settled::Busy
         }
         (ClaimOutcome::Replayed, None, Some(row), false) => Settled::Final(Answer::Done { row, replayed: true }),

@@ -125,6 +125,15 @@ pub struct ProcessorClient {
     counters: CallCounters,
 }
 
+impl std::fmt::Debug for ProcessorClient {
+    /// The processor's URL; never its key.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProcessorClient")
+            .field("base", &self.base)
+            .finish_non_exhaustive()
+    }
+}
+
 impl ProcessorClient {
     pub fn new(settings: &Processor, counters: CallCounters) -> anyhow::Result<Self> {
         let http = reqwest::Client::builder()
@@ -162,8 +171,13 @@ impl ProcessorClient {
     /// Confirms (charges) a PaymentIntent.
     pub async fn confirm_intent(&self, top_up_id: &str, intent: &str) -> Result<Intent, CallError> {
         let key = format!("oncepay-top-up-{top_up_id}-confirm");
-        self.post(Call::ConfirmIntent, &format!("/v1/payment_intents/{intent}/confirm"), &[], &key)
-            .await
+        self.post(
+            Call::ConfirmIntent,
+            &format!("/v1/payment_intents/{intent}/confirm"),
+            &[],
+            &key,
+        )
+        .await
     }
 
     pub async fn retrieve_intent(&self, intent: &str) -> Result<Intent, CallError> {
@@ -223,7 +237,9 @@ impl ProcessorClient {
         path: &str,
         query: &[(&str, String)],
     ) -> Result<T, CallError> {
-        let request = self.authorized(self.http.get(format!("{}{path}", self.base))).query(query);
+        let request = self
+            .authorized(self.http.get(format!("{}{path}", self.base)))
+            .query(query);
         self.send(call, request).await
     }
 
@@ -259,9 +275,9 @@ impl ProcessorClient {
     }
 
     async fn exchange<T: for<'de> Deserialize<'de>>(request: reqwest::RequestBuilder) -> Result<T, CallError> {
-        let response = request.send().await.map_err(|e| CallError::Unknown(format!("{e:#}")))?;
+        let response = request.send().await.map_err(|e| CallError::Unknown(chain(&e)))?;
         let status = response.status();
-        let body = response.bytes().await.map_err(|e| CallError::Unknown(format!("{e:#}")))?;
+        let body = response.bytes().await.map_err(|e| CallError::Unknown(chain(&e)))?;
         if status.is_success() {
             return serde_json::from_slice(&body)
                 .map_err(|e| CallError::Unknown(format!("an answer of {status} that could not be read: {e}")));
@@ -278,4 +294,16 @@ impl ProcessorClient {
         }
         Err(CallError::Unknown(format!("the processor answered {status}")))
     }
+}
+
+/// An error with its causes (reqwest's own message names only the URL).
+fn chain(err: &dyn std::error::Error) -> String {
+    let mut out = err.to_string();
+    let mut source = err.source();
+    while let Some(cause) = source {
+        out.push_str(": ");
+        out.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    out
 }

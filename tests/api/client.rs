@@ -304,6 +304,20 @@ async fn every_tenant_endpoint_has_a_typed_call() {
     let moved = client.get_transfer(transfer.value.id).await.unwrap();
     assert_eq!((transfer.status, moved.value.amount), (201, 50));
     let account = client.account("u1").await.unwrap();
+    // Without a processor the top-up calls reach their routes and are refused (501, 404):
+    // tests/api/top_ups.rs drives them against one.
+    let refused = client
+        .top_up(100, "pm_card_visa", Some("u1"), &IdempotencyKey::generate())
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), "processor_not_configured");
+    let unknown = client.get_top_up(uuid::Uuid::new_v4()).await.unwrap_err();
+    assert_eq!(unknown.code(), "not_found");
+    let refused = client
+        .refund_top_up(uuid::Uuid::new_v4(), &IdempotencyKey::generate())
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), "processor_not_configured");
 
     assert_eq!((opened.status, opened.value.balance), (201, 500));
     assert_eq!((deposit.status, deposit.value.balance), (201, 750));

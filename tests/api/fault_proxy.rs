@@ -35,6 +35,16 @@ pub enum Action {
     PlainError {
         status: u16,
     },
+    /// Close the client's connection without forwarding or answering (a refused call).
+    Refuse,
+    /// Hold the request this long, then forward it and pass the answer on (to a client that
+    /// may have given up on it).
+    HoldRequest(Duration),
+    /// Read the request and never forward or answer it (until the proxy is dropped).
+    Swallow,
+    /// Forward, read the server's whole answer, and answer this status instead (a 5xx after
+    /// the server acted).
+    ForwardThenStatus(u16),
 }
 
 /// What the plan sees of a request.
@@ -43,6 +53,8 @@ pub struct Incoming {
     pub index: usize,
     /// Time since the proxy started.
     pub elapsed: Duration,
+    pub method: String,
+    pub path: String,
 }
 
 /// One request as the proxy saw it.
@@ -73,6 +85,7 @@ pub struct FaultProxy {
     /// The base URL clients use instead of the server's.
     pub url: String,
     log: Arc<Mutex<Vec<Seen>>>,
+    arrived: Arc<Mutex<Vec<(String, String)>>>,
     accept: JoinHandle<()>,
 }
 
@@ -86,15 +99,27 @@ impl FaultProxy {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("the proxy binds");
         let url = format!("http://{}", listener.local_addr().unwrap());
         let log = Arc::new(Mutex::new(Vec::new()));
+        let arrived = Arc::new(Mutex::new(Vec::new()));
         let shared = Shared {
             upstream,
             plan: Box::new(plan),
             log: log.clone(),
+            arrived: arrived.clone(),
             started: Instant::now(),
             count: Mutex::new(0),
         };
         let accept = tokio::spawn(accept_loop(listener, Arc::new(shared)));
-        Self { url, log, accept }
+        Self {
+            url,
+            log,
+            arrived,
+            accept,
+        }
+    }
+
+    /// Every request that has arrived so far (method, path), before any action on it.
+    pub fn arrived(&self) -> Vec<(String, String)> {
+        self.arrived.lock().unwrap().clone()
     }
 
     /// Every request so far, in arrival order.
@@ -116,6 +141,7 @@ struct Shared {
     upstream: String,
     plan: Box<Plan>,
     log: Arc<Mutex<Vec<Seen>>>,
+    arrived: Arc<Mutex<Vec<(String, String)>>>,
     started: Instant,
     count: Mutex<usize>,
 }
@@ -146,7 +172,38 @@ async fn serve(mut client: TcpStream, shared: &Shared) -> std::io::Result<()> {
         *count += 1;
         *count - 1
     };
-    let action = (shared.plan)(&Incoming { index, elapsed: at });
+    shared
+        .arrived
+        .lock()
+        .unwrap()
+        .push((request.method.clone(), request.path.clone()));
+    let action = (shared.plan)(&Incoming {
+        index,
+        elapsed: at,
+        method: request.method.clone(),
+        path: request.path.clone(),
+    });
+    let unanswered = || Seen {
+        at,
+        path: request.path.clone(),
+        key: request.key.clone(),
+        body: request.body.clone(),
+        action: action.clone(),
+        status: None,
+    };
+    match &action {
+        Action::Refuse => {
+            shared.log.lock().unwrap().push(unanswered());
+            return Ok(());
+        }
+        Action::Swallow => {
+            shared.log.lock().unwrap().push(unanswered());
+            tokio::time::sleep(IO_TIMEOUT * 2).await;
+            return Ok(());
+        }
+        Action::HoldRequest(delay) => tokio::time::sleep(*delay).await,
+        _ => {}
+    }
     let answer = match &action {
         Action::Problem {
             status,
@@ -154,7 +211,14 @@ async fn serve(mut client: TcpStream, shared: &Shared) -> std::io::Result<()> {
             retry_after_secs,
         } => Some(problem(*status, code, *retry_after_secs)),
         Action::PlainError { status } => Some(plain_error(*status)),
-        Action::Forward | Action::DropAnswer | Action::DelayAnswer(_) => forward(&shared.upstream, &request).await.ok(),
+        Action::ForwardThenStatus(status) => {
+            let _ = forward(&shared.upstream, &request).await;
+            Some(plain_error(*status))
+        }
+        Action::Refuse | Action::Swallow => None,
+        Action::Forward | Action::DropAnswer | Action::DelayAnswer(_) | Action::HoldRequest(_) => {
+            forward(&shared.upstream, &request).await.ok().map(closing)
+        }
     };
     shared.log.lock().unwrap().push(Seen {
         at,
@@ -250,6 +314,25 @@ async fn forward(upstream: &str, request: &Request) -> std::io::Result<Vec<u8>> 
     let mut answer = Vec::new();
     server.read_to_end(&mut answer).await?;
     Ok(answer)
+}
+
+/// The answer with `Connection: close` in its head, whatever the server said (localstripe
+/// says keep-alive): a client must not pool a connection this proxy is about to close, or
+/// its next request would meet a closed connection and be retried by the client's HTTP
+/// stack, not by the code under test.
+fn closing(answer: Vec<u8>) -> Vec<u8> {
+    let Some(end) = answer.windows(4).position(|w| w == b"\r\n\r\n") else {
+        return answer;
+    };
+    let head = String::from_utf8_lossy(&answer[..end]).into_owned();
+    let mut lines: Vec<&str> = head
+        .split("\r\n")
+        .filter(|line| !line.to_ascii_lowercase().starts_with("connection:"))
+        .collect();
+    lines.push("Connection: close");
+    let mut closed = lines.join("\r\n").into_bytes();
+    closed.extend_from_slice(&answer[end..]);
+    closed
 }
 
 fn status_of(answer: &[u8]) -> Option<u16> {

@@ -39,10 +39,12 @@ mod replay_cache;
 mod schema_change;
 mod security;
 mod sql_functions;
+mod stripe;
 mod tcp_cut;
 mod tcp_relay;
 mod tenancy;
 mod tls;
+mod top_ups;
 mod transfers;
 // Shared with the chaos tests, which use a part of it each.
 #[allow(dead_code)]

@@ -66,7 +66,27 @@ pub async fn raw_http(app: &TestApp, request: Vec<u8>, wait: Duration) -> String
 
 #[tokio::test]
 async fn another_tenants_ids_answer_404_on_every_endpoint_and_change_nothing() {
-    let app = spawn_app().await;
+    // A processor, so that the victim has a top-up to aim at.
+    let stripe = crate::stripe::Localstripe::start().await;
+    let app = crate::helpers::TestApp::builder()
+        .settings(|s| {
+            s.processor = Some(oncepay::config::Processor {
+                url: stripe.url.clone(),
+                api_key: Some(crate::stripe::API_KEY.to_owned()),
+                timeout: Duration::from_secs(10),
+            });
+        })
+        .spawn()
+        .await;
+    let topped = app
+        .post(
+            "/accounts/main/top-ups",
+            Some(&new_key()),
+            &json!({ "amount": 100, "payment_method": "pm_card_visa" }),
+        )
+        .await;
+    assert_eq!(topped.status, 201, "{}", topped.body);
+    let top_up = topped.body["id"].as_str().unwrap().to_owned();
     let (_, intruder) = new_tenant(&app.pool, MissingKeyPolicy::Reject).await;
     let paid = app.pay(Some(&new_key()), 100).await;
     let payment = paid.body["id"].as_str().unwrap().to_owned();
@@ -85,6 +105,8 @@ async fn another_tenants_ids_answer_404_on_every_endpoint_and_change_nothing() {
             payment.as_str()
         } else if template.starts_with("/transfers/{id}") {
             transfer.as_str()
+        } else if template.starts_with("/top-ups/{id}") {
+            top_up.as_str()
         } else if template.starts_with("/accounts/{id}") {
             "private"
         } else {
@@ -102,6 +124,10 @@ async fn another_tenants_ids_answer_404_on_every_endpoint_and_change_nothing() {
             ("POST", "/accounts") => continue,
             ("POST", t) if t.ends_with("/refund") => (Some(json!({})), "not_found"),
             ("POST", t) if t.ends_with("/deposits") => (Some(json!({ "amount": 5 })), "account_not_found"),
+            ("POST", t) if t.ends_with("/top-ups") => (
+                Some(json!({ "amount": 5, "payment_method": "pm_card_visa" })),
+                "account_not_found",
+            ),
             (method, template) => panic!("{method} {template}: a tenant endpoint this test does not cover yet"),
         };
         let answer = match body {
@@ -136,7 +162,9 @@ async fn another_tenants_ids_answer_404_on_every_endpoint_and_change_nothing() {
     .await;
     patch.assert_problem(401, "unauthorized");
 
-    assert_eq!(app.balance("main").await, MAIN_BALANCE - 100);
+    // The payment of 100 and the top-up of 100: nothing of the intruder's.
+    assert_eq!(app.balance("main").await, MAIN_BALANCE - 100 + 100);
+    assert_eq!(app.get(&format!("/top-ups/{top_up}")).await.body["status"], "succeeded");
     assert_eq!(app.balance("private").await, 40);
     assert_eq!(app.balance("private2").await, 10);
     assert_eq!(app.payment_count().await, 1);

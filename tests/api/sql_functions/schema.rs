@@ -85,6 +85,20 @@ async fn every_check_constraint_and_domain_refuses_a_row_that_breaks_it() {
         ("to_balance_after", "1"),
         ("created_at", "now()"),
     ];
+    let top_ups = [
+        ("tenant_id", tenant.as_str()),
+        ("top_up_id", "gen_random_uuid()"),
+        ("account_id", "'main'"),
+        ("amount", "1"),
+        ("currency", "'usd'"),
+        ("payment_method", "'pm_card_visa'"),
+        ("status", "'succeeded'"),
+        ("recovery_point", "'finished'"),
+        ("balance_after", "1"),
+        ("refund_state", "NULL"),
+        ("created_at", "now()"),
+        ("updated_at", "now()"),
+    ];
     let long_key = format!("'{}'", "k".repeat(256));
     let long_account = format!("'{}'", "a".repeat(65));
     let long_name = format!("'{}'", "n".repeat(201));
@@ -190,6 +204,51 @@ async fn every_check_constraint_and_domain_refuses_a_row_that_breaks_it() {
             "oncepay_balance_check",
             insert("transfers", &transfers, &[("to_balance_after", "-1")]),
         ),
+        (
+            "oncepay_top_up_status_check",
+            insert("top_ups", &top_ups, &[("status", "'pending'")]),
+        ),
+        (
+            "oncepay_top_up_recovery_point_check",
+            insert("top_ups", &top_ups, &[("recovery_point", "'confirmed'")]),
+        ),
+        (
+            "oncepay_top_up_refund_state_check",
+            insert("top_ups", &top_ups, &[("refund_state", "'asked'")]),
+        ),
+        ("oncepay_amount_check", insert("top_ups", &top_ups, &[("amount", "0")])),
+        (
+            "top_ups_succeeded_check",
+            insert("top_ups", &top_ups, &[("balance_after", "NULL")]),
+        ),
+        (
+            "top_ups_succeeded_check",
+            insert(
+                "top_ups",
+                &top_ups,
+                &[("status", "'processing'"), ("recovery_point", "'started'")],
+            ),
+        ),
+        (
+            "top_ups_refund_check",
+            insert(
+                "top_ups",
+                &top_ups,
+                &[
+                    ("status", "'failed'"),
+                    ("balance_after", "NULL"),
+                    ("refund_state", "'debited'"),
+                ],
+            ),
+        ),
+        (
+            "top_ups_refunded_check",
+            insert("top_ups", &top_ups, &[("status", "'refunded'")]),
+        ),
+        (
+            "top_ups_refunded_check",
+            insert("top_ups", &top_ups, &[("refund_state", "'refunded'")]),
+        ),
     ];
 
     // Each base row is valid: a refusal below is the case's doing.
@@ -200,6 +259,7 @@ async fn every_check_constraint_and_domain_refuses_a_row_that_breaks_it() {
         ("deposits", &deposits[..]),
         ("tenants", &tenants[..]),
         ("transfers", &transfers[..]),
+        ("top_ups", &top_ups[..]),
     ] {
         let mut tx = fx.pool.begin().await.unwrap();
         let valid = sqlx::query(&insert(table, base, &[])).execute(&mut *tx).await;
@@ -220,7 +280,8 @@ async fn every_check_constraint_and_domain_refuses_a_row_that_breaks_it() {
         "SELECT DISTINCT conname::text FROM pg_constraint
           WHERE contype = 'c'
             AND (conrelid IN ('idempotency_keys'::regclass, 'accounts'::regclass, 'payments'::regclass,
-                              'deposits'::regclass, 'tenants'::regclass, 'transfers'::regclass)
+                              'deposits'::regclass, 'tenants'::regclass, 'transfers'::regclass,
+                              'top_ups'::regclass)
                  OR contypid IN (SELECT oid FROM pg_type WHERE typtype = 'd' AND typname LIKE 'oncepay\\_%'))
             AND conname <> 'tenants_missing_key_policy_check'",
     )
@@ -317,7 +378,15 @@ async fn the_operation_enum_lists_operation_all_in_order() {
     assert_eq!(decoded, Operation::ALL);
     assert_eq!(
         labels(&fx.pool, "oncepay_operation").await,
-        ["pay", "refund", "deposit", "open_account", "transfer"]
+        [
+            "pay",
+            "refund",
+            "deposit",
+            "open_account",
+            "transfer",
+            "top_up",
+            "refund_top_up"
+        ]
     );
 }
 

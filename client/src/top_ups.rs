@@ -1,0 +1,82 @@
+//! Card top-ups (contract section 4b): typed calls for `POST /accounts/{id}/top-ups`,
+//! `GET /top-ups/{id}` and `POST /top-ups/{id}/refund`. A 503 (the processor's outcome
+//! unknown) is retried with the same key like any other: the server resumes the top-up and
+//! never charges twice.
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+use uuid::Uuid;
+
+use crate::error::ClientError;
+use crate::key::IdempotencyKey;
+use crate::protocol::routes;
+use crate::{Client, Reply};
+
+/// `POST /accounts/{id}/top-ups`: 201, the card charged and the account credited.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TopUp {
+    pub id: Uuid,
+    pub account: String,
+    pub amount: i64,
+    pub currency: String,
+    pub status: String,
+    /// The processor's PaymentIntent.
+    pub processor_payment_id: Option<String>,
+    /// The account's balance right after this top-up.
+    pub balance: i64,
+    pub created_at: DateTime<Utc>,
+}
+
+/// `GET /top-ups/{id}`: the top-up's current state.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TopUpState {
+    pub id: Uuid,
+    pub account: String,
+    pub amount: i64,
+    pub currency: String,
+    /// `processing`, `succeeded`, `failed` or `refunded`.
+    pub status: String,
+    pub processor_payment_id: Option<String>,
+    pub failure_code: Option<String>,
+    pub created_at: DateTime<Utc>,
+}
+
+/// `POST /top-ups/{id}/refund`: 200.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TopUpRefund {
+    pub id: Uuid,
+    pub status: String,
+    pub refunded: i64,
+    pub balance: i64,
+}
+
+impl Client {
+    /// Charges `amount` to the card `payment_method` (`pm_...`) at the processor and credits
+    /// `account` (`main` when `None`) with it.
+    pub async fn top_up(
+        &self,
+        amount: i64,
+        payment_method: &str,
+        account: Option<&str>,
+        key: &IdempotencyKey,
+    ) -> Result<Reply<TopUp>, ClientError> {
+        let account = account.unwrap_or("main");
+        let body = json!({ "amount": amount, "payment_method": payment_method });
+        self.execute(self.post_call(&routes::CREATE_TOP_UP.segments(account), &body, key)?)
+            .await
+    }
+
+    /// The top-up's current state.
+    pub async fn get_top_up(&self, id: Uuid) -> Result<Reply<TopUpState>, ClientError> {
+        self.execute(self.get_call(&routes::GET_TOP_UP.segments(&id.to_string())))
+            .await
+    }
+
+    /// Debits the top-up's amount from its account, then refunds the card.
+    pub async fn refund_top_up(&self, id: Uuid, key: &IdempotencyKey) -> Result<Reply<TopUpRefund>, ClientError> {
+        let id = id.to_string();
+        self.execute(self.post_call(&routes::REFUND_TOP_UP.segments(&id), &json!({}), key)?)
+            .await
+    }
+}
