@@ -25,6 +25,7 @@ pub enum Operation {
     OpenAccount,
     Transfer,
     CreateWebhookEndpoint,
+    RotateWebhookSecret,
 }
 
 /// A deterministic failure (PostgreSQL `oncepay_decline`): stored with the key and replayed
@@ -147,14 +148,27 @@ const CREATE_WEBHOOK_ENDPOINT: Spec = Spec {
     tag: "webhooks",
 };
 
+const ROTATE_WEBHOOK_SECRET: Spec = Spec {
+    operation: Operation::RotateWebhookSecret,
+    name: "rotate_webhook_secret",
+    method: routes::ROTATE_WEBHOOK_SECRET.method,
+    path: routes::ROTATE_WEBHOOK_SECRET.path,
+    aliases: &[],
+    success_status: 200,
+    declines: &[Decline::NotFound],
+    summary: "Gives an endpoint a new `whsec_` secret; the previous one keeps signing too (two signatures per message) for `overlap_secs` (default a day).",
+    tag: "webhooks",
+};
+
 impl Operation {
-    pub const ALL: [Self; 6] = [
+    pub const ALL: [Self; 7] = [
         Self::Pay,
         Self::Refund,
         Self::Deposit,
         Self::OpenAccount,
         Self::Transfer,
         Self::CreateWebhookEndpoint,
+        Self::RotateWebhookSecret,
     ];
 
     pub const fn spec(self) -> &'static Spec {
@@ -165,6 +179,7 @@ impl Operation {
             Self::OpenAccount => &OPEN_ACCOUNT,
             Self::Transfer => &TRANSFER,
             Self::CreateWebhookEndpoint => &CREATE_WEBHOOK_ENDPOINT,
+            Self::RotateWebhookSecret => &ROTATE_WEBHOOK_SECRET,
         }
     }
 }
@@ -208,7 +223,7 @@ impl Decline {
         match self {
             Self::InsufficientFunds => "the account's balance is lower than the amount",
             Self::AccountNotFound => "no such account",
-            Self::NotFound => "no such payment",
+            Self::NotFound => "no such payment or webhook endpoint for this tenant",
             Self::AlreadyRefunded => "the payment was already refunded",
             Self::AccountExists => "an account with this id already exists",
         }

@@ -90,6 +90,7 @@ impl Modify for Operations {
         document_operation::<accounts::CreateDeposit>(openapi);
         document_operation::<transfers::CreateTransfer>(openapi);
         document_operation::<webhooks::CreateWebhookEndpoint>(openapi);
+        document_operation::<webhooks::RotateWebhookSecret>(openapi);
     }
 }
 
@@ -141,7 +142,10 @@ fn document_operation<E: Endpoint>(openapi: &mut utoipa::openapi::OpenApi) {
         (429, "Overloaded"),
         (503, "Unavailable"),
     ];
-    if spec.operation == crate::operation::Operation::CreateWebhookEndpoint {
+    if matches!(
+        spec.operation,
+        crate::operation::Operation::CreateWebhookEndpoint | crate::operation::Operation::RotateWebhookSecret
+    ) {
         statuses.push((501, "NotConfigured"));
     }
     for decline in spec.declines {
@@ -284,6 +288,7 @@ mod tests {
                 "POST /payments/{id}/refund",
                 "POST /transfers",
                 "POST /webhook-endpoints",
+                "POST /webhook-endpoints/{id}/rotate-secret",
             ]
         );
     }
