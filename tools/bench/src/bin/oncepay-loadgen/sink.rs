@@ -51,6 +51,8 @@ async fn serve(mut stream: TcpStream) -> std::io::Result<()> {
             buffer.extend_from_slice(&chunk[..n]);
         }
         buffer.drain(..head_end + length);
-        stream.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n").await?;
+        stream
+            .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+            .await?;
     }
 }
