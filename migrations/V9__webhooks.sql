@@ -20,6 +20,7 @@
 -- their change happens (oncepay_webhook_event_type already names the top-up types).
 
 ALTER TYPE oncepay_operation ADD VALUE IF NOT EXISTS 'create_webhook_endpoint';
+ALTER TYPE oncepay_operation ADD VALUE IF NOT EXISTS 'rotate_webhook_secret';
 
 -- The event types a tenant may subscribe to (POST /webhook-endpoints refuses others: 400).
 CREATE DOMAIN oncepay_webhook_event_type AS text CHECK (VALUE IN (
@@ -333,6 +334,39 @@ BEGIN
         VALUES (p_tenant, c.resource_id::uuid, p_url, p_event_types,
                 p_secret_encrypted, p.key, now())
         RETURNING r.* INTO resource;
+    ELSIF c.resource_id IS NOT NULL THEN
+        SELECT r.* INTO resource FROM webhook_endpoints r
+         WHERE r.tenant_id = p_tenant AND r.endpoint_id = c.resource_id::uuid;
+    END IF;
+    outcome := c.outcome; decline := c.decline; expires_at := c.expires_at;
+    RETURN NEXT;
+END
+$$;
+
+-- POST /webhook-endpoints/{id}/rotate-secret: the new secret signs from now on; the one it
+-- replaces keeps signing too (a second signature in every message) for p_overlap_secs, so
+-- that receivers can switch without refusing a message. A deleted endpoint, or another
+-- tenant's: the stored decline not_found.
+CREATE FUNCTION oncepay_rotate_webhook_secret(p_tenant uuid, p oncepay_claim_args, p_endpoint uuid,
+                                              p_secret_encrypted bytea, p_overlap_secs int)
+RETURNS TABLE (outcome oncepay_outcome, decline oncepay_decline, expires_at timestamptz,
+               resource webhook_endpoints)
+LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+DECLARE
+    c oncepay_claimed := oncepay_claim(p_tenant, p, p_endpoint::text);
+BEGIN
+    IF c.outcome = 'created' THEN
+        UPDATE webhook_endpoints r
+           SET previous_secret_encrypted = r.secret_encrypted,
+               previous_secret_expires_at = now() + make_interval(secs => p_overlap_secs),
+               secret_encrypted = p_secret_encrypted
+         WHERE r.tenant_id = p_tenant AND r.endpoint_id = p_endpoint AND r.deleted_at IS NULL
+        RETURNING r.* INTO resource;
+        IF NOT FOUND THEN
+            resource := NULL;
+            c := oncepay_decline(p_tenant, p, 'not_found');
+        END IF;
     ELSIF c.resource_id IS NOT NULL THEN
         SELECT r.* INTO resource FROM webhook_endpoints r
          WHERE r.tenant_id = p_tenant AND r.endpoint_id = c.resource_id::uuid;

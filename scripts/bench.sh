@@ -55,9 +55,11 @@ admin_url="$(scripts/db.sh url postgres)"
 # The cluster's postmaster: the CPU of all its processes is charged to each step.
 pg_pid="$(head -n 1 "$(scripts/db.sh datadir)/postmaster.pid")"
 SQLX_OFFLINE=true cargo build --release --locked -p oncepay -p oncepay-bench --quiet
-bin=target/release/oncepay
-lg=target/release/oncepay-loadgen
-mkdir -p "$out"
+# Where cargo put them (CARGO_TARGET_DIR, when set, as the Makefile's other targets honour it).
+tdir="${CARGO_TARGET_DIR:-target}"
+bin="$tdir/release/oncepay"
+lg="$tdir/release/oncepay-loadgen"
+mkdir -p "$out" target
 results="$out/results.jsonl"
 : >"$results"
 
@@ -92,8 +94,16 @@ bench_database "$admin_url" "$url" "$bin" "$accounts"
 main_tenant="$tenant" main_api_key="$api_key"
 bench_tenant "$url" "$bin" "$accounts" quiet
 quiet_api_key="$api_key"
+# Two more for the webhook steps: one with an endpoint subscribed to every event, one without.
+bench_tenant "$url" "$bin" "$accounts" plain
+plain_api_key="$api_key"
+bench_tenant "$url" "$bin" "$accounts" hooked
+hooked_api_key="$api_key"
 tenant="$main_tenant" api_key="$main_api_key"
 export DATABASE_URL="$url"
+# Every instance delivers webhooks (to the sink on 127.0.0.1, hence private targets allowed).
+ONCEPAY_WEBHOOK_SECRET_KEY="$(head -c 32 /dev/urandom | base64)"
+export ONCEPAY_WEBHOOK_SECRET_KEY ONCEPAY_WEBHOOK_ALLOW_PRIVATE=1
 
 say "yardstick database $ydb"
 psql -X -q "$admin_url" -c "SET client_min_messages = warning" -c "DROP DATABASE IF EXISTS $ydb WITH (FORCE)" \
@@ -146,6 +156,14 @@ for i in 4 5 6; do
   start "$i" ONCEPAY_REPLAY_CACHE_ENTRIES=0
   off_urls+=("http://127.0.0.1:$((port + i))")
 done
+# The webhook sink (answers 200 to everything) and the hooked tenant's endpoint on it.
+sink_port=$((port + 50))
+"$lg" sink --port "$sink_port" 2>>target/bench-server.log &
+pids+=("$!")
+curl -sf -X POST "${urls[0]}/webhook-endpoints" -H "Authorization: Bearer $hooked_api_key" \
+  -H "Idempotency-Key: bench-endpoint" -H 'Content-Type: application/json' \
+  -d "{\"url\": \"http://127.0.0.1:$sink_port/hooks\"}" >/dev/null \
+  || { echo "bench: the webhook endpoint could not be registered" >&2; exit 1; }
 servers=("${pids[@]}")
 one="${urls[0]}"
 three="$(IFS=,; echo "${urls[*]}")"
@@ -214,6 +232,48 @@ noisy_neighbour() { # round
   if [ $(($1 % 2)) = 0 ]; then api_key="$quiet_api_key" http new 4 0 "$1" "$quiet_side" "$one" "${pids[0]}" --note alone; fi
 }
 
+# Webhooks (issue 20): new payments of a tenant with one endpoint subscribed to every event,
+# and of one without, same instance, same rounds (odd rounds without first). The hooked
+# tenant's events are written in the payments' transactions and delivered meanwhile by the
+# instances' workers to the sink. The report compares the two throughputs (summary.rs,
+# WEBHOOKS_ONE / WEBHOOKS_NONE).
+webhook_steps() { # round
+  if [ $(($1 % 2)) = 1 ]; then api_key="$plain_api_key" http new 32 0 "$1" oncepay "$one" "${pids[0]}" --note "no webhook endpoint"; fi
+  api_key="$hooked_api_key" http new 32 0 "$1" oncepay "$one" "${pids[0]}" --note "one webhook endpoint"
+  if [ $(($1 % 2)) = 0 ]; then api_key="$plain_api_key" http new 32 0 "$1" oncepay "$one" "${pids[0]}" --note "no webhook endpoint"; fi
+}
+
+# The outbox after the webhook steps: rows and sizes once the backlog drained (at most a
+# minute), appended to the report. Delivered rows stay until the purge, a retention later.
+outbox_row() {
+  local pending
+  for _ in $(seq 120); do
+    pending="$(sql -c "SELECT count(*) FROM webhook_deliveries WHERE state = 'pending'")"
+    [ "$pending" = 0 ] && break
+    sleep 0.5
+  done
+  {
+    echo
+    echo "## Webhook outbox (after the webhook steps)"
+    echo
+    echo "| events | deliveries | pending | delivered | attempts | outbox size (events + deliveries + attempts, with indexes) | bytes per event |"
+    echo "| --- | --- | --- | --- | --- | --- | --- |"
+    sql -F ' | ' -c "SELECT (SELECT count(*) FROM webhook_events), (SELECT count(*) FROM webhook_deliveries),
+                             (SELECT count(*) FROM webhook_deliveries WHERE state = 'pending'),
+                             (SELECT count(*) FROM webhook_deliveries WHERE state = 'delivered'),
+                             (SELECT count(*) FROM webhook_attempts),
+                             pg_size_pretty(pg_total_relation_size('webhook_events') + pg_total_relation_size('webhook_deliveries')
+                                            + pg_total_relation_size('webhook_attempts')),
+                             (pg_total_relation_size('webhook_events') + pg_total_relation_size('webhook_deliveries')
+                              + pg_total_relation_size('webhook_attempts')) / greatest((SELECT count(*) FROM webhook_events), 1)" \
+      | sed 's/^/| /; s/$/ |/'
+    echo
+    echo "Delivered rows are purged once they are older than ONCEPAY_RETENTION_SECS (like key rows):"
+    echo "the outbox holds about (events per second x retention x bytes per event); pending rows,"
+    echo "the backlog, should stay near 0 while receivers answer."
+  } >"$out/outbox.md"
+}
+
 say "seeding $replay_keys keys for the replay scenarios"
 "$lg" http --urls "$one" --api-key "$api_key" --scenario seed --concurrency 32 --duration-secs 300 \
   --replay-keys "$replay_keys" >/dev/null
@@ -253,11 +313,14 @@ for round in $(seq "$rounds"); do
   http one-key 50 0 "$round" "oncepay x3" "$three" "$all_pids"
   say "round $round: a quiet tenant alone and beside a noisy one"
   noisy_neighbour "$round"
+  say "round $round: new payments with one webhook endpoint and without"
+  webhook_steps "$round"
   say "round $round: retry storm, $replay_keys keys x $storm_passes, cache on, then off"
   storm "$round" on "$three" "$three_pids"
   storm "$round" on "$three" "$three_pids" affinity
   storm "$round" off "$three_off" "$three_off_pids"
 done
+outbox_row
 
 # The largest table's new payments are compared with an empty table's measured next to them,
 # in the same round, rather than with the 0-row steps of minutes before: across minutes this
@@ -319,5 +382,6 @@ settle
 growth "$big" beside
 
 say "report"
-target/release/oncepay-bench-report --input "$results" --machine "$out/machine.txt" --out "$out" --font "$font"
+"$tdir/release/oncepay-bench-report" --input "$results" --machine "$out/machine.txt" --out "$out" --font "$font"
+cat "$out/outbox.md" >>"$out/REPORT.md"
 say "done: $out/REPORT.md"

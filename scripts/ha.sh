@@ -411,9 +411,16 @@ up() {
   echo "$app" >"$dir/database_url"
   in_hub env DATABASE_URL="$app" timeout 60 "$bin" migrate >>"$dir/logs/migrate.log" 2>&1 || die "migrate failed"
   in_hub env DATABASE_URL="$app" timeout 30 "$bin" tenant create --name ha --main-balance 1000 >"$dir/tenant.json"
+  # One key for the stored webhook secrets, the same on the three instances.
+  [ -s "$dir/webhook_key" ] || head -c 32 /dev/urandom | base64 >"$dir/webhook_key"
+  webhook_key="$(cat "$dir/webhook_key")"
   for i in 0 1 2; do
+    # Webhooks: the driver's receiver listens on 127.0.0.1 in the hub (private targets
+    # allowed), and failed deliveries are retried within seconds, not hours.
     start "oncepay-$((i + 1))" "$ns_hub" root env DATABASE_URL="$app" ONCEPAY_BIND="127.0.0.1:${app_ports[$i]}" \
       ONCEPAY_METRICS_BIND="127.0.0.1:$((app_ports[i] + 1000))" \
+      ONCEPAY_WEBHOOK_SECRET_KEY="$webhook_key" ONCEPAY_WEBHOOK_ALLOW_PRIVATE=1 \
+      ONCEPAY_WEBHOOK_RETRY_SCHEDULE="1,2,5,5,10,10,10,10,10,10,10,10" \
       ONCEPAY_DB_POOL_SIZE="${ONCEPAY_HA_POOL_SIZE:-16}" RUST_LOG="${RUST_LOG:-warn}" "$bin" serve
   done
   for i in 0 1 2; do

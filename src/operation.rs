@@ -27,6 +27,7 @@ pub enum Operation {
     TopUp,
     RefundTopUp,
     CreateWebhookEndpoint,
+    RotateWebhookSecret,
 }
 
 /// A deterministic failure (PostgreSQL `oncepay_decline`): stored with the key and replayed
@@ -177,8 +178,20 @@ const CREATE_WEBHOOK_ENDPOINT: Spec = Spec {
     tag: "webhooks",
 };
 
+const ROTATE_WEBHOOK_SECRET: Spec = Spec {
+    operation: Operation::RotateWebhookSecret,
+    name: "rotate_webhook_secret",
+    method: routes::ROTATE_WEBHOOK_SECRET.method,
+    path: routes::ROTATE_WEBHOOK_SECRET.path,
+    aliases: &[],
+    success_status: 200,
+    declines: &[Decline::NotFound],
+    summary: "Gives an endpoint a new `whsec_` secret; the previous one keeps signing too (two signatures per message) for `overlap_secs` (default a day).",
+    tag: "webhooks",
+};
+
 impl Operation {
-    pub const ALL: [Self; 8] = [
+    pub const ALL: [Self; 9] = [
         Self::Pay,
         Self::Refund,
         Self::Deposit,
@@ -187,6 +200,7 @@ impl Operation {
         Self::TopUp,
         Self::RefundTopUp,
         Self::CreateWebhookEndpoint,
+        Self::RotateWebhookSecret,
     ];
 
     pub const fn spec(self) -> &'static Spec {
@@ -199,6 +213,7 @@ impl Operation {
             Self::TopUp => &TOP_UP,
             Self::RefundTopUp => &REFUND_TOP_UP,
             Self::CreateWebhookEndpoint => &CREATE_WEBHOOK_ENDPOINT,
+            Self::RotateWebhookSecret => &ROTATE_WEBHOOK_SECRET,
         }
     }
 }
@@ -248,7 +263,7 @@ impl Decline {
         match self {
             Self::InsufficientFunds => "the account's balance is lower than the amount",
             Self::AccountNotFound => "no such account",
-            Self::NotFound => "no such payment",
+            Self::NotFound => "no such payment or webhook endpoint for this tenant",
             Self::AlreadyRefunded => "the payment was already refunded",
             Self::AccountExists => "an account with this id already exists",
             Self::CardDeclined => "the card processor declined the charge; nothing was charged",

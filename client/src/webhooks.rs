@@ -184,3 +184,35 @@ mod tests {
         assert!(verify_at(SECRET, ID, "1614265330", &header, BODY, at(1614265330)).is_ok());
     }
 }
+
+/// `POST /webhook-endpoints`: 201, with the endpoint's secret (shown in this answer only).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct WebhookEndpoint {
+    pub id: uuid::Uuid,
+    pub url: String,
+    pub events: Vec<String>,
+    /// `whsec_...`: what [`verify`] takes.
+    pub secret: String,
+    pub created_at: chrono::DateTime<chrono::Utc>,
+}
+
+impl crate::Client {
+    /// Registers an endpoint for the tenant's events (`events`: `None` for every type).
+    pub async fn create_webhook_endpoint(
+        &self,
+        url: &str,
+        events: Option<&[&str]>,
+        key: &crate::IdempotencyKey,
+    ) -> Result<crate::Reply<WebhookEndpoint>, crate::ClientError> {
+        let mut body = serde_json::json!({ "url": url });
+        if let Some(events) = events {
+            body["events"] = serde_json::json!(events);
+        }
+        let call = self.post_call(
+            &crate::protocol::routes::CREATE_WEBHOOK_ENDPOINT.segments(""),
+            &body,
+            key,
+        )?;
+        self.execute(call).await
+    }
+}

@@ -88,13 +88,17 @@ pub const DELETE_WEBHOOK_ENDPOINT: Route = Route {
     method: "DELETE",
     path: "/webhook-endpoints/{id}",
 };
+pub const ROTATE_WEBHOOK_SECRET: Route = Route {
+    method: "POST",
+    path: "/webhook-endpoints/{id}/rotate-secret",
+};
 pub const GET_EVENT: Route = Route {
     method: "GET",
     path: "/events/{id}",
 };
 
 /// Every route a tenant calls with its API key.
-pub const TENANT_ROUTES: [Route; 16] = [
+pub const TENANT_ROUTES: [Route; 17] = [
     CREATE_PAYMENT,
     PAY_ALIAS,
     GET_PAYMENT,
@@ -110,6 +114,7 @@ pub const TENANT_ROUTES: [Route; 16] = [
     CREATE_WEBHOOK_ENDPOINT,
     LIST_WEBHOOK_ENDPOINTS,
     DELETE_WEBHOOK_ENDPOINT,
+    ROTATE_WEBHOOK_SECRET,
     GET_EVENT,
 ];
 

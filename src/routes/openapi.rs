@@ -93,6 +93,7 @@ impl Modify for Operations {
         document_operation::<accounts::CreateDeposit>(openapi);
         document_operation::<transfers::CreateTransfer>(openapi);
         document_operation::<webhooks::CreateWebhookEndpoint>(openapi);
+        document_operation::<webhooks::RotateWebhookSecret>(openapi);
     }
 }
 
@@ -144,7 +145,10 @@ fn document_operation<E: Endpoint>(openapi: &mut utoipa::openapi::OpenApi) {
         (429, "Overloaded"),
         (503, "Unavailable"),
     ];
-    if spec.operation == crate::operation::Operation::CreateWebhookEndpoint {
+    if matches!(
+        spec.operation,
+        crate::operation::Operation::CreateWebhookEndpoint | crate::operation::Operation::RotateWebhookSecret
+    ) {
         statuses.push((501, "NotConfigured"));
     }
     for decline in spec.declines {
@@ -290,6 +294,7 @@ mod tests {
                 "POST /top-ups/{id}/refund",
                 "POST /transfers",
                 "POST /webhook-endpoints",
+                "POST /webhook-endpoints/{id}/rotate-secret",
             ]
         );
     }

@@ -7,16 +7,18 @@ use oncepay_protocol::routes;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
+use super::intake::EmptyBody;
 use super::pipeline::{route, Endpoint};
 use super::schemas::{NotFound, Overloaded, Unauthorized, Unavailable};
 use crate::domain::{EndpointId, EventId};
 use crate::error::ApiError;
 use crate::state::AppState;
 use crate::webhooks::endpoints::{self, EVENT_TYPES};
-use crate::webhooks::{target, CreateEndpoint, EndpointRow};
+use crate::webhooks::{target, CreateEndpoint, EndpointRow, RotateSecret};
 
 pub fn configure(cfg: &mut web::ServiceConfig) {
     route::<CreateWebhookEndpoint>(cfg);
+    route::<RotateWebhookSecret>(cfg);
     cfg.route(routes::LIST_WEBHOOK_ENDPOINTS.path, web::get().to(list));
     cfg.route(routes::DELETE_WEBHOOK_ENDPOINT.path, web::delete().to(delete));
     cfg.route(routes::GET_EVENT.path, web::get().to(show_event));
@@ -43,6 +45,25 @@ pub struct WebhookEndpointOut {
     /// `whsec_` + base64 of the HMAC key (Standard Webhooks).
     secret: String,
     created_at: DateTime<Utc>,
+}
+
+/// Body of `POST /webhook-endpoints/{id}/rotate-secret` (`{}` or empty: the defaults).
+#[derive(Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RotateSecretIn {
+    /// How long the previous secret keeps signing beside the new one, in seconds: 0 to
+    /// 604800 (7 days); default 86400.
+    pub overlap_secs: Option<u32>,
+}
+
+/// The endpoint with its new secret (shown here only).
+#[derive(Serialize, ToSchema)]
+pub struct RotatedSecretOut {
+    id: EndpointId,
+    /// The new `whsec_` secret.
+    secret: String,
+    /// Until when the previous secret signs too.
+    previous_secret_expires_at: Option<DateTime<Utc>>,
 }
 
 /// An endpoint as listed: never its secret.
@@ -125,6 +146,49 @@ impl Endpoint for CreateWebhookEndpoint {
             events: events_or_all(row.events),
             secret: row.secret,
             created_at: row.created_at,
+        })
+    }
+}
+
+pub struct RotateWebhookSecret;
+
+impl Endpoint for RotateWebhookSecret {
+    type Effect = RotateSecret;
+    type In = RotateSecretIn;
+    type Out = RotatedSecretOut;
+    const EMPTY_BODY: EmptyBody = EmptyBody::MeansEmptyObject;
+
+    fn effect(req: &HttpRequest, body: RotateSecretIn) -> Result<(RotateSecret, Option<String>), ApiError> {
+        let state = req
+            .app_data::<web::Data<AppState>>()
+            .ok_or_else(|| ApiError::Internal(anyhow::anyhow!("no application state")))?;
+        let endpoint = req
+            .match_info()
+            .get("id")
+            .and_then(EndpointId::parse)
+            .ok_or(ApiError::NotFound)?;
+        let overlap = body.overlap_secs.unwrap_or(86_400);
+        if overlap > 604_800 {
+            return Err(ApiError::InvalidRequest(
+                "`overlap_secs` must be between 0 and 604800 (7 days)".to_owned(),
+            ));
+        }
+        let sealer = state.webhook_secrets.clone().ok_or(ApiError::WebhooksNotConfigured)?;
+        Ok((
+            RotateSecret {
+                endpoint,
+                overlap: std::time::Duration::from_secs(overlap.into()),
+                sealer,
+            },
+            Some(endpoint.to_string()),
+        ))
+    }
+
+    fn render(row: EndpointRow) -> Result<RotatedSecretOut, ApiError> {
+        Ok(RotatedSecretOut {
+            id: row.id,
+            secret: row.secret,
+            previous_secret_expires_at: row.previous_secret_expires_at,
         })
     }
 }

@@ -50,6 +50,8 @@ pub struct EndpointRow {
     pub events: Option<Vec<String>>,
     pub secret: String,
     pub created_at: DateTime<Utc>,
+    /// Until when the previous secret also signs (after a rotation).
+    pub previous_secret_expires_at: Option<DateTime<Utc>>,
 }
 
 /// Registers an endpoint: `url` already checked ([`super::target`]), `events` already
@@ -84,28 +86,75 @@ impl Effect for CreateEndpoint {
         .fetch_one(conn)
         .await?;
         let outcome = settle(r.outcome, r.decline, r.expires_at, r.resource)?;
-        let open = |stored: StoredEndpoint| -> Result<EndpointRow, sqlx::Error> {
-            let secret = self
-                .sealer
-                .open(tenant.get(), &stored.secret_encrypted)
-                .map_err(|e| sqlx::Error::Decode(e.into()))?;
-            Ok(EndpointRow {
-                id: EndpointId::from_uuid(stored.endpoint_id),
-                url: stored.url,
-                events: stored.event_types,
-                secret,
-                created_at: stored.created_at,
-            })
-        };
-        let result = match outcome.result {
-            Ok(Reply::New(stored)) => Ok(Reply::New(open(stored)?)),
-            Ok(Reply::Replayed(stored)) => Ok(Reply::Replayed(open(stored)?)),
-            Err(refusal) => Err(refusal),
-        };
-        Ok(Outcome {
-            result,
-            expires_at: outcome.expires_at,
+        opened(&self.sealer, tenant, outcome)
+    }
+}
+
+/// An outcome whose stored endpoint is shown with its secret decrypted.
+fn opened(
+    sealer: &SecretBox,
+    tenant: TenantId,
+    outcome: Outcome<StoredEndpoint>,
+) -> Result<Outcome<EndpointRow>, sqlx::Error> {
+    let open = |stored: StoredEndpoint| -> Result<EndpointRow, sqlx::Error> {
+        let secret = sealer
+            .open(tenant.get(), &stored.secret_encrypted)
+            .map_err(|e| sqlx::Error::Decode(e.into()))?;
+        Ok(EndpointRow {
+            id: EndpointId::from_uuid(stored.endpoint_id),
+            url: stored.url,
+            events: stored.event_types,
+            secret,
+            created_at: stored.created_at,
+            previous_secret_expires_at: stored.previous_secret_expires_at,
         })
+    };
+    let result = match outcome.result {
+        Ok(Reply::New(stored)) => Ok(Reply::New(open(stored)?)),
+        Ok(Reply::Replayed(stored)) => Ok(Reply::Replayed(open(stored)?)),
+        Err(refusal) => Err(refusal),
+    };
+    Ok(Outcome {
+        result,
+        expires_at: outcome.expires_at,
+    })
+}
+
+/// Rotates an endpoint's secret: a new one signs from now on, the previous one as well
+/// for `overlap` (receivers accept either of the two signatures meanwhile). A replay shows
+/// the endpoint's current secret (the same, unless it was rotated again since).
+pub struct RotateSecret {
+    pub endpoint: EndpointId,
+    pub overlap: std::time::Duration,
+    pub sealer: Arc<SecretBox>,
+}
+
+impl Effect for RotateSecret {
+    const OPERATION: Operation = Operation::RotateWebhookSecret;
+    type Row = EndpointRow;
+
+    async fn run(
+        &self,
+        conn: &mut PgConnection,
+        tenant: TenantId,
+        claim: &ClaimArgs,
+    ) -> Result<Outcome<EndpointRow>, sqlx::Error> {
+        let sealed = self.sealer.seal(tenant.get(), &SecretBox::generate());
+        let overlap = i32::try_from(self.overlap.as_secs()).unwrap_or(i32::MAX);
+        let r = sqlx::query!(
+            r#"SELECT outcome AS "outcome!: ClaimOutcome", decline AS "decline: Decline", expires_at,
+                      resource AS "resource: StoredEndpoint"
+               FROM oncepay_rotate_webhook_secret($1, $2, $3, $4, $5)"#,
+            tenant.get(),
+            claim as _,
+            self.endpoint.get(),
+            sealed,
+            overlap,
+        )
+        .fetch_one(conn)
+        .await?;
+        let outcome = settle(r.outcome, r.decline, r.expires_at, r.resource)?;
+        opened(&self.sealer, tenant, outcome)
     }
 }
 

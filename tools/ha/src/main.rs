@@ -6,7 +6,9 @@
 //! the faults), against three oncepay instances that reach a Patroni
 //! cluster through HAProxy, while the faults of issue 11 are injected one after another, with
 //! recovery between. Then, on the final leader: every acknowledged operation is in the books
-//! exactly once, no key has two effects, `oncepay audit` is clean. The last line is
+//! exactly once, no key has two effects, `oncepay audit` is clean, and every acknowledged
+//! payment's (and refund's) webhook event reached the tenant's endpoint, a receiver of this
+//! driver's own that verifies every signature (duplicates only with the same `webhook-id`). The last line is
 //! `ha: operations=N acknowledged=A lost=L charged_twice=D failovers=F max_unavailable_s=S`;
 //! the exit status is non-zero if any of lost, charged_twice, a 500, an unfinished or rejected
 //! operation, a replay naming another payment (or no replay at all), an unclean audit or S
@@ -19,6 +21,7 @@
 
 mod load;
 mod verify;
+mod webhooks;
 
 use std::collections::BTreeMap;
 use std::process::ExitCode;
@@ -45,6 +48,8 @@ const CLIENTS: usize = 32;
 /// The target of issue 11 for the time without any acknowledged payment after a fault;
 /// `HA_MAX_UNAVAILABLE_S` overrides it (docs/ha.md says when that is reasonable).
 const MAX_UNAVAILABLE_SECS: f64 = 15.0;
+/// How long the check waits for the last webhook events after the load.
+const WEBHOOK_WAIT: Duration = Duration::from_secs(120);
 /// Load before the first fault and after each recovery.
 const STEADY: Duration = Duration::from_secs(6);
 /// Upper bound of one `scripts/ha.sh` call (a recovery waits at most 90 + 60 + 120 s itself,
@@ -139,6 +144,9 @@ async fn run() -> anyhow::Result<bool> {
     let settings = Settings::from_env()?;
     let journal = Arc::new(Journal::new());
     let clients = load::clients(&settings.urls, &settings.api_key, &journal)?;
+    // The tenant's webhook endpoint: every acknowledged payment's event must reach it.
+    let receiver = webhooks::Receiver::start().await?;
+    receiver.subscribe(&clients[0]).await?;
     load::open_accounts(&clients, &journal, CLIENTS).await?;
     let stop = Arc::new(AtomicBool::new(false));
     let workers: Vec<_> = (0..CLIENTS)
@@ -159,6 +167,19 @@ async fn run() -> anyhow::Result<bool> {
     eprintln!("ha: final cluster {final_status}");
 
     let books = verify::check(&settings.database_url, settings.tenant, &journal).await?;
+    // Deliveries that failed during the faults are retried on the servers' schedule
+    // (scripts/ha.sh sets a short one): two minutes at most for the last ones.
+    let hooks = receiver.check(&journal, WEBHOOK_WAIT).await;
+    println!(
+        "webhooks: events={} messages={} duplicates={} missing={} split_ids={} bad_signatures={} \
+         (every acknowledged payment's and refund's event, signatures verified)",
+        hooks.events,
+        hooks.messages,
+        hooks.messages.saturating_sub(hooks.events),
+        hooks.missing,
+        hooks.split_ids,
+        hooks.bad_signatures
+    );
     let audit = Command::new(&settings.bin)
         .arg("audit")
         .env("DATABASE_URL", &settings.database_url)
@@ -236,7 +257,10 @@ async fn run() -> anyhow::Result<bool> {
         && audit_clean
         && reports.len() == FAULTS.len()
         && operator_actions.is_empty()
-        && max_unavailable <= settings.max_unavailable();
+        && max_unavailable <= settings.max_unavailable()
+        && hooks.missing == 0
+        && hooks.split_ids == 0
+        && hooks.bad_signatures == 0;
     println!(
         "ha: operations={} acknowledged={} lost={} charged_twice={} failovers={} max_unavailable_s={:.1}",
         summary.operations, summary.acknowledged, books.lost, books.charged_twice, failovers, max_unavailable

@@ -140,6 +140,18 @@ fn quiet_tenant<'a>(groups: &'a Groups, note: &str) -> Option<&'a Group> {
     })
 }
 
+/// The webhook steps of scripts/bench.sh: new payments (c=32) of a tenant with one subscribed
+/// webhook endpoint, and of one without, on the same instance in the same rounds.
+pub const WEBHOOKS_NONE: &str = "no webhook endpoint";
+pub const WEBHOOKS_ONE: &str = "one webhook endpoint";
+
+fn webhook_step<'a>(groups: &'a Groups, note: &str) -> Option<&'a Group> {
+    groups.get(&Key {
+        note: note.to_owned(),
+        ..key("oncepay", "new", 32, 0)
+    })
+}
+
 fn is_limit(side: &str) -> bool {
     side == "pgbench" || side == YARDSTICK
 }
@@ -310,6 +322,15 @@ fn targets(groups: &Groups) -> Vec<Target> {
             value: purge.zip(no_purge).map(|(p, n)| p.p99_ms / n.p99_ms),
             limit: None,
             met: |v| v <= 2.0,
+        },
+        Target {
+            what: "new payments, c=32: with one subscribed webhook endpoint / without (same rounds; events delivered meanwhile)",
+            goal: ">= 0.9",
+            value: webhook_step(groups, WEBHOOKS_ONE)
+                .zip(webhook_step(groups, WEBHOOKS_NONE))
+                .map(|(one, none)| one.throughput / none.throughput),
+            limit: None,
+            met: |v| v >= 0.9,
         },
         Target {
             what: "a quiet tenant (c=4) beside a noisy one (c=32 on one account): its p99 / its p99 alone",

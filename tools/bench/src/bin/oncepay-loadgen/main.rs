@@ -13,6 +13,7 @@
 mod cpu;
 mod http;
 mod pgbench;
+mod sink;
 
 use std::time::Duration;
 
@@ -61,6 +62,8 @@ enum Command {
     Http(http::Args),
     /// pgbench running one script (bench/sql/*.sql, or the yardstick's).
     Pgbench(pgbench::Args),
+    /// A webhook receiver answering 200 to everything, until killed (the webhook steps).
+    Sink(sink::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -70,6 +73,12 @@ fn main() -> anyhow::Result<()> {
             .build()?
             .block_on(http::run(args))?,
         Command::Pgbench(args) => pgbench::run(&args)?,
+        Command::Sink(args) => {
+            return tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?
+                .block_on(sink::run(&args));
+        }
     };
     println!("{}", serde_json::to_string(&record)?);
     Ok(())
