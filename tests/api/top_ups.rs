@@ -827,3 +827,76 @@ async fn the_cli_tops_up_across_a_lost_answer() {
     assert_eq!(declined.status, 3, "{}", declined.stderr);
     assert!(declined.stderr.contains("card_declined"), "{}", declined.stderr);
 }
+
+/// Top-up events (contract section 4c; migrations/V10): each final state of a top-up is one
+/// event, written in the transaction of its change and delivered signed, in order per top-up
+/// (`top_up.succeeded` before `top_up.refunded`); a decline is `top_up.failed`; a replay, a
+/// reused key and an unknown account write none. The data is the top-up as its `GET` shows it.
+#[tokio::test]
+async fn each_final_state_of_a_top_up_is_one_event_delivered_in_order() {
+    let Rig {
+        stripe: _stripe,
+        proxy: _proxy,
+        app,
+    } = rig(|_: &Incoming| Action::Forward, |s| s.webhooks.concurrency = 4).await;
+    let receiver = crate::webhook_receiver::Receiver::start().await;
+    let endpoint = app
+        .post("/webhook-endpoints", Some(&new_key()), &json!({ "url": receiver.url() }))
+        .await;
+    assert_eq!(endpoint.status, 201, "{}", endpoint.body);
+    receiver.set_secret(endpoint.body["secret"].as_str().unwrap());
+
+    let key = new_key();
+    let charged = app.top_up(&key, "main", AMOUNT, VISA).await;
+    assert_eq!(charged.status, 201, "{}", charged.body);
+    let charged_id = charged.body["id"].as_str().unwrap().to_owned();
+    assert!(app.top_up(&key, "main", AMOUNT, VISA).await.replayed());
+    app.top_up(&key, "main", AMOUNT + 1, VISA)
+        .await
+        .assert_problem(422, "idempotency_key_reused");
+    app.top_up(&new_key(), "nobody", AMOUNT, VISA)
+        .await
+        .assert_problem(404, "account_not_found");
+    let declined_key = new_key();
+    app.top_up(&declined_key, "main", AMOUNT, DECLINED)
+        .await
+        .assert_problem(402, "card_declined");
+    let (declined_id, _) = app.top_up_of_key(&declined_key).await.unwrap();
+    let refunded = app.refund_top_up(&new_key(), &charged_id).await;
+    assert_eq!(refunded.status, 200, "{}", refunded.body);
+
+    let expected = std::collections::BTreeMap::from([
+        (charged_id.clone(), vec!["top_up.succeeded", "top_up.refunded"]),
+        (declined_id.clone(), vec!["top_up.failed"]),
+    ]);
+    receiver.wait_for_acknowledged(3, Duration::from_secs(60)).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let report = receiver.check(&expected);
+    assert_eq!(report.events, 3, "{report:?}");
+
+    let data_of = |event_type: &str, resource: &str| {
+        let messages = receiver.messages();
+        let message = messages
+            .iter()
+            .find(|m| m.event_type == event_type && m.resource == resource)
+            .unwrap_or_else(|| panic!("{event_type} of {resource}"));
+        message.body["data"].clone()
+    };
+    let succeeded = data_of("top_up.succeeded", &charged_id);
+    assert_eq!(succeeded["status"], "succeeded");
+    assert_eq!(succeeded["amount"], AMOUNT);
+    assert_eq!(succeeded["currency"], "usd");
+    assert_eq!(succeeded["account"], "main");
+    assert_eq!(succeeded["processor_payment_id"], charged.body["processor_payment_id"]);
+    assert_eq!(data_of("top_up.refunded", &charged_id)["status"], "refunded");
+    let failed = data_of("top_up.failed", &declined_id);
+    assert_eq!(failed["status"], "failed");
+    assert_eq!(failed["failure_code"], "card_declined");
+    // The same fields as the top-up's GET, and nothing else.
+    let shown = app.get(&format!("/top-ups/{declined_id}")).await;
+    let mut fields_shown: Vec<_> = shown.body.as_object().unwrap().keys().cloned().collect();
+    let mut fields_sent: Vec<_> = failed.as_object().unwrap().keys().cloned().collect();
+    fields_shown.sort();
+    fields_sent.sort();
+    assert_eq!(fields_sent, fields_shown);
+}
