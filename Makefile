@@ -157,6 +157,7 @@ chaos:
 	@$(CHAOS_DB) scripts/db.sh up
 	@psql -X -q "$$($(CHAOS_DB) scripts/db.sh url postgres)" -c 'DROP DATABASE IF EXISTS oncepay_chaos WITH (FORCE)' -c 'CREATE DATABASE oncepay_chaos'
 	@status=0; $(CHAOS_DB) ONCEPAY_CHAOS_DATABASE_URL="$$($(CHAOS_DB) scripts/db.sh url oncepay_chaos)" \
+		ONCEPAY_TEST_LOCALSTRIPE="$$(scripts/localstripe.sh install)" \
 		$(CHAOS_TEST) || status=$$?; \
 	$(CHAOS_DB) scripts/db.sh down; exit $$status
 

@@ -13,3 +13,8 @@ mod kill;
 mod ledger;
 mod overload;
 mod postgres;
+mod processor;
+// The API tests' localstripe, shared (some of its helpers serve only those tests).
+#[allow(dead_code)]
+#[path = "../api/stripe.rs"]
+mod stripe;
