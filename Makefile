@@ -101,7 +101,8 @@ test: db-up
 ifdef LOCAL_DB
 	@psql -X -q "$(shell scripts/db.sh url postgres)" -c 'DROP DATABASE IF EXISTS oncepay_test WITH (FORCE)' -c 'CREATE DATABASE oncepay_test'
 endif
-	DATABASE_URL="$(TEST_DATABASE_URL)" ONCEPAY_TEST_PG_CA="$$(scripts/db.sh ca)" $(CARGO_TEST) --locked
+	DATABASE_URL="$(TEST_DATABASE_URL)" ONCEPAY_TEST_PG_CA="$$(scripts/db.sh ca)" \
+		ONCEPAY_TEST_LOCALSTRIPE="$$(scripts/localstripe.sh install)" $(CARGO_TEST) --locked
 
 # Every console block of README.md run against `make run`'s server and its output compared
 # (ids and times masked), and every link of README.md and docs/ kept inside the repository
@@ -156,6 +157,7 @@ chaos:
 	@$(CHAOS_DB) scripts/db.sh up
 	@psql -X -q "$$($(CHAOS_DB) scripts/db.sh url postgres)" -c 'DROP DATABASE IF EXISTS oncepay_chaos WITH (FORCE)' -c 'CREATE DATABASE oncepay_chaos'
 	@status=0; $(CHAOS_DB) ONCEPAY_CHAOS_DATABASE_URL="$$($(CHAOS_DB) scripts/db.sh url oncepay_chaos)" \
+		ONCEPAY_TEST_LOCALSTRIPE="$$(scripts/localstripe.sh install)" \
 		$(CHAOS_TEST) || status=$$?; \
 	$(CHAOS_DB) scripts/db.sh down; exit $$status
 

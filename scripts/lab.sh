@@ -29,4 +29,5 @@ export U=http://${ONCEPAY_BIND:-127.0.0.1:8130}
 export API=$(field api_key)
 export TENANT=$(field tenant_id)
 export ADMIN=$admin
+export STRIPE=${ONCEPAY_PROCESSOR_URL:-http://127.0.0.1:${ONCEPAY_LOCALSTRIPE_PORT:-8420}}
 SH

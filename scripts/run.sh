@@ -38,11 +38,28 @@ fi
 api_key="$(sed -n 's/.*"api_key":"\([^"]*\)".*/\1/p' "$demo/tenant.json")"
 bind="${ONCEPAY_BIND:-127.0.0.1:8130}"
 
+# Card top-ups need a processor speaking Stripe's API: without ONCEPAY_PROCESSOR_URL, a local
+# localstripe (scripts/localstripe.sh: PyPI, a virtualenv under the target dir) on
+# ONCEPAY_LOCALSTRIPE_PORT (8420), fresh on every start, stopped with the server.
+# ONCEPAY_LOCALSTRIPE=0 leaves top-ups unconfigured (501).
+processor_note="ONCEPAY_PROCESSOR_URL=${ONCEPAY_PROCESSOR_URL:-}"
+if [ -z "${ONCEPAY_PROCESSOR_URL:-}" ] && [ "${ONCEPAY_LOCALSTRIPE:-1}" != 0 ]; then
+  port="${ONCEPAY_LOCALSTRIPE_PORT:-8420}"
+  "$top/scripts/localstripe.sh" start "$port" "$demo/localstripe" >/dev/null
+  trap '"$top/scripts/localstripe.sh" stop "$demo/localstripe"' EXIT
+  export ONCEPAY_PROCESSOR_URL="http://127.0.0.1:$port"
+  export ONCEPAY_PROCESSOR_API_KEY="${ONCEPAY_PROCESSOR_API_KEY:-sk_test_oncepay}"
+  # A short wait for the emulator, so that the README's lost answer takes two seconds.
+  export ONCEPAY_PROCESSOR_TIMEOUT_MS="${ONCEPAY_PROCESSOR_TIMEOUT_MS:-2000}"
+  processor_note="localstripe on $ONCEPAY_PROCESSOR_URL (pid in .oncepay-demo/localstripe/)"
+fi
+
 cat <<TXT
 
   demo tenant : $tenant_id
   API key     : $api_key
   admin token : $ONCEPAY_ADMIN_TOKEN      (kept in .oncepay-demo/)
+  processor   : $processor_note
 
   Try it:
     curl -s -w '\n' -X POST http://$bind/pay -H "Authorization: Bearer $api_key" \\
@@ -54,4 +71,5 @@ cat <<TXT
     eval "\$(make lab)"      # a new tenant with 10000: sets U, API, TENANT and ADMIN
 
 TXT
-exec "$bin" serve
+# Not exec: the trap stops localstripe when the server stops.
+"$bin" serve

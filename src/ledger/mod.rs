@@ -21,7 +21,7 @@ use crate::idempotency::Claim;
 use crate::operation::{ClaimOutcome, Decline, Spec};
 
 /// What the claim of one request tells its SQL function (PostgreSQL `oncepay_claim_args`).
-#[derive(Debug, sqlx::Type)]
+#[derive(Clone, Debug, sqlx::Type)]
 #[sqlx(type_name = "oncepay_claim_args")]
 pub struct ClaimArgs {
     key: Option<String>,

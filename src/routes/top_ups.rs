@@ -170,14 +170,21 @@ pub(super) async fn create(
             "`payment_method`: 1 to 255 visible ASCII characters".to_owned(),
         ));
     }
-    let top_ups = processor(&state)?;
-    let new = NewTopUp {
-        account: &account,
-        amount: input.amount,
-        currency: top_ups.currency(),
-        payment_method: &input.payment_method,
-    };
-    let answer = top_ups.create(tenant.id, &claim, &new).await.map_err(edge)?;
+    let top_ups = processor(&state)?.clone();
+    // Driven in a task of its own: a client that hangs up does not stop the top-up between
+    // two phases (its lease would keep a retry waiting until it expires).
+    let answer = tokio::spawn(async move {
+        let new = NewTopUp {
+            account: &account,
+            amount: input.amount,
+            currency: top_ups.currency(),
+            payment_method: &input.payment_method,
+        };
+        top_ups.create(tenant.id, &claim, &new).await
+    })
+    .await
+    .map_err(|e| ApiError::Internal(e.into()))?
+    .map_err(edge)?;
     respond(answer, keyed, |row| {
         let out = TopUpOut {
             id: TopUpId::from_uuid(row.top_up_id),
@@ -193,7 +200,7 @@ pub(super) async fn create(
         };
         Ok((
             StatusCode::CREATED,
-            serde_json::to_value(&out).map_err(|e| ApiError::Internal(e.into()))?,
+            body(&out)?,
             Some(routes::GET_TOP_UP.with_id(&out.id.to_string())),
         ))
     })
@@ -232,8 +239,11 @@ pub(super) async fn refund(
     .await?;
     // An id that is no UUID names no top-up: 404 before anything is claimed.
     let id = TopUpId::parse(&raw).ok_or(ApiError::NotFound)?;
-    let top_ups = processor(&state)?;
-    let answer = top_ups.refund(tenant.id, &claim, id).await.map_err(edge)?;
+    let top_ups = processor(&state)?.clone();
+    let answer = tokio::spawn(async move { top_ups.refund(tenant.id, &claim, id).await })
+        .await
+        .map_err(|e| ApiError::Internal(e.into()))?
+        .map_err(edge)?;
     respond(answer, keyed, |row| {
         let out = TopUpRefundOut {
             id: TopUpId::from_uuid(row.top_up_id),
@@ -243,11 +253,7 @@ pub(super) async fn refund(
                 .balance_after_refund
                 .ok_or_else(|| super::pipeline::corrupt("a refunded top-up without its balance"))?,
         };
-        Ok((
-            StatusCode::OK,
-            serde_json::to_value(&out).map_err(|e| ApiError::Internal(e.into()))?,
-            None,
-        ))
+        Ok((StatusCode::OK, body(&out)?, None))
     })
 }
 
@@ -281,7 +287,13 @@ pub(super) async fn show(req: HttpRequest, state: web::Data<AppState>) -> Result
     }))
 }
 
-type Rendered = (StatusCode, serde_json::Value, Option<String>);
+/// The answer's status, body (its fields in declaration order, as every answer) and
+/// `Location`.
+type Rendered = (StatusCode, Vec<u8>, Option<String>);
+
+fn body<T: Serialize>(out: &T) -> Result<Vec<u8>, ApiError> {
+    serde_json::to_vec(out).map_err(|e| ApiError::Internal(e.into()))
+}
 
 fn respond(
     answer: Answer,
@@ -298,7 +310,7 @@ fn respond(
             if let Some(location) = location {
                 response.insert_header((header::LOCATION, location));
             }
-            let mut response = response.json(body);
+            let mut response = response.content_type(mime::APPLICATION_JSON).body(body);
             let label = match (replayed, keyed) {
                 (true, _) => "replayed",
                 (false, true) => "created",

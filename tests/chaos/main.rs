@@ -13,7 +13,12 @@ mod kill;
 mod ledger;
 mod overload;
 mod postgres;
+mod processor;
 #[allow(dead_code)]
 #[path = "../api/webhook_receiver.rs"]
 mod webhook_receiver;
 mod webhooks;
+// The API tests' localstripe, shared (some of its helpers serve only those tests).
+#[allow(dead_code)]
+#[path = "../api/stripe.rs"]
+mod stripe;
