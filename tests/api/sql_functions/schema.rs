@@ -190,6 +190,10 @@ async fn every_check_constraint_and_domain_refuses_a_row_that_breaks_it() {
             "oncepay_balance_check",
             insert("transfers", &transfers, &[("to_balance_after", "-1")]),
         ),
+        (
+            "oncepay_webhook_event_type_check",
+            "SELECT 'payment.created'::oncepay_webhook_event_type".to_owned(),
+        ),
     ];
 
     // Each base row is valid: a refusal below is the case's doing.
@@ -317,7 +321,15 @@ async fn the_operation_enum_lists_operation_all_in_order() {
     assert_eq!(decoded, Operation::ALL);
     assert_eq!(
         labels(&fx.pool, "oncepay_operation").await,
-        ["pay", "refund", "deposit", "open_account", "transfer"]
+        [
+            "pay",
+            "refund",
+            "deposit",
+            "open_account",
+            "transfer",
+            "create_webhook_endpoint",
+            "rotate_webhook_secret"
+        ]
     );
 }
 
