@@ -172,7 +172,7 @@ impl Client {
 
     /// The base URL with `segments` appended, each percent-encoded: an account id with a
     /// `/` stays one segment, and the server answers it 400 `invalid_request`.
-    fn endpoint(&self, segments: &[&str]) -> Url {
+    pub(crate) fn endpoint(&self, segments: &[&str]) -> Url {
         let mut url = self.inner.base.clone();
         url.path_segments_mut()
             .expect("the builder accepts only base URLs")

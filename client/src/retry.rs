@@ -125,6 +125,12 @@ pub(crate) fn read_answer<T: DeserializeOwned>(
     body: &[u8],
 ) -> Result<Reply<T>, (ClientError, bool)> {
     if (200..300).contains(&status) {
+        // A 204 (a DELETE) has no body: read as `null`, which `()` takes.
+        let body: &[u8] = if status == 204 && body.is_empty() {
+            b"null"
+        } else {
+            body
+        };
         let value =
             serde_json::from_slice(body).map_err(|source| (ClientError::InvalidResponse { status, source }, false))?;
         return Ok(Reply {

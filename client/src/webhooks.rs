@@ -196,7 +196,87 @@ pub struct WebhookEndpoint {
     pub created_at: chrono::DateTime<chrono::Utc>,
 }
 
+/// `GET /webhook-endpoints`: one endpoint, never its secret.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ListedEndpoint {
+    pub id: uuid::Uuid,
+    pub url: String,
+    pub events: Vec<String>,
+    pub created_at: chrono::DateTime<chrono::Utc>,
+    /// `enabled` or `disabled`.
+    pub status: String,
+    pub disabled_at: Option<chrono::DateTime<chrono::Utc>>,
+    /// `gone` (the receiver answered 410) or `failing` (the retry schedule failed throughout).
+    pub disabled_reason: Option<String>,
+}
+
+/// `POST /webhook-endpoints/{id}/rotate-secret`: 200.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct RotatedSecret {
+    pub id: uuid::Uuid,
+    /// The new secret; the previous one signs too until `previous_secret_expires_at`.
+    pub secret: String,
+    pub previous_secret_expires_at: Option<chrono::DateTime<chrono::Utc>>,
+}
+
+/// `GET /events/{id}`: an event as delivered (`id` is its `webhook-id`).
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Event {
+    pub id: uuid::Uuid,
+    #[serde(rename = "type")]
+    pub event_type: String,
+    pub timestamp: String,
+    pub data: serde_json::Value,
+}
+
 impl crate::Client {
+    /// The tenant's endpoints.
+    pub async fn webhook_endpoints(&self) -> Result<crate::Reply<Vec<ListedEndpoint>>, crate::ClientError> {
+        let path = crate::protocol::routes::LIST_WEBHOOK_ENDPOINTS.segments("");
+        self.execute(self.get_call(&path)).await
+    }
+
+    /// Deletes an endpoint (204). Retried after a lost answer, the retry may find it deleted
+    /// already: 404 `not_found`.
+    pub async fn delete_webhook_endpoint(&self, id: uuid::Uuid) -> Result<crate::Reply<()>, crate::ClientError> {
+        let id = id.to_string();
+        let call = crate::retry::Call {
+            method: reqwest::Method::DELETE,
+            url: self.endpoint(&crate::protocol::routes::DELETE_WEBHOOK_ENDPOINT.segments(&id)),
+            body: None,
+            key: None,
+        };
+        self.execute(call).await
+    }
+
+    /// Gives the endpoint a new secret; the previous one keeps signing for `overlap_secs`
+    /// (the server's default, a day, when `None`).
+    pub async fn rotate_webhook_secret(
+        &self,
+        id: uuid::Uuid,
+        overlap_secs: Option<u32>,
+        key: &crate::IdempotencyKey,
+    ) -> Result<crate::Reply<RotatedSecret>, crate::ClientError> {
+        let id = id.to_string();
+        let body = match overlap_secs {
+            Some(secs) => serde_json::json!({ "overlap_secs": secs }),
+            None => serde_json::json!({}),
+        };
+        let call = self.post_call(
+            &crate::protocol::routes::ROTATE_WEBHOOK_SECRET.segments(&id),
+            &body,
+            key,
+        )?;
+        self.execute(call).await
+    }
+
+    /// An event, as delivered.
+    pub async fn event(&self, id: uuid::Uuid) -> Result<crate::Reply<Event>, crate::ClientError> {
+        let id = id.to_string();
+        let path = crate::protocol::routes::GET_EVENT.segments(&id);
+        self.execute(self.get_call(&path)).await
+    }
+
     /// Registers an endpoint for the tenant's events (`events`: `None` for every type).
     pub async fn create_webhook_endpoint(
         &self,

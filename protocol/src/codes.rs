@@ -149,7 +149,9 @@ mod tests {
         );
         assert_eq!(by_status(422), ["idempotency_key_expired", "idempotency_key_reused"]);
         assert_eq!(by_status(431), ["headers_too_large"], "the dispatcher's own refusal");
-        assert_eq!(ProblemCode::ALL.len(), 24);
+        // 501: webhooks_not_configured (issue 20), beside the contract's table.
+        assert_eq!(by_status(501), ["processor_not_configured", "webhooks_not_configured"]);
+        assert_eq!(ProblemCode::ALL.len(), 25);
         let distinct: std::collections::HashSet<_> = ProblemCode::ALL.iter().map(|c| c.as_str()).collect();
         assert_eq!(distinct.len(), ProblemCode::ALL.len(), "no code twice");
     }

@@ -318,6 +318,34 @@ async fn every_tenant_endpoint_has_a_typed_call() {
         .await
         .unwrap_err();
     assert_eq!(refused.code(), "processor_not_configured");
+    // Webhooks: register, list, rotate, read an event, delete.
+    let endpoint = client
+        .create_webhook_endpoint(
+            "http://127.0.0.1:9/hooks",
+            Some(&["payment.succeeded"]),
+            &IdempotencyKey::generate(),
+        )
+        .await
+        .unwrap();
+    assert!(endpoint.value.secret.starts_with("whsec_"));
+    let listed = client.webhook_endpoints().await.unwrap();
+    assert_eq!(listed.value[0].id, endpoint.value.id);
+    let rotated = client
+        .rotate_webhook_secret(endpoint.value.id, Some(60), &IdempotencyKey::generate())
+        .await
+        .unwrap();
+    assert_ne!(rotated.value.secret, endpoint.value.secret);
+    client.pay(1, Some("u1"), &IdempotencyKey::generate()).await.unwrap();
+    let event_id: uuid::Uuid = sqlx::query_scalar("SELECT event_id FROM webhook_events WHERE tenant_id = $1")
+        .bind(app.tenant_id)
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    let event = client.event(event_id).await.unwrap();
+    assert_eq!(event.value.event_type, "payment.succeeded");
+    let deleted = client.delete_webhook_endpoint(endpoint.value.id).await.unwrap();
+    assert_eq!(deleted.status, 204);
+    assert!(client.webhook_endpoints().await.unwrap().value.is_empty());
 
     assert_eq!((opened.status, opened.value.balance), (201, 500));
     assert_eq!((deposit.status, deposit.value.balance), (201, 750));
@@ -340,7 +368,7 @@ async fn every_tenant_endpoint_has_a_typed_call() {
         "refunded after created: {refunded_at:?}"
     );
     assert_eq!(account.value.balance, 700);
-    assert_eq!(app.balance("u1").await, 700);
+    assert_eq!(app.balance("u1").await, 699);
 
     // Every documented tenant endpoint was reached through a typed call: the server counts
     // requests by route template, and only this client called it.

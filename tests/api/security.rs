@@ -88,6 +88,16 @@ async fn another_tenants_ids_answer_404_on_every_endpoint_and_change_nothing() {
     assert_eq!(topped.status, 201, "{}", topped.body);
     let top_up = topped.body["id"].as_str().unwrap().to_owned();
     let (_, intruder) = new_tenant(&app.pool, MissingKeyPolicy::Reject).await;
+    // A webhook endpoint of the victim's (its payment below makes an event for it).
+    let hooked = app
+        .post(
+            "/webhook-endpoints",
+            Some(&new_key()),
+            &json!({ "url": "http://127.0.0.1:9/hooks" }),
+        )
+        .await;
+    assert_eq!(hooked.status, 201, "{}", hooked.body);
+    let endpoint = hooked.body["id"].as_str().unwrap().to_owned();
     let paid = app.pay(Some(&new_key()), 100).await;
     let payment = paid.body["id"].as_str().unwrap().to_owned();
     app.open_account("private", 50).await;
@@ -95,6 +105,13 @@ async fn another_tenants_ids_answer_404_on_every_endpoint_and_change_nothing() {
     let moved = app.transfer(Some(&new_key()), "private", "private2", 10).await;
     assert_eq!(moved.status, 201, "{}", moved.body);
     let transfer = moved.body["id"].as_str().unwrap().to_owned();
+    // The victim's payment made an event for its webhook endpoint.
+    let event: uuid::Uuid = sqlx::query_scalar("SELECT event_id FROM webhook_events WHERE tenant_id = $1 LIMIT 1")
+        .bind(app.tenant_id)
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    let event = event.to_string();
 
     // Every documented tenant endpoint, aimed at the victim's resources: the one in its path,
     // or the account its body names. Creating an account is the one call that names no
@@ -109,11 +126,34 @@ async fn another_tenants_ids_answer_404_on_every_endpoint_and_change_nothing() {
             top_up.as_str()
         } else if template.starts_with("/accounts/{id}") {
             "private"
+        } else if template.starts_with("/webhook-endpoints/{id}") {
+            endpoint.as_str()
+        } else if template.starts_with("/events/{id}") {
+            event.as_str()
         } else {
             ""
         };
         let path = fill(&template, id);
         let (body, expected) = match (method.as_str(), template.as_str()) {
+            ("GET", "/webhook-endpoints") => {
+                // A list: the intruder's own endpoints, none of the victim's.
+                let listed = app.get_as(&intruder, &path).await;
+                assert_eq!((listed.status, &listed.body), (200, &json!([])));
+                covered.insert((method.to_string(), template));
+                continue;
+            }
+            ("DELETE", t) if t.starts_with("/webhook-endpoints/") => {
+                let response = app
+                    .client
+                    .delete(app.url(&path))
+                    .bearer_auth(&intruder)
+                    .send()
+                    .await
+                    .unwrap();
+                Answer::from(response).await.assert_problem(404, "not_found");
+                covered.insert((method.to_string(), template));
+                continue;
+            }
             ("GET", t) if t.starts_with("/accounts") => (None, "account_not_found"),
             ("GET", _) => (None, "not_found"),
             ("POST", "/payments" | "/pay") => (Some(json!({ "amount": 5, "account": "private" })), "account_not_found"),
@@ -121,7 +161,8 @@ async fn another_tenants_ids_answer_404_on_every_endpoint_and_change_nothing() {
                 Some(json!({ "from": "private", "to": "private2", "amount": 5 })),
                 "account_not_found",
             ),
-            ("POST", "/accounts") => continue,
+            ("POST", "/accounts" | "/webhook-endpoints") => continue,
+            ("POST", t) if t.ends_with("/rotate-secret") => (Some(json!({})), "not_found"),
             ("POST", t) if t.ends_with("/refund") => (Some(json!({})), "not_found"),
             ("POST", t) if t.ends_with("/deposits") => (Some(json!({ "amount": 5 })), "account_not_found"),
             ("POST", t) if t.ends_with("/top-ups") => (
@@ -138,6 +179,10 @@ async fn another_tenants_ids_answer_404_on_every_endpoint_and_change_nothing() {
         covered.insert((method.to_string(), template));
     }
     assert!(covered.len() >= 8, "the documented endpoints were found: {covered:?}");
+    // The victim's endpoint is untouched: listed, enabled, its secret the same.
+    let listed = app.get("/webhook-endpoints").await;
+    assert_eq!(listed.body[0]["id"], endpoint);
+    assert_eq!(listed.body[0]["status"], "enabled");
     // Account ids are per tenant: the same id is free in another tenant, and a 409 would tell
     // the intruder that it exists elsewhere.
     let own = app

@@ -841,7 +841,11 @@ async fn each_final_state_of_a_top_up_is_one_event_delivered_in_order() {
     } = rig(|_: &Incoming| Action::Forward, |s| s.webhooks.concurrency = 4).await;
     let receiver = crate::webhook_receiver::Receiver::start().await;
     let endpoint = app
-        .post("/webhook-endpoints", Some(&new_key()), &json!({ "url": receiver.url() }))
+        .post(
+            "/webhook-endpoints",
+            Some(&new_key()),
+            &json!({ "url": receiver.url() }),
+        )
         .await;
     assert_eq!(endpoint.status, 201, "{}", endpoint.body);
     receiver.set_secret(endpoint.body["secret"].as_str().unwrap());

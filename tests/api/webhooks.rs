@@ -678,3 +678,48 @@ async fn a_rotated_secret_signs_beside_the_previous_one_during_the_overlap() {
         .await;
     bad.assert_problem(400, "invalid_request");
 }
+
+/// A batch (src/batch.rs: one statement calling `oncepay_pay` once per item) emits one event
+/// per new payment and none for the duplicate of a key inside it (a replay): the events come
+/// from the SQL, so batches need nothing of their own.
+#[tokio::test]
+async fn a_batch_emits_one_event_per_new_payment_and_none_for_its_replays() {
+    let app = TestApp::builder().spawn().await;
+    let receiver = Receiver::unstarted().await;
+    subscribe(&app, &receiver, None).await;
+    let keys = [new_key(), new_key(), new_key()];
+    // The batch statement's shape, with the second key twice: created, created, replayed, created.
+    let items = [&keys[0], &keys[1], &keys[1], &keys[2]];
+    let batch = || async {
+        sqlx::query_scalar::<_, String>(
+            "SELECT outcome::text FROM generate_series(1, cardinality($2::text[])) AS item
+               CROSS JOIN LATERAL oncepay_pay($1,
+                   ROW(($2::text[])[item], false, sha256(convert_to(($2::text[])[item], 'UTF8')), 'pay', 'POST',
+                       '/payments', 86400, 1000, 201, '{}')::oncepay_claim_args, 'main', 5)
+              ORDER BY item",
+        )
+        .bind(app.tenant_id)
+        .bind(items.iter().map(|k| k.as_str()).collect::<Vec<_>>())
+        .fetch_all(&app.pool)
+        .await
+        .unwrap()
+    };
+    assert_eq!(batch().await, ["created", "created", "replayed", "created"]);
+    let (events, resources): (i64, i64) = sqlx::query_as(
+        "SELECT count(*), count(DISTINCT resource_id) FROM webhook_events
+          WHERE tenant_id = $1 AND event_type = 'payment.succeeded'",
+    )
+    .bind(app.tenant_id)
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!((events, resources), (3, 3));
+    // The same batch again: every item a replay, no event.
+    assert_eq!(batch().await, ["replayed"; 4]);
+    let after: i64 = sqlx::query_scalar("SELECT count(*) FROM webhook_events WHERE tenant_id = $1")
+        .bind(app.tenant_id)
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(after, 3);
+}

@@ -249,6 +249,10 @@ async fn every_check_constraint_and_domain_refuses_a_row_that_breaks_it() {
             "top_ups_refunded_check",
             insert("top_ups", &top_ups, &[("refund_state", "'refunded'")]),
         ),
+        (
+            "oncepay_webhook_event_type_check",
+            "SELECT 'payment.created'::oncepay_webhook_event_type".to_owned(),
+        ),
     ];
 
     // Each base row is valid: a refusal below is the case's doing.
@@ -385,7 +389,9 @@ async fn the_operation_enum_lists_operation_all_in_order() {
             "open_account",
             "transfer",
             "top_up",
-            "refund_top_up"
+            "refund_top_up",
+            "create_webhook_endpoint",
+            "rotate_webhook_secret"
         ]
     );
 }
