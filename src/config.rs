@@ -80,8 +80,8 @@ impl std::fmt::Debug for Processor {
 #[derive(Clone)]
 pub struct WebhookSettings {
     /// `ONCEPAY_WEBHOOK_SECRET_KEY`: 32 bytes, base64; the key the endpoints' signing secrets
-    /// are encrypted with in the database (docs/security.md). `None`: endpoints cannot be
-    /// created (501 `webhooks_not_configured`) and nothing is delivered.
+    /// are encrypted with in the database (docs/security.md). `None`: they are stored as they
+    /// are (webhooks work; a warning at start-up says that a dump of the database could sign).
     pub secret_key: Option<[u8; 32]>,
     /// `ONCEPAY_WEBHOOK_RETRY_SCHEDULE`: the waits between a failed attempt and the next.
     pub retry_schedule: Vec<Duration>,

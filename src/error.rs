@@ -65,8 +65,6 @@ pub enum ApiError {
     Overloaded,
     #[error("a temporary failure interrupted the request; retry with the same Idempotency-Key: if it was committed the retry replays it, otherwise the retry processes it")]
     Unavailable,
-    #[error("webhook endpoints are not configured on this server: its operator must set ONCEPAY_WEBHOOK_SECRET_KEY")]
-    WebhooksNotConfigured,
     #[error("internal error")]
     Internal(#[source] anyhow::Error),
 }
@@ -94,7 +92,6 @@ impl ApiError {
             Self::InProgress => ProblemCode::RequestInProgress,
             Self::Overloaded => ProblemCode::Overloaded,
             Self::Unavailable => ProblemCode::TemporarilyUnavailable,
-            Self::WebhooksNotConfigured => ProblemCode::WebhooksNotConfigured,
             Self::Internal(_) => ProblemCode::InternalError,
         }
     }
@@ -120,7 +117,6 @@ impl ApiError {
             Self::InProgress => "Request in progress",
             Self::Overloaded => "Overloaded",
             Self::Unavailable => "Temporarily unavailable",
-            Self::WebhooksNotConfigured => "Webhooks not configured",
             Self::Internal(_) => "Internal error",
         }
     }
@@ -140,7 +136,6 @@ impl ApiError {
             Self::Overloaded | Self::Unavailable => "transient_error",
             Self::NotFound | Self::AccountNotFound => "not_found",
             Self::Internal(_) => "internal_error",
-            Self::WebhooksNotConfigured => "invalid",
             Self::BodyTooLarge { .. }
             | Self::BodyTimeout { .. }
             | Self::UnsupportedMediaType

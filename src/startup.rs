@@ -70,11 +70,13 @@ impl Application {
                 ))
             }
         };
-        let webhook_secrets = settings
-            .webhooks
-            .secret_key
-            .as_ref()
-            .map(|key| Arc::new(SecretBox::new(key)));
+        let webhook_secrets = Arc::new(SecretBox::new(settings.webhooks.secret_key.as_ref()));
+        if !webhook_secrets.encrypts() {
+            tracing::warn!(
+                "ONCEPAY_WEBHOOK_SECRET_KEY is unset: webhook signing secrets are stored in the database \
+                 unencrypted, so a dump of it could sign messages (docs/security.md)"
+            );
+        }
         let state = web::Data::new(AppState {
             top_ups,
             db,
@@ -139,12 +141,12 @@ impl Application {
             let counters = self.state.metrics.completer.clone();
             tokio::spawn(completer::run(top_ups, after, counters))
         });
-        // Every replica delivers webhooks (with a secret key, and unless its concurrency is 0).
-        let deliverer = match (&self.state.webhook_secrets, self.state.settings.webhooks.concurrency) {
-            (Some(sealer), 1..) => {
+        // Every replica delivers webhooks, unless its concurrency is 0.
+        let deliverer = match self.state.settings.webhooks.concurrency {
+            1.. => {
                 let deliverer = Deliverer::new(
                     self.state.db.clone(),
-                    sealer.clone(),
+                    self.state.webhook_secrets.clone(),
                     self.state.settings.webhooks.clone(),
                     self.state.metrics.webhooks.clone(),
                 )

@@ -30,9 +30,9 @@ pub struct AppState {
     pub payments: Option<Batcher<Pay>>,
     /// Card top-ups (`None`: no `ONCEPAY_PROCESSOR_URL`, top-ups answer 501).
     pub top_ups: Option<crate::topup::TopUps>,
-    /// The key of the stored webhook secrets (`None`: `ONCEPAY_WEBHOOK_SECRET_KEY` unset,
-    /// endpoints cannot be created).
-    pub webhook_secrets: Option<Arc<SecretBox>>,
+    /// How the webhook secrets are stored (encrypted under `ONCEPAY_WEBHOOK_SECRET_KEY`, or
+    /// as they are without it).
+    pub webhook_secrets: Arc<SecretBox>,
 }
 
 /// A finished result as the replay cache keeps it: the answer, as the database's replay

@@ -69,8 +69,6 @@ problem_codes! {
     TemporarilyUnavailable = "temporarily_unavailable", 503;
     /// Top-ups need a card processor (`ONCEPAY_PROCESSOR_URL`); not worth a retry.
     ProcessorNotConfigured = "processor_not_configured", 501;
-    /// Webhook endpoints need `ONCEPAY_WEBHOOK_SECRET_KEY` on the server (not worth a retry).
-    WebhooksNotConfigured = "webhooks_not_configured", 501;
     /// The opaque answer of an unexpected server error.
     InternalError = "internal_error", 500;
 }
@@ -149,9 +147,7 @@ mod tests {
         );
         assert_eq!(by_status(422), ["idempotency_key_expired", "idempotency_key_reused"]);
         assert_eq!(by_status(431), ["headers_too_large"], "the dispatcher's own refusal");
-        // 501: webhooks_not_configured (issue 20), beside the contract's table.
-        assert_eq!(by_status(501), ["processor_not_configured", "webhooks_not_configured"]);
-        assert_eq!(ProblemCode::ALL.len(), 25);
+        assert_eq!(ProblemCode::ALL.len(), 24);
         let distinct: std::collections::HashSet<_> = ProblemCode::ALL.iter().map(|c| c.as_str()).collect();
         assert_eq!(distinct.len(), ProblemCode::ALL.len(), "no code twice");
     }

@@ -228,19 +228,47 @@ async fn private_targets_unknown_events_and_a_server_without_a_key_are_refused()
         .await
         .unwrap();
     assert_eq!(stored, 0);
+}
 
-    let unconfigured = TestApp::builder()
-        .settings(|s| s.webhooks.secret_key = None)
+/// A server without `ONCEPAY_WEBHOOK_SECRET_KEY` (a new user's first `oncepay serve`) still
+/// registers endpoints and delivers signed events (contract 4c names no such setting); the
+/// secret is then stored as it is, marked so (`webhooks::secrets`' unit tests show that a key
+/// set later still opens it).
+#[tokio::test]
+async fn without_a_secret_key_webhooks_are_registered_and_delivered_signed() {
+    let app = TestApp::builder()
+        .settings(|s| {
+            delivering(s);
+            s.webhooks.secret_key = None;
+        })
         .spawn()
         .await;
-    let answer = unconfigured
+    let receiver = Receiver::start().await;
+    let answer = app
         .post(
             "/webhook-endpoints",
             Some(&new_key()),
-            &json!({ "url": "https://93.184.216.34/" }),
+            &json!({ "url": receiver.url(), "events": ["payment.succeeded"] }),
         )
         .await;
-    answer.assert_problem(501, "webhooks_not_configured");
+    assert_eq!(answer.status, 201, "{}", answer.body);
+    let secret = answer.body["secret"].as_str().unwrap();
+    receiver.set_secret(secret);
+    let stored: Vec<u8> = sqlx::query_scalar("SELECT secret_encrypted FROM webhook_endpoints WHERE tenant_id = $1")
+        .bind(app.tenant_id)
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(stored[0], 0, "marked as stored unencrypted");
+    assert_eq!(&stored[1..], secret.as_bytes());
+    let first = pay(&app, 5).await;
+    let second = pay(&app, 6).await;
+    receiver.wait_for_acknowledged(2, WAIT).await;
+    let report = receiver.check(&BTreeMap::from([
+        (first, vec!["payment.succeeded"]),
+        (second, vec!["payment.succeeded"]),
+    ]));
+    assert_eq!(report.events, 2, "{report:?}");
 }
 
 #[tokio::test]
