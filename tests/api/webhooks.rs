@@ -500,9 +500,12 @@ async fn gone_disables_the_endpoint_and_a_spent_schedule_gives_up() {
     assert_eq!(failing.messages().len(), attempts);
 }
 
+/// On a database of its own: a delivering server of another test process (another schedule:
+/// `Retry-After` is capped at the longest wait of the schedule of whoever attempts) could
+/// otherwise take the retry.
 #[tokio::test]
 async fn retry_after_on_503_is_honoured() {
-    let app = delivering_app().await;
+    let (app, _) = crate::helpers::spawn_app_on_own_database_with("retry_after", delivering).await;
     let receiver = Receiver::start().await;
     receiver.script(|m| {
         if m.nth == 1 {
