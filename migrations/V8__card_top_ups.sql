@@ -71,6 +71,9 @@ CREATE TABLE top_ups (
     updated_at            timestamptz                   NOT NULL,
     finished_at           timestamptz,
     refunded_at           timestamptz,
+    -- The processor (its base URL) the top-up was made with: only a completer configured with
+    -- the same processor finishes it (a PaymentIntent lives at one processor).
+    processor             text                          NOT NULL,
     CONSTRAINT top_ups_pkey PRIMARY KEY (tenant_id, top_up_id),
     CONSTRAINT top_ups_account_fkey FOREIGN KEY (tenant_id, account_id)
         REFERENCES accounts (tenant_id, account_id),
@@ -95,7 +98,7 @@ CREATE INDEX top_ups_processor_payment ON top_ups (processor_payment_id)
 -- decline, before anything is sent to the processor.
 CREATE FUNCTION oncepay_top_up_begin(p_tenant uuid, p oncepay_claim_args, p_account text,
                                      p_amount bigint, p_currency text, p_payment_method text,
-                                     p_owner uuid, p_lease_secs integer)
+                                     p_owner uuid, p_lease_secs integer, p_processor text)
 RETURNS TABLE (outcome oncepay_outcome, decline oncepay_decline, expires_at timestamptz,
                resource top_ups, owned boolean)
 LANGUAGE plpgsql AS $$
@@ -110,10 +113,10 @@ BEGIN
         ELSE
             INSERT INTO top_ups AS r (tenant_id, top_up_id, account_id, amount, currency,
                                       payment_method, status, recovery_point, idempotency_key,
-                                      lease_owner, lease_expires_at, created_at, updated_at)
+                                      lease_owner, lease_expires_at, created_at, updated_at, processor)
             VALUES (p_tenant, c.resource_id::uuid, p_account, p_amount, p_currency,
                     p_payment_method, 'processing', 'started', p.key,
-                    p_owner, now() + make_interval(secs => p_lease_secs), now(), now())
+                    p_owner, now() + make_interval(secs => p_lease_secs), now(), now(), p_processor)
             RETURNING r.* INTO resource;
             owned := true;
         END IF;
@@ -311,16 +314,17 @@ BEGIN
 END
 $$;
 
--- The completer: up to `p_limit` top-ups (or refunds) unfinished, untouched for
--- `p_after_secs`, whose lease is free or expired, leased to `p_owner`. Replicas running this
+-- The completer: up to `p_limit` top-ups (or refunds) of its processor unfinished, untouched
+-- for `p_after_secs`, whose lease is free or expired, leased to `p_owner`. Replicas running this
 -- at once skip each other's rows (SKIP LOCKED) and then each other's leases.
 CREATE FUNCTION oncepay_top_up_claim_stale(p_owner uuid, p_after_secs integer,
-                                           p_lease_secs integer, p_limit integer)
+                                           p_lease_secs integer, p_limit integer, p_processor text)
 RETURNS SETOF top_ups
 LANGUAGE sql AS $$
     WITH stale AS (
         SELECT t.tenant_id, t.top_up_id FROM top_ups t
          WHERE (t.status = 'processing' OR t.refund_state = 'debited')
+           AND t.processor = p_processor
            AND t.updated_at <= now() - make_interval(secs => p_after_secs)
            AND (t.lease_expires_at IS NULL OR t.lease_expires_at <= now())
          ORDER BY t.updated_at

@@ -141,6 +141,7 @@ pub struct TopUpRow {
     pub updated_at: DateTime<Utc>,
     pub finished_at: Option<DateTime<Utc>>,
     pub refunded_at: Option<DateTime<Utc>>,
+    pub processor: String,
 }
 
 impl TopUpRow {

@@ -28,6 +28,8 @@ pub struct NewTopUp<'a> {
     pub amount: Amount,
     pub currency: &'a str,
     pub payment_method: &'a str,
+    /// The processor it is made with (its base URL).
+    pub processor: &'a str,
 }
 
 pub async fn begin(
@@ -41,7 +43,7 @@ pub async fn begin(
     let r = sqlx::query!(
         r#"SELECT outcome AS "outcome!: ClaimOutcome", decline AS "decline: Decline", expires_at,
                   resource AS "resource: TopUpRow", owned AS "owned!"
-           FROM oncepay_top_up_begin($1, $2, $3, $4, $5, $6, $7, $8)"#,
+           FROM oncepay_top_up_begin($1, $2, $3, $4, $5, $6, $7, $8, $9)"#,
         tenant.get(),
         claim as _,
         top_up.account.as_str(),
@@ -50,6 +52,7 @@ pub async fn begin(
         top_up.payment_method,
         owner,
         lease_secs,
+        top_up.processor,
     )
     .fetch_one(conn)
     .await?;
@@ -168,21 +171,23 @@ pub async fn release(conn: &mut PgConnection, row: &TopUpRow, owner: Uuid) -> Re
     .map(|_| ())
 }
 
-/// Up to `limit` unfinished top-ups (or refunds) untouched for `after_secs` whose lease is
-/// free, leased to `owner` (the completer).
+/// Up to `limit` unfinished top-ups (or refunds) of `processor` untouched for `after_secs`
+/// whose lease is free, leased to `owner` (the completer).
 pub async fn claim_stale(
     conn: &mut PgConnection,
     owner: Uuid,
     after_secs: i32,
     lease_secs: i32,
     limit: i32,
+    processor: &str,
 ) -> Result<Vec<TopUpRow>, sqlx::Error> {
     sqlx::query_scalar!(
-        r#"SELECT r AS "r!: TopUpRow" FROM oncepay_top_up_claim_stale($1, $2, $3, $4) r"#,
+        r#"SELECT r AS "r!: TopUpRow" FROM oncepay_top_up_claim_stale($1, $2, $3, $4, $5) r"#,
         owner,
         after_secs,
         lease_secs,
         limit,
+        processor,
     )
     .fetch_all(conn)
     .await

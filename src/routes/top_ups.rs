@@ -179,6 +179,7 @@ pub(super) async fn create(
             amount: input.amount,
             currency: top_ups.currency(),
             payment_method: &input.payment_method,
+            processor: top_ups.processor(),
         };
         top_ups.create(tenant.id, &claim, &new).await
     })

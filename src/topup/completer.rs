@@ -1,6 +1,7 @@
 //! The completer: on every replica, a loop that finishes the top-ups (and refunds) whose
 //! request is gone (a crash, a client that gave up) once they have been left alone for
-//! `ONCEPAY_COMPLETER_AFTER_SECS`. It leases a few at a time (`FOR UPDATE SKIP LOCKED`, then
+//! `ONCEPAY_COMPLETER_AFTER_SECS`, of its own processor (a top-up made with another one is
+//! that one's business: its PaymentIntent lives there). It leases a few at a time (`FOR UPDATE SKIP LOCKED`, then
 //! the lease: replicas never drive the same one at once) and drives each as a resumed
 //! request would: it looks at the PaymentIntent first, confirms it only if it was never
 //! confirmed, and records the final state.
@@ -45,7 +46,7 @@ pub async fn run_once(
     let lease_secs = top_ups.lease_secs();
     let stale = top_ups
         .db
-        .run(async |c| top_ups::claim_stale(c, owner, after_secs, lease_secs, BATCH).await)
+        .run(async |c| top_ups::claim_stale(c, owner, after_secs, lease_secs, BATCH, top_ups.processor()).await)
         .await?;
     let driven = stale.len();
     for row in stale {

@@ -117,6 +117,11 @@ impl TopUps {
         &self.currency
     }
 
+    /// The processor's base URL, recorded with each top-up.
+    pub fn processor(&self) -> &str {
+        self.processor.base()
+    }
+
     fn lease_secs(&self) -> i32 {
         i32::try_from(self.lease.as_secs()).unwrap_or(i32::MAX)
     }

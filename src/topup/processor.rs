@@ -150,6 +150,11 @@ impl ProcessorClient {
     }
 
     /// Creates a PaymentIntent, unconfirmed: it charges nothing until it is confirmed.
+    /// The processor's base URL: the top-ups made with it name it.
+    pub fn base(&self) -> &str {
+        &self.base
+    }
+
     pub async fn create_intent(
         &self,
         top_up_id: &str,

@@ -98,6 +98,7 @@ async fn every_check_constraint_and_domain_refuses_a_row_that_breaks_it() {
         ("refund_state", "NULL"),
         ("created_at", "now()"),
         ("updated_at", "now()"),
+        ("processor", "'http://127.0.0.1:8420'"),
     ];
     let long_key = format!("'{}'", "k".repeat(256));
     let long_account = format!("'{}'", "a".repeat(65));
