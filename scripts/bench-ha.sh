@@ -200,8 +200,9 @@ for p in "${extra_ports[@]}"; do serve "$p" ONCEPAY_REPLAY_CACHE_ENTRIES=0; done
 off_pids=("${pids[@]:1:3}")
 serve "$pooled_port" ONCEPAY_REPLAY_CACHE_ENTRIES=0 DATABASE_URL="$pooled_url" ONCEPAY_DB_POOLER=transaction
 pooled_pid="${pids[-1]}"
-serve "$default_port" ONCEPAY_DB_BATCHES_IN_FLIGHT="$(nproc | awk '{print ($1 < 2 ? 2 : ($1 > 8 ? 8 : $1))}')"
-default_pid="${pids[-1]}" default_slots="$(nproc | awk '{print ($1 < 2 ? 2 : ($1 > 8 ? 8 : $1))}')"
+default_slots="$(nproc | awk '{print ($1 < 2 ? 2 : ($1 > 8 ? 8 : $1))}')" # src/config.rs: cores, 2..8
+serve "$default_port" ONCEPAY_DB_BATCHES_IN_FLIGHT="$default_slots"
+default_pid="${pids[-1]}"
 
 on_pids=()
 for i in 1 2 3; do on_pids+=("$(cat "$ha_dir/pids/oncepay-$i")"); done
