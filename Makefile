@@ -20,7 +20,7 @@ export SQLX_OFFLINE ?= true
 BIN := target/release/oncepay
 CARGO_TEST := $(shell cargo nextest --version >/dev/null 2>&1 && echo "cargo nextest run --workspace --no-fail-fast" || echo "cargo test --workspace --no-fail-fast")
 
-.PHONY: help run lab serve build install db-up db-down db-port-test readme-test migrate psql purge audit audit-bench test test-pgbouncer chaos check client-deps-check sqlx-check sqlx-prepare bench bench-quick bench-analyze callgrind sql-callgrind bench-ab clean-db openapi schemathesis alerts-test ha
+.PHONY: help run lab serve build install db-up db-down db-port-test readme-test migrate psql purge audit audit-bench test test-pgbouncer chaos check client-deps-check sqlx-check sqlx-prepare bench bench-quick bench-analyze callgrind sql-callgrind bench-ab clean-db openapi schemathesis alerts-test ha bench-ha
 
 help:
 	@echo "make run      local database if needed, migrate, demo tenant, serve on 127.0.0.1:8130"
@@ -39,6 +39,7 @@ help:
 	@echo "make bench-ab BASE_BIN=dir   this tree's server against another build, side by side in one run"
 	@echo "make sql-callgrind   PostgreSQL's instructions per new payment and replay, this SQL vs an older one"
 	@echo "make ha       Patroni cluster (3 PostgreSQL 15, etcd, HAProxy), 3 oncepay, 5 faults under load, books verified (root)"
+	@echo "make bench-ha  the yardstick ratios on that cluster (0.5 ms between nodes) and through PgBouncer (root)"
 	@echo "make install  cargo install --path . --locked: the oncepay binary into ~/.cargo/bin"
 	@echo "make migrate | purge | psql | db-up | db-down | db-port-test | client-deps-check | bench | audit-bench | sqlx-prepare | sqlx-check | openapi | ha"
 
@@ -245,3 +246,9 @@ bench-ab: db-up
 ha:
 	cargo build --release --locked -p oncepay -p oncepay-ha
 	@scripts/ha.sh run
+
+# The yardstick ratios where production runs (issue 21, docs/bench/ha/): the cluster of
+# `make ha` with a 0.5 ms delay each way between its namespaces, and PgBouncer in transaction
+# mode in front of it; about 12 minutes, root. Writes docs/bench/ha/REPORT.md.
+bench-ha:
+	@scripts/bench-ha.sh

@@ -9,6 +9,15 @@
 #                                kill-patroni-postgres | stop-standby
 #   scripts/ha.sh recover NAME   undo it (heal, restart what was killed or stopped) and wait until healthy
 #   scripts/ha.sh wait-healthy   wait until a writable leader, two streaming standbys, one of them synchronous
+#   scripts/ha.sh env            shell assignments of its folder, namespaces and ports (for scripts/bench-ha.sh)
+#
+# ONCEPAY_HA_DELAY_US=N (make bench-ha): every node's PostgreSQL is reached through a relay in
+# its namespace (oncepay-delay, port pg_port + 1) that delays each direction by N µs, and
+# that is the address its standbys and HAProxy use: a network delay between the namespaces
+# where the kernel has no netem qdisc. ONCEPAY_HA_CHECK_FALL (default 2): failed HAProxy
+# checks, 500 ms apart, before a node is marked down and its sessions cut (make bench-ha
+# saturates both cores, and a starved Patroni answering its REST API late must not end a
+# step: it did at 2).
 #
 # Topology: network namespaces created here, so that a partition is a real cut of the network.
 # A hub namespace holds a bridge, etcd, HAProxy, the three oncepay instances and the load
@@ -30,6 +39,11 @@ ns_hub="ohub-$tag"
 ns_node() { echo "on$1-$tag"; }
 nodes=(1 2 3)
 pg_port=26432
+delay_us="${ONCEPAY_HA_DELAY_US:-}"
+delay_bin="${ONCEPAY_HA_DELAY_BIN:-$top/target/release/oncepay-delay}"
+# The port the other nodes and HAProxy reach a node's PostgreSQL on: the relay's, if any.
+pg_connect_port=$pg_port
+[ -n "$delay_us" ] && pg_connect_port=$((pg_port + 1))
 rest_port=26008
 etcd_port=26379
 etcd_peer_port=26380
@@ -220,7 +234,7 @@ bootstrap:
     - data-checksums
 postgresql:
   listen: $addr:$pg_port
-  connect_address: $addr:$pg_port
+  connect_address: $addr:$pg_connect_port
   data_dir: $dir/n$n/data
   bin_dir: $pg_bin
   pgpass: $dir/n$n/pgpass
@@ -283,10 +297,10 @@ listen primary
     http-check send meth GET uri /primary
     http-check expect status 200
     http-check expect rstring "\"role\": \"(primary|master)\""
-    default-server inter 500ms fastinter 250ms downinter 250ms fall 2 rise 1 on-marked-down shutdown-sessions
+    default-server inter 500ms fastinter 250ms downinter 250ms fall ${ONCEPAY_HA_CHECK_FALL:-2} rise 1 on-marked-down shutdown-sessions
 CFG
     for n in "${nodes[@]}"; do
-      echo "    server n$n $(node_addr "$n"):$pg_port check port $rest_port"
+      echo "    server n$n $(node_addr "$n"):$pg_connect_port check port $rest_port"
     done
   } >"$dir/haproxy.cfg"
 }
@@ -369,6 +383,13 @@ up() {
   head -c 18 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$dir/secret"
   chmod 644 "$dir/secret" # read by the postgres user's Patroni config; the namespaces are private
   net_up
+  if [ -n "$delay_us" ]; then
+    [ -x "$delay_bin" ] || die "$delay_bin is missing: cargo build --release -p oncepay-bench"
+    for n in "${nodes[@]}"; do
+      start "delay-n$n" "$(ns_node "$n")" root "$delay_bin" --listen "$(node_addr "$n"):$pg_connect_port" \
+        --to "$(node_addr "$n"):$pg_port" --delay-us "$delay_us"
+    done
+  fi
 
   start etcd "$ns_hub" root etcd --name hub --data-dir "$dir/etcd" \
     --listen-client-urls "http://$net.1:$etcd_port,http://127.0.0.1:$etcd_port" \
@@ -440,6 +461,7 @@ down_quiet() {
   stop haproxy
   for n in "${nodes[@]}"; do stop "patroni-n$n"; stop_postmaster "$n"; done
   stop etcd
+  for n in "${nodes[@]}"; do stop "delay-n$n"; done
   net_down
 }
 
@@ -620,5 +642,10 @@ case "${1:-}" in
   fault) fault "${2:?fault name}" ;;
   recover) recover "${2:?fault name}" ;;
   wait-healthy) wait_healthy "${2:-120}" ;;
+  env)
+    printf 'ha_dir=%q ha_ns_hub=%q ha_net=%q ha_haproxy_port=%q ha_pg_port=%q ha_pg_connect_port=%q\n' \
+      "$dir" "$ns_hub" "$net" "$haproxy_port" "$pg_port" "$pg_connect_port"
+    printf 'ha_ns_nodes=(%s) ha_app_ports=(%s)\n' "$(for n in "${nodes[@]}"; do printf '%q ' "$(ns_node "$n")"; done)" "${app_ports[*]}"
+    ;;
   *) sed -n '2,12p' "$0" >&2; exit 2 ;;
 esac
