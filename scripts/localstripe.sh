@@ -21,7 +21,12 @@ install() {
   mkdir -p "$target"
   exec 9>"$target/localstripe-venv.lock"
   flock 9
-  if ! [ -x "$exe" ] || ! "$venv/bin/pip" show localstripe 2>/dev/null | grep -q "^Version: $version\$"; then
+  # The version read in full first: `pip show | grep -q` under pipefail fails whenever grep
+  # exits before pip finishes writing (SIGPIPE), and the venv in use was then rebuilt under
+  # the feet of running tests.
+  local installed=""
+  [ -x "$exe" ] && installed="$("$venv/bin/pip" show localstripe 2>/dev/null | sed -n 's/^Version: //p')" || true
+  if [ "$installed" != "$version" ]; then
     rm -rf "$venv"
     python3 -m venv "$venv"
     "$venv/bin/pip" install --quiet --disable-pip-version-check "localstripe==$version" >&2
