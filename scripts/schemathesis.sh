@@ -46,9 +46,14 @@ export ONCEPAY_API_KEY ONCEPAY_ADMIN_TOKEN
 port="${SCHEMATHESIS_PORT:-18190}"
 base="http://127.0.0.1:$port"
 log="target/schemathesis-server.log"
-ONCEPAY_BIND="127.0.0.1:$port" ONCEPAY_METRICS_BIND="127.0.0.1:$((port + 1000))" RUST_LOG=warn "$bin" serve 2>"$log" &
+# Top-ups are fuzzed against a real processor (localstripe, on port + 2): without one they
+# answer 501 processor_not_configured, a 5xx this run counts as a failure.
+stripe_dir="$PWD/target/schemathesis-localstripe"
+scripts/localstripe.sh start "$((port + 2))" "$stripe_dir" >/dev/null
+ONCEPAY_PROCESSOR_URL="http://127.0.0.1:$((port + 2))" ONCEPAY_PROCESSOR_API_KEY=sk_test_oncepay \
+  ONCEPAY_BIND="127.0.0.1:$port" ONCEPAY_METRICS_BIND="127.0.0.1:$((port + 1000))" RUST_LOG=warn "$bin" serve 2>"$log" &
 server=$!
-trap 'kill "$server" 2>/dev/null; wait "$server" 2>/dev/null || true' EXIT
+trap 'kill "$server" 2>/dev/null; wait "$server" 2>/dev/null || true; scripts/localstripe.sh stop "$stripe_dir"' EXIT
 for _ in $(seq 100); do
   curl -fsS "$base/healthz" >/dev/null 2>&1 && break
   kill -0 "$server" 2>/dev/null || { cat "$log"; echo "the server did not start" >&2; exit 1; }
