@@ -18,8 +18,8 @@ use utoipa::{IntoParams, Modify, OpenApi, PartialSchema, ToSchema};
 use super::intake::EmptyBody;
 use super::pipeline::{self, Endpoint};
 use super::schemas::{
-    AdminDisabled, BadRequest, BodyTooLarge, Conflict, IdempotencyKeyHeader, InsufficientFunds, KeyRefused,
-    NotConfigured, NotFound, Overloaded, Problem, RequestTimeout, Unauthorized, Unavailable, UnsupportedMediaType,
+    AdminDisabled, BadRequest, BodyTooLarge, Conflict, IdempotencyKeyHeader, InsufficientFunds, KeyRefused, NotFound,
+    Overloaded, Problem, RequestTimeout, Unauthorized, Unavailable, UnsupportedMediaType,
 };
 use super::{accounts, admin, health, payments, top_ups, transfers, webhooks};
 
@@ -43,7 +43,7 @@ use super::{accounts, admin, health, payments, top_ups, transfers, webhooks};
         schemas(Problem),
         responses(
             BadRequest, Unauthorized, InsufficientFunds, AdminDisabled, NotFound, Conflict, RequestTimeout, BodyTooLarge,
-            UnsupportedMediaType, KeyRefused, NotConfigured, Overloaded, Unavailable, super::schemas::PaymentRequired,
+            UnsupportedMediaType, KeyRefused, Overloaded, Unavailable, super::schemas::PaymentRequired,
             super::schemas::ProcessorNotConfigured,
         ),
     ),
@@ -145,12 +145,6 @@ fn document_operation<E: Endpoint>(openapi: &mut utoipa::openapi::OpenApi) {
         (429, "Overloaded"),
         (503, "Unavailable"),
     ];
-    if matches!(
-        spec.operation,
-        crate::operation::Operation::CreateWebhookEndpoint | crate::operation::Operation::RotateWebhookSecret
-    ) {
-        statuses.push((501, "NotConfigured"));
-    }
     for decline in spec.declines {
         let response = match decline.status() {
             402 => "InsufficientFunds",

@@ -186,6 +186,5 @@ problem_responses! {
     Overloaded = 429 "The service is at capacity; retry after Retry-After.";
     PaymentRequired = 402 "Declined (stored with the key and replayed): `insufficient_funds`, or `card_declined` with the processor's `decline_code`.";
     ProcessorNotConfigured = 501 "Top-ups need a card processor (ONCEPAY_PROCESSOR_URL is unset); not worth a retry.";
-    NotConfigured = 501 "A feature this server is not configured for (its operator must set it up); not worth a retry.";
     Unavailable = 503 "A transient failure: retry with the same key after Retry-After (a committed request is replayed, an uncommitted one processed).";
 }
