@@ -133,53 +133,57 @@ impl TopUps {
         claim: &ClaimArgs,
         top_up: &NewTopUp<'_>,
     ) -> Result<Answer, TopUpError> {
-        let deadline = tokio::time::Instant::now() + self.inflight_wait;
-        let mut pause = Duration::from_millis(20);
-        loop {
-            let owner = Uuid::new_v4();
+        self.within_inflight_wait(move |owner| async move {
             let lease = self.lease_secs();
             let begun = self
                 .db
                 .run(async |c| top_ups::begin(c, tenant, claim, top_up, owner, lease).await)
                 .await?;
             let created = begun.outcome == ClaimOutcome::Created;
-            match settle(begun)? {
-                Settled::Final(answer) => return Ok(answer),
-                Settled::Owned(row) => {
-                    // The request that created it has just created the row: nothing to look
-                    // up. A resumed one looks at the processor first.
-                    let row = self.drive_top_up(row, owner, !created).await?;
-                    return Ok(top_up_answer(row, false));
-                }
-                Settled::Busy => {}
-            }
-            if tokio::time::Instant::now() >= deadline {
-                return Err(TopUpError::InProgress);
-            }
-            tokio::time::sleep(pause.min(deadline - tokio::time::Instant::now())).await;
-            pause = (pause * 2).min(Duration::from_millis(250));
-        }
+            Ok(match settle(begun)? {
+                Settled::Final(answer) => Some(answer),
+                // The request that created it has just created the row: nothing to look up.
+                // A resumed one looks at the processor first.
+                Settled::Owned(row) => Some(top_up_answer(self.drive_top_up(row, owner, !created).await?, false)),
+                Settled::Busy => None,
+            })
+        })
+        .await
     }
 
     /// `POST /top-ups/{id}/refund`.
     pub async fn refund(&self, tenant: TenantId, claim: &ClaimArgs, top_up: TopUpId) -> Result<Answer, TopUpError> {
-        let deadline = tokio::time::Instant::now() + self.inflight_wait;
-        let mut pause = Duration::from_millis(20);
-        loop {
-            let owner = Uuid::new_v4();
+        self.within_inflight_wait(move |owner| async move {
             let lease = self.lease_secs();
             let begun = self
                 .db
                 .run(async |c| top_ups::refund_begin(c, tenant, claim, top_up, owner, lease).await)
                 .await?;
             let created = begun.outcome == ClaimOutcome::Created;
-            match settle_refund(begun)? {
-                Settled::Final(answer) => return Ok(answer),
-                Settled::Owned(row) => {
-                    let row = self.drive_refund(row, owner, !created).await?;
-                    return Ok(Answer::Done { row, replayed: false });
-                }
-                Settled::Busy => {}
+            Ok(match settle_refund(begun)? {
+                Settled::Final(answer) => Some(answer),
+                Settled::Owned(row) => Some(Answer::Done {
+                    row: self.drive_refund(row, owner, !created).await?,
+                    replayed: false,
+                }),
+                Settled::Busy => None,
+            })
+        })
+        .await
+    }
+
+    /// Runs `step` with a new lease owner each time until it answers (`Some`: final, or driven
+    /// by this request), waiting out another driver's lease for at most
+    /// `ONCEPAY_INFLIGHT_WAIT_MS`, then `InProgress` (409).
+    async fn within_inflight_wait<F>(&self, mut step: impl FnMut(Uuid) -> F) -> Result<Answer, TopUpError>
+    where
+        F: std::future::Future<Output = Result<Option<Answer>, TopUpError>>,
+    {
+        let deadline = tokio::time::Instant::now() + self.inflight_wait;
+        let mut pause = Duration::from_millis(20);
+        loop {
+            if let Some(answer) = step(Uuid::new_v4()).await? {
+                return Ok(answer);
             }
             if tokio::time::Instant::now() >= deadline {
                 return Err(TopUpError::InProgress);
