@@ -89,10 +89,10 @@ pub struct WebhookSettings {
     pub allow_private: bool,
     /// `ONCEPAY_WEBHOOK_TIMEOUT_MS` (15000): an attempt's longest wait for a 2xx.
     pub timeout: Duration,
-    /// `ONCEPAY_WEBHOOK_CONCURRENCY` (32): attempts in flight in this process; 0: this
+    /// `ONCEPAY_WEBHOOK_CONCURRENCY` (64): attempts in flight in this process; 0: this
     /// process delivers nothing (other replicas do).
     pub concurrency: usize,
-    /// `ONCEPAY_WEBHOOK_ENDPOINT_CONCURRENCY` (4): attempts in flight to one endpoint, over
+    /// `ONCEPAY_WEBHOOK_ENDPOINT_CONCURRENCY` (16): attempts in flight to one endpoint, over
     /// every replica.
     pub endpoint_concurrency: u32,
     /// `ONCEPAY_WEBHOOK_POLL_MS` (250): how often an idle worker looks for due deliveries.
@@ -124,8 +124,8 @@ impl WebhookSettings {
             retry_schedule: parse_schedule(&raw_schedule)?,
             allow_private: var("ONCEPAY_WEBHOOK_ALLOW_PRIVATE").is_some_and(|v| v.trim() == "1"),
             timeout: Duration::from_millis(number("ONCEPAY_WEBHOOK_TIMEOUT_MS", 15_000)?),
-            concurrency: number("ONCEPAY_WEBHOOK_CONCURRENCY", 32)?,
-            endpoint_concurrency: number("ONCEPAY_WEBHOOK_ENDPOINT_CONCURRENCY", 4)?,
+            concurrency: number("ONCEPAY_WEBHOOK_CONCURRENCY", 64)?,
+            endpoint_concurrency: number("ONCEPAY_WEBHOOK_ENDPOINT_CONCURRENCY", 16)?,
             poll: Duration::from_millis(number("ONCEPAY_WEBHOOK_POLL_MS", 250)?),
         })
     }

@@ -1,12 +1,13 @@
 //! The delivery workers: every replica runs one [`Deliverer`], and they share the work
 //! through PostgreSQL alone (no second queue).
 //!
-//! A worker claims due deliveries with `oncepay_webhook_claim` (migrations/V9): by state,
+//! A worker claims due deliveries with `oncepay_webhook_claim` (migrations/V9, V11): by state,
 //! `FOR UPDATE SKIP LOCKED`, at most `ONCEPAY_WEBHOOK_ENDPOINT_CONCURRENCY` in flight per
 //! endpoint over all replicas, the next event of a resource only after the previous one was
 //! delivered or given up. The claim leases the row (its next attempt moves past the HTTP
 //! timeout), then the attempt runs with no connection or lock held, then its result is
-//! recorded (`oncepay_webhook_record`): a 2xx is a delivery; 410 Gone disables the endpoint;
+//! recorded (`oncepay_webhook_record_many`, every attempt that ended since the worker's last
+//! round trip at once, migrations/V11): a 2xx is a delivery; 410 Gone disables the endpoint;
 //! anything else (another status, a timeout, a connection refused or cut before the answer)
 //! is retried after the next wait of `ONCEPAY_WEBHOOK_RETRY_SCHEDULE` (±10 % jitter; at
 //! least `Retry-After` on 429 and 503), and after the last the delivery is given up and the
@@ -21,7 +22,7 @@ use chrono::{DateTime, Utc};
 use prometheus::{Gauge, Histogram, IntCounterVec, IntGauge, IntGaugeVec};
 use rand::Rng as _;
 use reqwest::header::{HeaderMap, CONTENT_TYPE, RETRY_AFTER};
-use tokio::sync::Semaphore;
+use tokio::sync::{mpsc, Semaphore};
 use uuid::Uuid;
 
 use super::secrets::SecretBox;
@@ -35,6 +36,8 @@ const RESPONSE_HEAD_BYTES: usize = 256;
 const CLAIM_MAX: usize = 64;
 /// A lease outlives the attempt's timeout by this much (the result's recording included).
 const LEASE_MARGIN: Duration = Duration::from_secs(10);
+/// The wait before recording again when the database could not be reached.
+const RECORD_RETRY: Duration = Duration::from_millis(500);
 
 /// What the workers count, registered by the caller (`crate::metrics`).
 #[derive(Clone)]
@@ -76,6 +79,17 @@ enum Verdict {
     Delivered,
     Gone,
     Failed { retry_after: Option<Duration> },
+}
+
+/// An attempt that ended, to be recorded.
+struct Ended {
+    claimed: Claimed,
+    attempt: Attempt,
+    /// `delivered`, `retry` (at `next`), `given_up`, `gone`.
+    outcome: &'static str,
+    next: Option<DateTime<Utc>>,
+    /// Past this its lease may have run out: the result is dropped if still unrecorded.
+    record_by: Instant,
 }
 
 /// The attempt as recorded.
@@ -126,42 +140,55 @@ impl Deliverer {
         })
     }
 
-    /// Runs the worker until the task is dropped: claims while attempts may start, sleeps
-    /// `ONCEPAY_WEBHOOK_POLL_MS` when nothing is due.
+    /// Runs the worker until the task is dropped. One round trip at a time, in a loop: the
+    /// attempts that ended since the last are recorded together, then as many due deliveries
+    /// are claimed as attempts may start. It claims again at once when it took all it asked
+    /// for (more may be due), and otherwise waits for an attempt to end or for
+    /// `ONCEPAY_WEBHOOK_POLL_MS`, whichever comes first: an endpoint at its bound gets its
+    /// next delivery as soon as one of its attempts ends, not a poll later.
     pub async fn run(self: Arc<Self>) {
         let slots = Arc::new(Semaphore::new(self.settings.concurrency));
+        let (ended_tx, mut ended_rx) = mpsc::unbounded_channel::<Ended>();
         let gauges = tokio::spawn(self.clone().refresh_gauges());
         let _stop_gauges = AbortOnDrop(gauges);
+        let mut ended = Vec::new();
         loop {
-            let free = slots.available_permits().min(CLAIM_MAX);
-            if free == 0 {
-                // Wait for one attempt to end.
-                let Ok(permit) = slots.clone().acquire_owned().await else {
-                    return;
-                };
-                drop(permit);
+            while let Ok(e) = ended_rx.try_recv() {
+                ended.push(e);
+            }
+            if !ended.is_empty() && !self.record(&mut ended).await {
+                tokio::time::sleep(RECORD_RETRY).await;
                 continue;
             }
-            match self.claim(free).await {
-                Ok(claimed) => {
-                    let full = claimed.len() == free;
-                    for c in claimed {
-                        let Ok(permit) = slots.clone().acquire_owned().await else {
-                            return;
-                        };
-                        let this = self.clone();
-                        tokio::spawn(async move {
-                            this.deliver(c).await;
-                            drop(permit);
-                        });
+            let free = slots.available_permits().min(CLAIM_MAX);
+            let mut more_due = false;
+            if free > 0 {
+                match self.claim(free).await {
+                    Ok(claimed) => {
+                        more_due = claimed.len() == free;
+                        for c in claimed {
+                            let Ok(permit) = slots.clone().acquire_owned().await else {
+                                return;
+                            };
+                            let (this, tx) = (self.clone(), ended_tx.clone());
+                            tokio::spawn(async move {
+                                let e = this.deliver(c).await;
+                                drop(permit);
+                                // Only fails once the worker is gone: the lease then runs out.
+                                let _ = tx.send(e);
+                            });
+                        }
                     }
-                    if !full {
-                        tokio::time::sleep(self.settings.poll).await;
+                    Err(err) => {
+                        tracing::warn!(error = %err, "webhook claim failed; will try again");
+                        tokio::time::sleep(self.settings.poll.max(Duration::from_secs(1))).await;
+                        continue;
                     }
                 }
-                Err(err) => {
-                    tracing::warn!(error = %err, "webhook claim failed; will try again");
-                    tokio::time::sleep(self.settings.poll.max(Duration::from_secs(1))).await;
+            }
+            if !more_due {
+                if let Ok(Some(e)) = tokio::time::timeout(self.settings.poll, ended_rx.recv()).await {
+                    ended.push(e);
                 }
             }
         }
@@ -206,8 +233,8 @@ impl Deliverer {
             .collect())
     }
 
-    /// One attempt of one delivery, and its record.
-    async fn deliver(&self, c: Claimed) {
+    /// One attempt of one delivery, and what is to be recorded of it.
+    async fn deliver(&self, c: Claimed) -> Ended {
         let attempt = self.attempt(&c).await;
         self.counters.attempt_duration.observe(attempt.latency.as_secs_f64());
         let (outcome, next) = match &attempt.verdict {
@@ -228,21 +255,12 @@ impl Deliverer {
             status = attempt.status, error = attempt.error.as_deref(),
             latency_ms = attempt.latency.as_millis() as u64, "webhook attempt"
         );
-        match self.record(&c, &attempt, outcome, next).await {
-            Ok(applied) => {
-                self.counters.deliveries.with_label_values(&[outcome]).inc();
-                if applied && matches!(outcome, "gone" | "given_up") {
-                    let reason = if outcome == "gone" { "gone" } else { "failing" };
-                    self.counters.endpoints_disabled.with_label_values(&[reason]).inc();
-                    tracing::warn!(endpoint = %c.endpoint, tenant = %c.tenant, reason, "webhook endpoint disabled");
-                }
-            }
-            Err(err) => {
-                // The lease runs out and the delivery is attempted again (same webhook-id).
-                self.counters.deliveries.with_label_values(&["unrecorded"]).inc();
-                tracing::error!(error = %err, event = %c.event, endpoint = %c.endpoint,
-                    "webhook attempt could not be recorded; it will be sent again after its lease");
-            }
+        Ended {
+            record_by: Instant::now() + LEASE_MARGIN,
+            claimed: c,
+            attempt,
+            outcome,
+            next,
         }
     }
 
@@ -341,47 +359,92 @@ impl Deliverer {
         Ok(keys)
     }
 
-    /// Records the attempt; retried while the database is away (a restart), for about as
-    /// long as the lease lasts. `true` if it settled the delivery (a stale attempt, whose
-    /// lease another replica took over, changes nothing but a delivery).
-    async fn record(
-        &self,
-        c: &Claimed,
-        a: &Attempt,
-        outcome: &str,
-        next: Option<DateTime<Utc>>,
-    ) -> Result<bool, DbError> {
-        let latency_ms = i32::try_from(a.latency.as_millis()).unwrap_or(i32::MAX);
-        let status = a.status.map(|s| s as i16);
-        let deadline = Instant::now() + LEASE_MARGIN + self.settings.timeout;
-        loop {
-            let result = self
-                .db
-                .run(async |conn| {
-                    sqlx::query_scalar!(
-                        r#"SELECT oncepay_webhook_record($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) AS "applied!""#,
-                        c.tenant,
-                        c.event,
-                        c.endpoint,
-                        c.attempt,
-                        a.started_at,
-                        latency_ms,
-                        status,
-                        a.head.as_deref(),
-                        a.error.as_deref(),
-                        self.replica,
-                        outcome,
-                        next,
-                    )
-                    .fetch_one(conn)
-                    .await
-                })
-                .await;
-            match result {
-                Err(DbError::Transient(_) | DbError::Unknown(_) | DbError::Saturated) if Instant::now() < deadline => {
-                    tokio::time::sleep(Duration::from_millis(500)).await;
+    /// Records the ended attempts in one statement and empties `ended`; `false` if the
+    /// database could not be reached, with the attempts still to be recorded left in
+    /// `ended` (for about as long as their leases last: after that another replica may
+    /// already have sent the event again, so the stale result is dropped and counted).
+    async fn record(&self, ended: &mut Vec<Ended>) -> bool {
+        let mut tenants = Vec::with_capacity(ended.len());
+        let mut events = Vec::with_capacity(ended.len());
+        let mut endpoints = Vec::with_capacity(ended.len());
+        let mut attempts = Vec::with_capacity(ended.len());
+        let mut started = Vec::with_capacity(ended.len());
+        let mut latencies = Vec::with_capacity(ended.len());
+        let mut statuses = Vec::with_capacity(ended.len());
+        let mut heads = Vec::with_capacity(ended.len());
+        let mut errors = Vec::with_capacity(ended.len());
+        let mut outcomes = Vec::with_capacity(ended.len());
+        let mut nexts = Vec::with_capacity(ended.len());
+        for e in ended.iter() {
+            tenants.push(e.claimed.tenant);
+            events.push(e.claimed.event);
+            endpoints.push(e.claimed.endpoint);
+            attempts.push(e.claimed.attempt);
+            started.push(e.attempt.started_at);
+            latencies.push(i32::try_from(e.attempt.latency.as_millis()).unwrap_or(i32::MAX));
+            statuses.push(e.attempt.status.map(|s| s as i16));
+            heads.push(e.attempt.head.clone());
+            errors.push(e.attempt.error.clone());
+            outcomes.push(e.outcome.to_owned());
+            nexts.push(e.next);
+        }
+        let result = self
+            .db
+            .run(async |conn| {
+                sqlx::query!(
+                    r#"SELECT event_id AS "event_id!", endpoint_id AS "endpoint_id!", applied AS "applied!"
+                         FROM oncepay_webhook_record_many($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)"#,
+                    &tenants,
+                    &events,
+                    &endpoints,
+                    &attempts,
+                    &started,
+                    &latencies,
+                    &statuses as &[Option<i16>],
+                    &heads as &[Option<String>],
+                    &errors as &[Option<String>],
+                    self.replica,
+                    &outcomes,
+                    &nexts as &[Option<DateTime<Utc>>],
+                )
+                .fetch_all(conn)
+                .await
+            })
+            .await;
+        match result {
+            Ok(rows) => {
+                for e in ended.drain(..) {
+                    self.counters.deliveries.with_label_values(&[e.outcome]).inc();
+                    let applied = rows
+                        .iter()
+                        .any(|r| r.applied && r.event_id == e.claimed.event && r.endpoint_id == e.claimed.endpoint);
+                    if applied && matches!(e.outcome, "gone" | "given_up") {
+                        let reason = if e.outcome == "gone" { "gone" } else { "failing" };
+                        self.counters.endpoints_disabled.with_label_values(&[reason]).inc();
+                        tracing::warn!(endpoint = %e.claimed.endpoint, tenant = %e.claimed.tenant, reason,
+                            "webhook endpoint disabled");
+                    }
                 }
-                other => return other,
+                true
+            }
+            Err(err) => {
+                let retry = matches!(err, DbError::Transient(_) | DbError::Unknown(_) | DbError::Saturated);
+                let now = Instant::now();
+                let before = ended.len();
+                ended.retain(|e| retry && e.record_by > now);
+                let dropped = before - ended.len();
+                if dropped > 0 {
+                    // The leases run out and the deliveries are attempted again (same webhook-id).
+                    self.counters
+                        .deliveries
+                        .with_label_values(&["unrecorded"])
+                        .inc_by(dropped as u64);
+                    tracing::error!(error = %err, attempts = dropped,
+                        "webhook attempts could not be recorded; they will be sent again after their leases");
+                } else {
+                    tracing::warn!(error = %err, attempts = ended.len(), "webhook attempts not recorded yet; will try again");
+                }
+                ended.is_empty()
             }
         }
     }

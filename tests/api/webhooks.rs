@@ -754,3 +754,40 @@ async fn a_batch_emits_one_event_per_new_payment_and_none_for_its_replays() {
         .unwrap();
     assert_eq!(after, 3);
 }
+
+/// An endpoint at its bound gets its next event as soon as one of its attempts ends, not a
+/// poll later. One attempt in flight allowed, a poll of two minutes, twelve events waiting
+/// when the only delivering replica starts: they all arrive, in order, one at a time, long
+/// before a single poll would have passed (were each to wait for the poll, they would take
+/// twenty-four minutes). On a database of its own, so that no other test's replica delivers
+/// them.
+#[tokio::test]
+async fn an_endpoint_at_its_bound_gets_its_next_event_when_an_attempt_ends_not_a_poll_later() {
+    let (writer, url) = crate::helpers::spawn_app_on_own_database("webhook_bound").await;
+    let receiver = Receiver::start().await;
+    subscribe(&writer, &receiver, None).await;
+    for _ in 0..12 {
+        pay(&writer, 10).await;
+    }
+    let poll = Duration::from_secs(120);
+    let started = Instant::now();
+    let _deliverer = TestApp::builder()
+        .tenant_of(&writer)
+        .settings(|s| {
+            s.database_url = crate::helpers::server_url(&url);
+            s.webhooks.concurrency = 16;
+            s.webhooks.endpoint_concurrency = 1;
+            s.webhooks.poll = poll;
+        })
+        .spawn()
+        .await;
+    let expected = committed(&writer).await;
+    receiver.wait_for_acknowledged(event_count(&expected), poll / 2).await;
+    let took = started.elapsed();
+    let report = receiver.check(&expected);
+    assert_eq!(report.events, 12, "{report:?}");
+    assert_eq!(report.duplicates, 0, "{report:?}");
+    assert_eq!(receiver.max_in_flight(), 1, "the endpoint's bound");
+    assert!(took < poll / 2, "twelve events took {took:?}");
+    crate::helpers::drop_database(&url).await;
+}
