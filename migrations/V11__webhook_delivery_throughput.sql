@@ -113,10 +113,14 @@ BEGIN
             SELECT d.tenant_id, d.event_id, d.endpoint_id FROM webhook_deliveries d
              WHERE d.tenant_id = v_tenant AND d.endpoint_id = v_endpoint
                AND d.state = 'pending' AND d.next_attempt_at <= now()
-               AND NOT EXISTS (SELECT FROM webhook_deliveries o
-                                WHERE o.tenant_id = d.tenant_id AND o.endpoint_id = d.endpoint_id
-                                  AND o.resource_id = d.resource_id AND o.state = 'pending'
-                                  AND o.sequence < d.sequence)
+               -- The first pending delivery of its resource to this endpoint. (A scalar
+               -- subquery, run per candidate with all four columns of the resource index as
+               -- its condition: V9's NOT EXISTS became an anti join that the planner, with a
+               -- young table's statistics, ran as a scan of all the endpoint's pending rows
+               -- per candidate: 3,084 buffers for 15 rows, measured under load.)
+               AND (SELECT min(o.sequence) FROM webhook_deliveries o
+                     WHERE o.tenant_id = d.tenant_id AND o.endpoint_id = d.endpoint_id
+                       AND o.resource_id = d.resource_id AND o.state = 'pending') = d.sequence
              ORDER BY d.sequence
              LIMIT v_n
                FOR UPDATE SKIP LOCKED),
@@ -139,10 +143,12 @@ BEGIN
 END
 $$;
 
--- The results of many attempts at once, each as oncepay_webhook_record records one (V9); the
--- arrays are parallel, one element per attempt. Returns, per attempt, whether it settled its
--- delivery (a stale attempt, whose lease another replica took over, changes nothing but a
--- delivery).
+-- The results of many attempts at once; the arrays are parallel, one element per attempt.
+-- Returns, per attempt, whether it settled its delivery (a stale attempt, whose lease another
+-- replica took over, changes nothing but a delivery). Set-based for what nearly every
+-- attempt is, a delivery: one INSERT of the attempts and one UPDATE of the deliveries; the
+-- other outcomes (a retry, a schedule spent, 410) go one by one through V9's
+-- oncepay_webhook_record, whose own insert of the attempt then finds it there.
 CREATE FUNCTION oncepay_webhook_record_many(p_tenant uuid[], p_event uuid[], p_endpoint uuid[],
                                             p_attempt int[], p_started_at timestamptz[],
                                             p_latency_ms int[], p_status smallint[],
@@ -155,9 +161,34 @@ DECLARE
     i int;
 BEGIN
     PERFORM set_config('synchronous_commit', 'off', true);
-    -- In one order, so that two replicas recording overlapping attempts (a lease taken over)
-    -- cannot wait on each other in a cycle.
+    INSERT INTO webhook_attempts (tenant_id, event_id, endpoint_id, attempt, started_at, latency_ms,
+                                  status, response_head, error, replica)
+    SELECT a.*, p_replica
+      FROM unnest(p_tenant, p_event, p_endpoint, p_attempt, p_started_at, p_latency_ms, p_status,
+                  p_response_head, p_error) AS a
+    ON CONFLICT DO NOTHING;
+    RETURN QUERY
+    WITH delivered AS (
+        SELECT u.tenant_id, u.event_id, u.endpoint_id, u.status
+          FROM unnest(p_tenant, p_event, p_endpoint, p_status, p_outcome)
+               AS u(tenant_id, event_id, endpoint_id, status, outcome)
+         WHERE u.outcome = 'delivered'),
+    settled AS (
+        UPDATE webhook_deliveries d
+           SET state = 'delivered', finished_at = now(), leased_until = NULL,
+               last_status = delivered.status, last_error = NULL
+          FROM delivered
+         WHERE d.tenant_id = delivered.tenant_id AND d.event_id = delivered.event_id
+           AND d.endpoint_id = delivered.endpoint_id AND d.state = 'pending'
+        RETURNING d.event_id, d.endpoint_id)
+    SELECT delivered.event_id, delivered.endpoint_id,
+           EXISTS (SELECT FROM settled s
+                    WHERE s.event_id = delivered.event_id AND s.endpoint_id = delivered.endpoint_id)
+      FROM delivered;
+    -- The rest in one order, so that two replicas recording overlapping attempts (a lease
+    -- taken over) cannot wait on each other in a cycle.
     FOR i IN SELECT s.i FROM generate_subscripts(p_event, 1) AS s(i)
+              WHERE p_outcome[s.i] <> 'delivered'
               ORDER BY p_tenant[s.i], p_event[s.i], p_endpoint[s.i]
     LOOP
         event_id := p_event[i];

@@ -36,6 +36,8 @@ const RESPONSE_HEAD_BYTES: usize = 256;
 const CLAIM_MAX: usize = 64;
 /// A lease outlives the attempt's timeout by this much (the result's recording included).
 const LEASE_MARGIN: Duration = Duration::from_secs(10);
+/// How long a worker waits, after the first attempt that ended, for others to end with it.
+const GATHER: Duration = Duration::from_millis(2);
 /// The wait before recording again when the database could not be reached.
 const RECORD_RETRY: Duration = Duration::from_millis(500);
 
@@ -189,6 +191,12 @@ impl Deliverer {
             if !more_due {
                 if let Ok(Some(e)) = tokio::time::timeout(self.settings.poll, ended_rx.recv()).await {
                     ended.push(e);
+                    // Attempts still in flight tend to end together: a moment's wait lets one
+                    // round trip record and replace several (measured: ~6 per round trip
+                    // without it, at a fixed cost per round trip larger than per attempt).
+                    if slots.available_permits() < self.settings.concurrency {
+                        tokio::time::sleep(GATHER).await;
+                    }
                 }
             }
         }
