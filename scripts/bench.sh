@@ -6,13 +6,15 @@
 #     and replay SELECT, loaded into a database of its own on the same cluster.
 # Every step records the CPU per request of oncepay, of the whole PostgreSQL cluster and of
 # the load generator (oncepay-loadgen or pgbench). A retry storm replays 10,000 finished keys
-# over three instances with the replay cache on and off. Writes results.jsonl, REPORT.md and
+# over three instances with the replay cache on and off. Card top-ups through oncepay are
+# measured against the same processor (localstripe) driven directly. Writes results.jsonl, REPORT.md and
 # PNG charts to $BENCH_OUT (docs/bench for the full run, target/bench-quick for the quick one).
 #
 # It builds in release mode, starts the local PostgreSQL if needed (scripts/db.sh, port
 # ONCEPAY_PG_PORT), recreates the databases oncepay_bench, oncepay_bench_empty and
-# oncepay_yardstick, starts eight oncepay instances on BENCH_PORT.. (RUST_LOG=warn: the
-# per-request info line costs CPU that is not oncepay's protocol) and stops them by pid on exit.
+# oncepay_yardstick, starts nine oncepay instances on BENCH_PORT.. (RUST_LOG=warn: the
+# per-request info line costs CPU that is not oncepay's protocol) and a localstripe
+# (scripts/localstripe.sh, on BENCH_PORT + 60), and stops them by pid on exit.
 set -euo pipefail
 top="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$top"
@@ -66,8 +68,10 @@ results="$out/results.jsonl"
 # shellcheck source=scripts/bench-lib.sh
 . scripts/bench-lib.sh
 pids=()
+stripe_dir="$PWD/target/bench-localstripe"
 cleanup() {
   stop_pids
+  scripts/localstripe.sh stop "$stripe_dir"
   psql -X -q "$admin_url" -c "DROP DATABASE IF EXISTS $db WITH (FORCE)" -c "DROP DATABASE IF EXISTS $ydb WITH (FORCE)" \
     -c "DROP DATABASE IF EXISTS $edb WITH (FORCE)" >/dev/null 2>&1 || true
 }
@@ -164,6 +168,12 @@ curl -sf -X POST "${urls[0]}/webhook-endpoints" -H "Authorization: Bearer $hooke
   -H "Idempotency-Key: bench-endpoint" -H 'Content-Type: application/json' \
   -d "{\"url\": \"http://127.0.0.1:$sink_port/hooks\"}" >/dev/null \
   || { echo "bench: the webhook endpoint could not be registered" >&2; exit 1; }
+# Card top-ups (issue 24): a localstripe of its own and an instance whose processor it is.
+stripe_port=$((port + 60)) stripe_url="http://127.0.0.1:$((port + 60))" stripe_key=sk_test_oncepay
+stripe_pid="$(scripts/localstripe.sh start "$stripe_port" "$stripe_dir" 2>/dev/null)" \
+  || { echo "bench: localstripe did not start ($stripe_dir/localstripe.log)" >&2; exit 1; }
+start 8 ONCEPAY_PROCESSOR_URL="$stripe_url" ONCEPAY_PROCESSOR_API_KEY="$stripe_key"
+topup_url="http://127.0.0.1:$((port + 8))" topup_pid="${pids[-1]}"
 servers=("${pids[@]}")
 one="${urls[0]}"
 three="$(IFS=,; echo "${urls[*]}")"
@@ -243,6 +253,35 @@ webhook_steps() { # round
   if [ $(($1 % 2)) = 0 ]; then api_key="$plain_api_key" http new 32 0 "$1" oncepay "$one" "${pids[0]}" --note "no webhook endpoint"; fi
 }
 
+# Card top-ups (issue 24): oncepay's POST /accounts/{id}/top-ups (its two processor calls, create
+# and confirm, between its phases' transactions; docs/top-ups.md) against the same two calls
+# sent to the same localstripe directly (oncepay-loadgen --processor-direct: the same form and
+# headers, keep-alive connections as oncepay's client keeps), same concurrency and duration,
+# same rounds (odd rounds direct first). localstripe serves one request at a time (one Python
+# process, no await inside its handlers), so 8 in flight keep it busy on both sides while
+# oncepay's own phases run: fewer would leave it idle for the time oncepay adds to each call,
+# more only lengthen its queue. It also writes its whole store to disk after every change, so
+# each call costs more as the store grows: each step starts on an emptied store
+# (DELETE /_config/data). The report compares the two throughputs (summary.rs, TOP_UPS).
+# The steps last at least 4 s: at about 20 top-ups per second, 2 s are 40 of them.
+topup_c=8 topup_secs="$(awk "BEGIN { print ($secs < 4) ? 4 : $secs }")"
+topup_direct() { # round
+  curl -sf -X DELETE "$stripe_url/_config/data" >/dev/null
+  "$lg" http --side "localstripe direct" --processor-direct --urls "$stripe_url" --api-key "$stripe_key" \
+    --processor-pid "$stripe_pid" --clock-ticks "$clk" --pg-pid "$pg_pid" --scenario top-up --concurrency "$topup_c" \
+    --duration-secs "$topup_secs" --round "$1" --accounts "$accounts" --fail-if-mostly-errors >>"$results"
+}
+topup_oncepay() { # round
+  curl -sf -X DELETE "$stripe_url/_config/data" >/dev/null
+  secs="$topup_secs" http top-up "$topup_c" 0 "$1" oncepay "$topup_url" "$topup_pid" --processor-pid "$stripe_pid" \
+    --fail-if-mostly-errors
+}
+topup_steps() { # round
+  if [ $(($1 % 2)) = 1 ]; then topup_direct "$1"; fi
+  topup_oncepay "$1"
+  if [ $(($1 % 2)) = 0 ]; then topup_direct "$1"; fi
+}
+
 # The outbox after the webhook steps: rows and sizes once the backlog drained (at most a
 # minute), appended to the report. Delivered rows stay until the purge, a retention later.
 outbox_row() {
@@ -279,6 +318,13 @@ say "seeding $replay_keys keys for the replay scenarios"
   --replay-keys "$replay_keys" >/dev/null
 fp="$(sql -c "SELECT encode(fingerprint, 'hex') FROM idempotency_keys WHERE tenant_id = '$tenant' AND key = '1000000000'")"
 [ -n "$fp" ] || { echo "bench: the seeded keys are missing" >&2; exit 1; }
+# The top-up instance, unmeasured, as the seeding warms instance 0: a fresh pool opens its
+# connections, and each plans the top-up functions, on first use (the first bench-quick with
+# the top-up steps measured its top-ups at 10.75 ms of PostgreSQL CPU each, a warm instance
+# 2.5 to 4 by hand). It also fails the bench early if top-ups fail.
+say "warming the top-up instance"
+"$lg" http --urls "$topup_url" --api-key "$api_key" --scenario top-up --concurrency "$topup_c" --duration-secs 3 \
+  --accounts "$accounts" --fail-if-mostly-errors >/dev/null
 
 settle() {
   sql -c "VACUUM (ANALYZE) idempotency_keys" -c "VACUUM (ANALYZE) payments"
@@ -313,6 +359,11 @@ for round in $(seq "$rounds"); do
   http one-key 50 0 "$round" "oncepay x3" "$three" "$all_pids"
   say "round $round: a quiet tenant alone and beside a noisy one"
   noisy_neighbour "$round"
+  # Before the webhook steps, whose events the instances deliver after them (PostgreSQL
+  # and oncepay CPU that would compete with localstripe's: 25 ms of PostgreSQL CPU per top-up
+  # on both sides when these steps came after them, at 04:01).
+  say "round $round: card top-ups at c=$topup_c, through oncepay and at localstripe directly"
+  topup_steps "$round"
   say "round $round: new payments with one webhook endpoint and without"
   webhook_steps "$round"
   say "round $round: retry storm, $replay_keys keys x $storm_passes, cache on, then off"
@@ -384,4 +435,6 @@ growth "$big" beside
 say "report"
 "$tdir/release/oncepay-bench-report" --input "$results" --machine "$out/machine.txt" --out "$out" --font "$font"
 cat "$out/outbox.md" >>"$out/REPORT.md"
+# The targets, as the report states them.
+sed -n '/^| target |/,/^$/p' "$out/REPORT.md" | grep -v '^| ---' >&2
 say "done: $out/REPORT.md"

@@ -37,6 +37,10 @@ pub struct Record {
     /// the pgbench process on the SQL side.
     #[serde(default)]
     pub client_cpu_secs_per_request: Option<f64>,
+    /// CPU seconds per request of the card processor (localstripe) in the top-up steps, on
+    /// both sides (through oncepay, and driven directly); `None` elsewhere.
+    #[serde(default)]
+    pub processor_cpu_secs_per_request: Option<f64>,
     /// Replays answered from the instances' memory during the step, from their `/metrics`
     /// (`oncepay_replay_cache_hits_total`); `None` where the servers do not export it.
     #[serde(default)]

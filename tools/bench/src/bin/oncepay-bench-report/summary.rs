@@ -29,6 +29,8 @@ pub struct Group {
     pub pg_cpu_ms_per_request: Option<f64>,
     /// The load generator's (oncepay-loadgen or pgbench) CPU per request.
     pub client_cpu_ms_per_request: Option<f64>,
+    /// The card processor's (localstripe) CPU per request, in the top-up steps.
+    pub processor_cpu_ms_per_request: Option<f64>,
     /// Replay-cache hits and misses over all rounds, where the servers export them.
     pub cache: Option<(u64, u64)>,
     /// Answered requests over all rounds.
@@ -90,6 +92,7 @@ pub fn group(records: &[Record]) -> Groups {
                 cpu_ms_per_request: mean_ms(rs.iter().map(|r| r.cpu_secs_per_request)),
                 pg_cpu_ms_per_request: mean_ms(rs.iter().map(|r| r.pg_cpu_secs_per_request)),
                 client_cpu_ms_per_request: mean_ms(rs.iter().map(|r| r.client_cpu_secs_per_request)),
+                processor_cpu_ms_per_request: mean_ms(rs.iter().map(|r| r.processor_cpu_secs_per_request)),
                 cache: hits.zip(misses),
                 requests,
             };
@@ -152,14 +155,37 @@ fn webhook_step<'a>(groups: &'a Groups, note: &str) -> Option<&'a Group> {
     })
 }
 
+/// The top-up steps of scripts/bench.sh (issue 24): card top-ups through oncepay (side
+/// `oncepay`), and the same two processor calls (create + confirm) sent to the same localstripe
+/// directly (this side), same concurrency, same rounds.
+pub const TOP_UP: &str = "top-up";
+pub const PROCESSOR_DIRECT: &str = "localstripe direct";
+/// The concurrency of the top-up steps (localstripe serves one request at a time).
+const TOP_UP_CONCURRENCY: u32 = 8;
+
 fn is_limit(side: &str) -> bool {
-    side == "pgbench" || side == YARDSTICK
+    side == "pgbench" || side == YARDSTICK || side == PROCESSOR_DIRECT
+}
+
+/// Top-ups per second through oncepay over the processor's own rate driven directly.
+fn top_up_ratio(groups: &Groups, k: &Key) -> Option<f64> {
+    if k.scenario != TOP_UP || is_limit(&k.side) {
+        return None;
+    }
+    let direct = groups.get(&Key {
+        side: PROCESSOR_DIRECT.to_owned(),
+        ..k.clone()
+    })?;
+    Some(groups.get(k)?.throughput / direct.throughput)
 }
 
 /// Throughput of an oncepay group over pgbench running oncepay's own statement: the pgbench
 /// steps with the same note where there are some (the empty table beside the largest), else
 /// the plain ones (the purge's steps are compared with pgbench without a purge).
 fn ratio(groups: &Groups, k: &Key) -> Option<f64> {
+    if k.scenario == TOP_UP {
+        return top_up_ratio(groups, k);
+    }
     if is_limit(&k.side) {
         return None;
     }
@@ -331,6 +357,13 @@ fn targets(groups: &Groups) -> Vec<Target> {
                 .map(|(one, none)| one.throughput / none.throughput),
             limit: None,
             met: |v| v >= 0.9,
+        },
+        Target {
+            what: "top-ups/s through oncepay / localstripe driven directly (create + confirm), same rounds",
+            goal: ">= 0.8",
+            value: top_up_ratio(groups, &key("oncepay", TOP_UP, TOP_UP_CONCURRENCY, 0)),
+            limit: None,
+            met: |v| v >= 0.8,
         },
         Target {
             what: "a quiet tenant (c=4) beside a noisy one (c=32 on one account): its p99 / its p99 alone",
@@ -506,6 +539,15 @@ fn missed_targets(w: &mut String, groups: &Groups) {
     }
 }
 
+/// A group's rounds, answered requests, rate per second, p50 and p99 in ms, and errors, as
+/// table cells.
+fn run_cells(g: &Group, rate_digits: usize) -> String {
+    format!(
+        "{} | {} | {:.rate_digits$} | {:.2} | {:.2} | {}",
+        g.rounds, g.requests, g.throughput, g.p50_ms, g.p99_ms, g.errors
+    )
+}
+
 fn storm_table(w: &mut String, groups: &Groups) {
     let storms: Vec<(&Key, &Group)> = groups.iter().filter(|(k, _)| k.scenario == "storm").collect();
     if storms.is_empty() {
@@ -532,17 +574,51 @@ fn storm_table(w: &mut String, groups: &Groups) {
         });
         let _ = writeln!(
             w,
-            "| {} | {} | {} | {:.0} | {:.2} | {:.2} | {} | {} | {} | {} | {hits} | {misses} |",
+            "| {} | {} | {} | {} | {} | {hits} | {misses} |",
             k.side,
-            g.rounds,
-            g.requests,
-            g.throughput,
-            g.p50_ms,
-            g.p99_ms,
-            g.errors,
+            run_cells(g, 0),
             opt(g.cpu_ms_per_request, 3),
             opt(g.pg_cpu_ms_per_request, 3),
             opt(g.client_cpu_ms_per_request, 3),
+        );
+    }
+}
+
+fn top_up_table(w: &mut String, groups: &Groups) {
+    let steps: Vec<(&Key, &Group)> = groups.iter().filter(|(k, _)| k.scenario == TOP_UP).collect();
+    if steps.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        w,
+        "\n## Card top-ups (issue 24)\n\nCard top-ups of random accounts (`POST /accounts/{{id}}/top-ups`, \
+         `pm_card_visa`) through one oncepay instance whose processor is a localstripe of the bench's own, \
+         and the same two calls oncepay makes per top-up (`POST /v1/payment_intents` with the same form and \
+         headers, then `POST /v1/payment_intents/{{id}}/confirm`) sent to that localstripe directly over \
+         keep-alive connections: one operation is both calls. Same concurrency, same duration, same rounds \
+         (odd rounds direct first), each step on an emptied localstripe store (it writes its whole store to \
+         disk after every change, so its calls slow down as the store grows). localstripe is one Python \
+         process serving one request at a time: its CPU per operation bounds both sides. A top-up counts \
+         only when answered 201 (a card charged and credited); a direct operation only when both calls \
+         answered 200 and the PaymentIntent `succeeded`.\n"
+    );
+    let _ = writeln!(
+        w,
+        "| side | c | rounds | operations | per second | p50 ms | p99 ms | errors | localstripe CPU ms | oncepay CPU ms | PostgreSQL CPU ms | load generator CPU ms | / direct |\n\
+         | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+    );
+    for (k, g) in steps {
+        let _ = writeln!(
+            w,
+            "| {} | {} | {} | {} | {} | {} | {} | {} |",
+            k.side,
+            k.concurrency,
+            run_cells(g, 1),
+            opt(g.processor_cpu_ms_per_request, 2),
+            opt(g.cpu_ms_per_request, 2),
+            opt(g.pg_cpu_ms_per_request, 2),
+            opt(g.client_cpu_ms_per_request, 2),
+            opt(top_up_ratio(groups, k), 2),
         );
     }
 }
@@ -574,12 +650,14 @@ pub fn markdown(records: &[Record], groups: &Groups, machine: &str) -> String {
     target_table(w, targets(groups), "pgbench's own figure");
     cpu_table(w, groups);
     storm_table(w, groups);
+    top_up_table(w, groups);
     let _ = writeln!(
         w,
         "\n## All figures\n\nThroughput in requests (or pgbench transactions) per second; latencies in ms; \
          CPU in ms per request: oncepay's process(es), the PostgreSQL cluster's, the load generator's; \
          `vs own` is the ratio to pgbench running the same statement at the same concurrency and key-table \
-         size (keyless: to new payments), `vs yardstick` to the yardstick at the same concurrency.\n"
+         size (keyless: to new payments; top-ups: to localstripe driven directly), `vs yardstick` to the yardstick \
+         at the same concurrency.\n"
     );
     let _ = writeln!(
         w,
@@ -659,4 +737,87 @@ pub fn markdown(records: &[Record], groups: &Groups, machine: &str) -> String {
          ![latency percentiles](latency_percentiles.png)\n\n![throughput against key-table size](throughput_vs_key_rows.png)"
     );
     md
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(side: &str, round: u32, requests: u64, errors: u64) -> Record {
+        Record {
+            side: side.to_owned(),
+            scenario: TOP_UP.to_owned(),
+            concurrency: TOP_UP_CONCURRENCY,
+            key_rows: 0,
+            round,
+            duration_secs: 2.0,
+            requests,
+            errors,
+            throughput: requests as f64 / 2.0,
+            p50_ms: 100.0,
+            p99_ms: 200.0,
+            p999_ms: 250.0,
+            cpu_secs_per_request: (side == "oncepay").then_some(0.001),
+            pg_cpu_secs_per_request: Some(0.0005),
+            client_cpu_secs_per_request: Some(0.0001),
+            processor_cpu_secs_per_request: Some(0.03),
+            cache_hits: None,
+            cache_misses: None,
+            note: String::new(),
+        }
+    }
+
+    fn top_up_target(records: &[Record]) -> (Option<f64>, bool) {
+        let groups = group(records);
+        let t = targets(&groups)
+            .into_iter()
+            .find(|t| t.what.starts_with("top-ups/s"))
+            .expect("the top-up target is listed");
+        (t.value, t.value.is_some_and(t.met))
+    }
+
+    #[test]
+    fn the_top_up_target_is_oncepay_over_direct_summed_over_rounds() {
+        // 90 + 70 through oncepay against 100 + 100 directly: 0.8, met.
+        let records = [
+            record(PROCESSOR_DIRECT, 1, 100, 0),
+            record("oncepay", 1, 90, 0),
+            record("oncepay", 2, 70, 0),
+            record(PROCESSOR_DIRECT, 2, 100, 0),
+        ];
+        let (value, met) = top_up_target(&records);
+        assert!((value.expect("measured") - 0.8).abs() < 1e-9, "{value:?}");
+        assert!(met);
+        // Errors do not count as top-ups: 75 of 100 is missed.
+        let (value, met) = top_up_target(&[record(PROCESSOR_DIRECT, 1, 100, 0), record("oncepay", 1, 75, 25)]);
+        assert!((value.expect("measured") - 0.75).abs() < 1e-9, "{value:?}");
+        assert!(!met);
+    }
+
+    #[test]
+    fn the_top_up_target_is_not_measured_without_both_sides() {
+        assert_eq!(top_up_target(&[record("oncepay", 1, 90, 0)]), (None, false));
+        assert_eq!(top_up_target(&[record(PROCESSOR_DIRECT, 1, 90, 0)]), (None, false));
+    }
+
+    #[test]
+    fn the_report_has_a_top_up_section_and_row() {
+        let records = [record(PROCESSOR_DIRECT, 1, 100, 0), record("oncepay", 1, 85, 1)];
+        let md = markdown(&records, &group(&records), "");
+        assert!(md.contains("## Card top-ups (issue 24)"), "{md}");
+        assert!(
+            md.contains("| top-ups/s through oncepay / localstripe driven directly (create + confirm), same rounds | >= 0.8 | 0.85 | yes |"),
+            "{md}"
+        );
+        assert!(
+            md.contains("| oncepay | 8 | 1 | 85 | 42.5 | 100.00 | 200.00 | 1 | 30.00 | 1.00 | 0.50 | 0.10 | 0.85 |"),
+            "{md}"
+        );
+        assert!(
+            md.contains(
+                "| localstripe direct | 8 | 1 | 100 | 50.0 | 100.00 | 200.00 | 0 | 30.00 | - | 0.50 | 0.10 | - |"
+            ),
+            "{md}"
+        );
+    }
 }

@@ -83,6 +83,8 @@ pub struct PerRequest {
     pub server: Option<f64>,
     pub postgres: Option<f64>,
     pub client: Option<f64>,
+    /// The card processor's (localstripe), where its pid was given.
+    pub processor: Option<f64>,
 }
 
 /// Readings at the start of a step.
@@ -91,35 +93,52 @@ pub struct Meter {
     postmaster: Option<u32>,
     ticks: u32,
     client: Client,
-    start: (f64, Option<f64>, f64),
+    processor_pid: Option<u32>,
+    start: Reading,
 }
+
+/// CPU seconds so far: servers, PostgreSQL, load generator, processor.
+type Reading = (f64, Option<f64>, f64, Option<f64>);
 
 impl Meter {
     pub fn start(server_pids: &[u32], postmaster: Option<u32>, ticks: u32, client: Client) -> anyhow::Result<Self> {
+        Self::start_with_processor(server_pids, postmaster, ticks, client, None)
+    }
+
+    /// As [`Meter::start`], also charging the card processor's process (`processor_pid`).
+    pub fn start_with_processor(
+        server_pids: &[u32],
+        postmaster: Option<u32>,
+        ticks: u32,
+        client: Client,
+        processor_pid: Option<u32>,
+    ) -> anyhow::Result<Self> {
         let mut meter = Self {
             server_pids: server_pids.to_vec(),
             postmaster,
             ticks,
             client,
-            start: (0.0, None, 0.0),
+            processor_pid,
+            start: (0.0, None, 0.0, None),
         };
         meter.start = meter.read()?;
         Ok(meter)
     }
 
-    fn read(&self) -> anyhow::Result<(f64, Option<f64>, f64)> {
+    fn read(&self) -> anyhow::Result<Reading> {
         let server = seconds(&self.server_pids, self.ticks)?;
         let postgres = self.postmaster.map(|pm| cluster_seconds(pm, self.ticks)).transpose()?;
         let client = match self.client {
             Client::Me => self_seconds(self.ticks)?,
             Client::Children => children_seconds(self.ticks)?,
         };
-        Ok((server, postgres, client))
+        let processor = self.processor_pid.map(|p| seconds(&[p], self.ticks)).transpose()?;
+        Ok((server, postgres, client, processor))
     }
 
     /// The step's CPU per request: `None` where nothing was measured or nothing answered.
     pub fn stop(&self, requests: u64) -> anyhow::Result<PerRequest> {
-        let (server, postgres, client) = self.read()?;
+        let (server, postgres, client, processor) = self.read()?;
         if requests == 0 {
             return Ok(PerRequest::default());
         }
@@ -128,6 +147,7 @@ impl Meter {
             server: (!self.server_pids.is_empty()).then(|| per(server - self.start.0)),
             postgres: postgres.zip(self.start.1).map(|(after, before)| per(after - before)),
             client: Some(per(client - self.start.2)),
+            processor: processor.zip(self.start.3).map(|(after, before)| per(after - before)),
         })
     }
 }

@@ -12,6 +12,7 @@ use hyper::header::{HeaderValue, AUTHORIZATION, CONTENT_TYPE, HOST};
 use hyper_util::rt::TokioIo;
 use oncepay_bench::{histogram, percentiles_ms, Record};
 use rand::Rng;
+use serde::Deserialize;
 use serde_json::json;
 
 use crate::cpu::{Client, Meter};
@@ -60,7 +61,28 @@ pub struct Args {
     /// on its API port plus this (the bench scripts start them so).
     #[arg(long, default_value_t = 1000)]
     metrics_port_offset: u16,
+    /// The card processor's pid (localstripe), whose CPU per request the record carries
+    /// (the top-up steps, on both sides).
+    #[arg(long)]
+    processor_pid: Option<u32>,
+    /// `top-up`: drive the processor at `urls` directly, as oncepay drives it per top-up
+    /// (create + confirm), instead of oncepay's `POST /accounts/{id}/top-ups`.
+    #[arg(long)]
+    processor_direct: bool,
+    /// The payment method of the `top-up` scenario, on both sides.
+    #[arg(long, default_value = "pm_card_visa")]
+    payment_method: String,
+    /// `--processor-direct`: the currency oncepay sends (`ONCEPAY_CURRENCY`, default usd).
+    #[arg(long, default_value = "usd")]
+    currency: String,
+    /// Exit with an error, after the step, when fewer requests were answered as expected
+    /// than not (e.g. the processor behind oncepay cannot be reached).
+    #[arg(long)]
+    fail_if_mostly_errors: bool,
 }
+
+/// The amount of every top-up (cents), through oncepay and at the processor directly.
+const TOP_UP_AMOUNT: u64 = 5_000;
 
 impl Args {
     /// Requests the step sends at most: the key sets are fixed in size.
@@ -76,6 +98,8 @@ impl Args {
 /// What one request of a scenario sends and expects back.
 struct Request {
     key: Option<String>,
+    /// `/payments`, or an account's `/accounts/{id}/top-ups`.
+    path: String,
     body: serde_json::Value,
     /// The answer must carry `Idempotency-Replayed: true` (replays) or `false` (new keys).
     replayed: Option<bool>,
@@ -96,6 +120,7 @@ fn request(scenario: &str, worker: u64, seq: u64, args: &Args) -> anyhow::Result
         // Made by real payments, key k on instance k mod n ...
         "storm-seed" => Request {
             key: Some(format!("{}{}", args.key_prefix, REPLAY_KEY_BASE + storm_key)),
+            path: PAYMENTS.to_owned(),
             body: storm_body,
             replayed: Some(false),
             instance: Some((storm_key % n) as usize),
@@ -104,6 +129,7 @@ fn request(scenario: &str, worker: u64, seq: u64, args: &Args) -> anyhow::Result
         // land wherever the balancer sends them; or, with `--affinity`, on its maker.
         "storm" => Request {
             key: Some(format!("{}{}", args.key_prefix, REPLAY_KEY_BASE + storm_key)),
+            path: PAYMENTS.to_owned(),
             body: storm_body,
             replayed: Some(true),
             instance: Some(if args.affinity {
@@ -114,18 +140,21 @@ fn request(scenario: &str, worker: u64, seq: u64, args: &Args) -> anyhow::Result
         },
         "new" => Request {
             key: Some(uuid::Uuid::new_v4().to_string()),
+            path: PAYMENTS.to_owned(),
             body: json!({"amount": 1, "account": account(&mut rng)}),
             replayed: Some(false),
             instance: None,
         },
         "hot" => Request {
             key: Some(uuid::Uuid::new_v4().to_string()),
+            path: PAYMENTS.to_owned(),
             body: json!({"amount": 1, "account": "0"}),
             replayed: Some(false),
             instance: None,
         },
         "replay" => Request {
             key: Some((REPLAY_KEY_BASE + rng.gen_range(0..args.replay_keys)).to_string()),
+            path: PAYMENTS.to_owned(),
             body: json!({"amount": 1, "account": "0"}),
             replayed: Some(true),
             instance: None,
@@ -134,6 +163,7 @@ fn request(scenario: &str, worker: u64, seq: u64, args: &Args) -> anyhow::Result
         // made by `seed`, replayed once each by `warm` (which fills a replay cache).
         "seed" | "warm" => Request {
             key: Some((REPLAY_KEY_BASE + seq * u64::from(args.step.concurrency) + worker).to_string()),
+            path: PAYMENTS.to_owned(),
             body: json!({"amount": 1, "account": "0"}),
             replayed: Some(scenario == "warm"),
             instance: None,
@@ -141,12 +171,24 @@ fn request(scenario: &str, worker: u64, seq: u64, args: &Args) -> anyhow::Result
         // No key, policy `fingerprint`: a unique amount keeps every body (and so its derived key) new.
         "keyless" => Request {
             key: None,
+            path: PAYMENTS.to_owned(),
             body: json!({"amount": worker * 10_000_000 + seq + 1, "account": account(&mut rng)}),
             replayed: Some(false),
             instance: None,
         },
+        // A card top-up of a random account through oncepay (create + confirm at its processor).
+        "top-up" => Request {
+            key: Some(uuid::Uuid::new_v4().to_string()),
+            path: format!("/accounts/{}/top-ups", account(&mut rng)),
+            body: json!({"amount": TOP_UP_AMOUNT, "payment_method": args.payment_method}),
+            replayed: Some(false),
+            instance: None,
+        },
         other => {
-            bail!("unknown scenario {other:?} (new, hot, replay, seed, warm, keyless, one-key, storm-seed, storm)")
+            bail!(
+                "unknown scenario {other:?} (new, hot, replay, seed, warm, keyless, one-key, storm-seed, storm, \
+                 top-up)"
+            )
         }
     })
 }
@@ -183,6 +225,10 @@ struct Shared {
     auth: HeaderValue,
 }
 
+const PAYMENTS: &str = "/payments";
+const JSON: &str = "application/json";
+const FORM: &str = "application/x-www-form-urlencoded";
+
 /// How long one request may take before it counts as an error.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -201,8 +247,16 @@ impl Conns {
         }
     }
 
-    /// Sends one request to instance `i`: its status and whether it was a replay.
-    async fn send(&mut self, shared: &Shared, i: usize, req: &Request) -> anyhow::Result<(u16, bool)> {
+    /// Sends one POST to instance `i`: its status, whether it was a replay, its body.
+    async fn post(
+        &mut self,
+        shared: &Shared,
+        i: usize,
+        path: &str,
+        content_type: &'static str,
+        key: Option<&str>,
+        body: Bytes,
+    ) -> anyhow::Result<(u16, bool, Bytes)> {
         let sender = match &mut self.senders[i] {
             Some(sender) if !sender.is_closed() => sender,
             slot => {
@@ -214,14 +268,14 @@ impl Conns {
                 slot.insert(sender)
             }
         };
-        let mut request = hyper::Request::post("/payments")
+        let mut request = hyper::Request::post(path)
             .header(HOST, shared.hosts[i].clone())
             .header(AUTHORIZATION, shared.auth.clone())
-            .header(CONTENT_TYPE, "application/json");
-        if let Some(key) = &req.key {
-            request = request.header("Idempotency-Key", key.as_str());
+            .header(CONTENT_TYPE, content_type);
+        if let Some(key) = key {
+            request = request.header("Idempotency-Key", key);
         }
-        let request = request.body(Full::new(Bytes::from(req.body.to_string())))?;
+        let request = request.body(Full::new(body))?;
         sender.ready().await?;
         let response = sender.send_request(request).await?;
         let status = response.status().as_u16();
@@ -229,8 +283,8 @@ impl Conns {
             .headers()
             .get("idempotency-replayed")
             .is_some_and(|v| v.as_bytes() == b"true");
-        response.into_body().collect().await?;
-        Ok((status, replayed))
+        let body = response.into_body().collect().await?.to_bytes();
+        Ok((status, replayed, body))
     }
 }
 
@@ -238,8 +292,14 @@ impl Conns {
 /// failed or timed-out request drops its connection (the next one opens a new one).
 async fn send(shared: &Shared, conns: &mut Conns, i: usize, req: &Request, tally: &mut Tally) {
     let started = Instant::now();
-    let answer = match tokio::time::timeout(REQUEST_TIMEOUT, conns.send(shared, i, req)).await {
-        Ok(Ok(answer)) => Some(answer),
+    let body = Bytes::from(req.body.to_string());
+    let answer = match tokio::time::timeout(
+        REQUEST_TIMEOUT,
+        conns.post(shared, i, &req.path, JSON, req.key.as_deref(), body),
+    )
+    .await
+    {
+        Ok(Ok((status, replayed, _))) => Some((status, replayed)),
         _ => {
             conns.senders[i] = None;
             None
@@ -256,6 +316,62 @@ async fn send(shared: &Shared, conns: &mut Conns, i: usize, req: &Request, tally
     }
 }
 
+/// A PaymentIntent, as far as the direct side reads it.
+#[derive(Deserialize)]
+struct Intent {
+    id: String,
+    status: String,
+}
+
+/// One top-up's work at the processor, driven directly (`--processor-direct`): the two calls
+/// oncepay makes per top-up (src/topup/processor.rs), with the same form, headers and
+/// connection reuse (keep-alive): create the PaymentIntent unconfirmed, then confirm it. One
+/// operation is both calls; it is ok when both answer 200 and the intent `succeeded`.
+async fn processor_direct(shared: &Shared, conns: &mut Conns, i: usize, args: &Args, tally: &mut Tally) {
+    let started = Instant::now();
+    let ok = matches!(
+        tokio::time::timeout(REQUEST_TIMEOUT, direct_top_up(shared, conns, i, args)).await,
+        Ok(Ok(true))
+    );
+    if !ok {
+        conns.senders[i] = None;
+    }
+    tally
+        .latencies
+        .saturating_record(started.elapsed().as_micros().max(1) as u64);
+    if ok {
+        tally.ok += 1;
+        tally.created += 1;
+    } else {
+        tally.errors += 1;
+    }
+}
+
+async fn direct_top_up(shared: &Shared, conns: &mut Conns, i: usize, args: &Args) -> anyhow::Result<bool> {
+    // What oncepay's top-up id is: a UUID, named in the metadata and both idempotency keys.
+    let id = uuid::Uuid::new_v4();
+    let form = format!(
+        "amount={TOP_UP_AMOUNT}&currency={}&payment_method={}&metadata%5Boncepay_top_up_id%5D={id}",
+        args.currency, args.payment_method
+    );
+    let key = format!("oncepay-top-up-{id}-create-intent");
+    let (status, _, body) = conns
+        .post(shared, i, "/v1/payment_intents", FORM, Some(&key), Bytes::from(form))
+        .await?;
+    if status != 200 {
+        return Ok(false);
+    }
+    let created: Intent = serde_json::from_slice(&body)?;
+    let path = format!("/v1/payment_intents/{}/confirm", created.id);
+    let key = format!("oncepay-top-up-{id}-confirm");
+    let (status, _, body) = conns.post(shared, i, &path, FORM, Some(&key), Bytes::new()).await?;
+    if status != 200 {
+        return Ok(false);
+    }
+    let confirmed: Intent = serde_json::from_slice(&body)?;
+    Ok(confirmed.status == "succeeded")
+}
+
 fn alive(pid: Option<u32>) -> bool {
     pid.is_none_or(|p| std::path::Path::new(&format!("/proc/{p}")).exists())
 }
@@ -263,6 +379,9 @@ fn alive(pid: Option<u32>) -> bool {
 pub async fn run(args: Args) -> anyhow::Result<Record> {
     if args.urls.is_empty() {
         bail!("--urls names no instance");
+    }
+    if args.processor_direct && args.step.scenario != "top-up" {
+        bail!("--processor-direct drives the top-up scenario only");
     }
     let hosts = args
         .urls
@@ -284,7 +403,13 @@ pub async fn run(args: Args) -> anyhow::Result<Record> {
         .map(|u| metrics_url(u, args.metrics_port_offset))
         .collect::<anyhow::Result<_>>()?;
     let cache_before = cache_counters(&metrics_client, &metrics_urls).await;
-    let meter = Meter::start(&args.pids, args.step.pg_pid, args.step.clock_ticks, Client::Me)?;
+    let meter = Meter::start_with_processor(
+        &args.pids,
+        args.step.pg_pid,
+        args.step.clock_ticks,
+        Client::Me,
+        args.processor_pid,
+    )?;
     let started = Instant::now();
     let tally = if args.step.scenario == "one-key" {
         one_key_rounds(&shared, &args).await
@@ -297,6 +422,14 @@ pub async fn run(args: Args) -> anyhow::Result<Record> {
     let cache = cache_before
         .zip(cache_after)
         .map(|(b, a)| (a.0.saturating_sub(b.0), a.1.saturating_sub(b.1)));
+    if args.fail_if_mostly_errors && tally.errors >= tally.ok {
+        bail!(
+            "{}: {} of {} requests failed (is the processor reachable? see the servers' log)",
+            args.step.scenario,
+            tally.errors,
+            tally.ok + tally.errors
+        );
+    }
     let (p50_ms, p99_ms, p999_ms) = percentiles_ms(&tally.latencies);
     let step = &args.step;
     Ok(Record {
@@ -315,6 +448,7 @@ pub async fn run(args: Args) -> anyhow::Result<Record> {
         cpu_secs_per_request: cpu.server,
         pg_cpu_secs_per_request: cpu.postgres,
         client_cpu_secs_per_request: cpu.client,
+        processor_cpu_secs_per_request: cpu.processor,
         cache_hits: cache.map(|c| c.0),
         cache_misses: cache.map(|c| c.1),
         note: step.note.clone(),
@@ -383,6 +517,10 @@ async fn closed_loop(shared: &Rc<Shared>, args: &Rc<Args>) -> anyhow::Result<Tal
                 if quota.is_some_and(|q| seq * u64::from(args.step.concurrency) + worker >= q) {
                     break;
                 }
+                if args.processor_direct {
+                    processor_direct(&shared, &mut conns, own, &args, &mut tally).await;
+                    continue;
+                }
                 let req = request(&args.step.scenario, worker, seq, &args)?;
                 send(&shared, &mut conns, req.instance.unwrap_or(own), &req, &mut tally).await;
             }
@@ -418,6 +556,7 @@ async fn one_key_rounds(shared: &Rc<Shared>, args: &Rc<Args>) -> Tally {
             handles.push(local.spawn_local(async move {
                 let req = Request {
                     key: Some(key),
+                    path: PAYMENTS.to_owned(),
                     body: json!({"amount": 1, "account": "1"}),
                     replayed: None,
                     instance: None,

@@ -119,6 +119,7 @@ fn summarise(logs: &std::path::Path, step: &Step, side: &str) -> anyhow::Result<
         cpu_secs_per_request: None,
         pg_cpu_secs_per_request: None,
         client_cpu_secs_per_request: None,
+        processor_cpu_secs_per_request: None,
         cache_hits: None,
         cache_misses: None,
         note: step.note.clone(),
