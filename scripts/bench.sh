@@ -105,9 +105,11 @@ bench_tenant "$url" "$bin" "$accounts" hooked
 hooked_api_key="$api_key"
 tenant="$main_tenant" api_key="$main_api_key"
 export DATABASE_URL="$url"
-# Every instance delivers webhooks (to the sink on 127.0.0.1, hence private targets allowed).
+# No instance delivers webhooks but the deliverer that webhook_steps starts and stops (to the
+# sink on 127.0.0.1, hence private targets allowed): the outbox's cost to the payments and the
+# delivery's are measured apart, and no step pays for another's deliveries.
 ONCEPAY_WEBHOOK_SECRET_KEY="$(head -c 32 /dev/urandom | base64)"
-export ONCEPAY_WEBHOOK_SECRET_KEY ONCEPAY_WEBHOOK_ALLOW_PRIVATE=1
+export ONCEPAY_WEBHOOK_SECRET_KEY ONCEPAY_WEBHOOK_ALLOW_PRIVATE=1 ONCEPAY_WEBHOOK_CONCURRENCY=0
 
 say "yardstick database $ydb"
 psql -X -q "$admin_url" -c "SET client_min_messages = warning" -c "DROP DATABASE IF EXISTS $ydb WITH (FORCE)" \
@@ -242,15 +244,75 @@ noisy_neighbour() { # round
   if [ $(($1 % 2)) = 0 ]; then api_key="$quiet_api_key" http new 4 0 "$1" "$quiet_side" "$one" "${pids[0]}" --note alone; fi
 }
 
-# Webhooks (issue 20): new payments of a tenant with one endpoint subscribed to every event,
-# and of one without, same instance, same rounds (odd rounds without first). The hooked
-# tenant's events are written in the payments' transactions and delivered meanwhile by the
-# instances' workers to the sink. The report compares the two throughputs (summary.rs,
-# WEBHOOKS_ONE / WEBHOOKS_NONE).
+# Webhooks (issue 20), same instance, same rounds, new payments at c=32 of a tenant with one
+# endpoint subscribed to every event and of one without (odd rounds without first, even ones
+# last; the report compares them: summary.rs, WEBHOOKS_*):
+#   1. the hooked tenant's payments with no deliverer running: the outbox's own cost to them
+#      (its rows written in the payments' transactions);
+#   2. a deliverer (instance 9, the only one that delivers) drains that step's backlog: events
+#      per second, PostgreSQL's and the deliverer's CPU per event (webhook-delivery.md);
+#   3. the hooked tenant's payments again, delivered meanwhile by the deliverer;
+#   4. the rest of that backlog drained, the deliverer stopped: no other step pays for it.
+deliverer_port=$((port + 9))
+pending() { sql -c "SELECT count(*) FROM webhook_deliveries WHERE state = 'pending'"; }
+# CPU ticks of the PostgreSQL cluster (the postmaster and its children) and of one process.
+pg_ticks() {
+  local t=0 p
+  for p in "$pg_pid" $(pgrep -P "$pg_pid"); do t=$((t + $(awk '{print $14 + $15}' "/proc/$p/stat" 2>/dev/null || echo 0))); done
+  echo "$t"
+}
+ticks() { awk '{print $14 + $15}' "/proc/$1/stat" 2>/dev/null || echo 0; }
+# drain ROUND: starts the deliverer, waits (at most two minutes) until nothing is pending,
+# appends the rate and the CPU per event to webhook-delivery.md; leaves the deliverer running.
+drain() {
+  local before after t0 t1 pg0 pg1 d1 ms
+  before="$(pending)" t0="$(date +%s%N)" pg0="$(pg_ticks)"
+  start 9 ONCEPAY_WEBHOOK_CONCURRENCY=64
+  deliverer_pid="${pids[-1]}"
+  for _ in $(seq 1200); do
+    after="$(pending)"
+    [ "$after" = 0 ] && break
+    sleep 0.1
+  done
+  t1="$(date +%s%N)" pg1="$(pg_ticks)" d1="$(ticks "$deliverer_pid")"
+  ms=$(((t1 - t0) / 1000000))
+  awk -v r="$1" -v n="$((before - after))" -v left="$after" -v ms="$ms" -v pg="$((pg1 - pg0))" \
+      -v d="$d1" -v clk="$clk" 'BEGIN {
+    printf "| %d | %d | %d | %.1f | %.0f | %.3f | %.3f |\n", r, n, left, ms / 1000, n / (ms / 1000),
+      pg * 1000 / clk / (n > 0 ? n : 1), d * 1000 / clk / (n > 0 ? n : 1) }' >>"$out/webhook-delivery.rows"
+}
+stop_deliverer() {
+  local _i
+  for _i in $(seq 1200); do [ "$(pending)" = 0 ] && break; sleep 0.1; done
+  kill "$deliverer_pid" 2>/dev/null || true
+  wait "$deliverer_pid" 2>/dev/null || true
+  unset 'pids[-1]'
+}
+: >"$out/webhook-delivery.rows"
 webhook_steps() { # round
-  if [ $(($1 % 2)) = 1 ]; then api_key="$plain_api_key" http new 32 0 "$1" oncepay "$one" "${pids[0]}" --note "no webhook endpoint"; fi
-  api_key="$hooked_api_key" http new 32 0 "$1" oncepay "$one" "${pids[0]}" --note "one webhook endpoint"
-  if [ $(($1 % 2)) = 0 ]; then api_key="$plain_api_key" http new 32 0 "$1" oncepay "$one" "${pids[0]}" --note "no webhook endpoint"; fi
+  if [ $(($1 % 2)) = 1 ]; then api_key="$plain_api_key" http new 32 0 "$1" oncepay "$one" "${pids[0]}" --note "$wh_none"; fi
+  api_key="$hooked_api_key" http new 32 0 "$1" oncepay "$one" "${pids[0]}" --note "$wh_later"
+  drain "$1"
+  api_key="$hooked_api_key" http new 32 0 "$1" oncepay "$one" "${pids[0]}" --note "$wh_meanwhile"
+  stop_deliverer
+  if [ $(($1 % 2)) = 0 ]; then api_key="$plain_api_key" http new 32 0 "$1" oncepay "$one" "${pids[0]}" --note "$wh_none"; fi
+}
+wh_none="no webhook endpoint"
+wh_later="one webhook endpoint, delivered after the step"
+wh_meanwhile="one webhook endpoint, delivered meanwhile"
+webhook_delivery_report() {
+  {
+    echo
+    echo "## Webhook delivery (one endpoint, a loopback sink, one delivering instance)"
+    echo
+    echo "Each round's backlog of the step \"$wh_later\", drained by a deliverer started after it"
+    echo "(ONCEPAY_WEBHOOK_ENDPOINT_CONCURRENCY at its default); time and CPU per delivered event"
+    echo "from before the deliverer's start, its start-up included."
+    echo
+    echo "| round | events delivered | left pending | seconds | events/s | PostgreSQL CPU ms per event | deliverer CPU ms per event |"
+    echo "| --- | --- | --- | --- | --- | --- | --- |"
+    cat "$out/webhook-delivery.rows"
+  } >"$out/webhook-delivery.md"
 }
 
 # Card top-ups (issue 24): oncepay's POST /accounts/{id}/top-ups (its two processor calls, create
@@ -372,6 +434,7 @@ for round in $(seq "$rounds"); do
   storm "$round" off "$three_off" "$three_off_pids"
 done
 outbox_row
+webhook_delivery_report
 
 # The largest table's new payments are compared with an empty table's measured next to them,
 # in the same round, rather than with the 0-row steps of minutes before: across minutes this
@@ -434,7 +497,7 @@ growth "$big" beside
 
 say "report"
 "$tdir/release/oncepay-bench-report" --input "$results" --machine "$out/machine.txt" --out "$out" --font "$font"
-cat "$out/outbox.md" >>"$out/REPORT.md"
+cat "$out/outbox.md" "$out/webhook-delivery.md" >>"$out/REPORT.md"
 # The targets, as the report states them.
 sed -n '/^| target |/,/^$/p' "$out/REPORT.md" | grep -v '^| ---' >&2
 say "done: $out/REPORT.md"

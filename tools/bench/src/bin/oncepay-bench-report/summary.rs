@@ -144,9 +144,12 @@ fn quiet_tenant<'a>(groups: &'a Groups, note: &str) -> Option<&'a Group> {
 }
 
 /// The webhook steps of scripts/bench.sh: new payments (c=32) of a tenant with one subscribed
-/// webhook endpoint, and of one without, on the same instance in the same rounds.
+/// webhook endpoint, and of one without, on the same instance in the same rounds; the hooked
+/// tenant's twice, with no deliverer running (the outbox's own cost) and with one delivering
+/// meanwhile.
 pub const WEBHOOKS_NONE: &str = "no webhook endpoint";
-pub const WEBHOOKS_ONE: &str = "one webhook endpoint";
+pub const WEBHOOKS_LATER: &str = "one webhook endpoint, delivered after the step";
+pub const WEBHOOKS_MEANWHILE: &str = "one webhook endpoint, delivered meanwhile";
 
 fn webhook_step<'a>(groups: &'a Groups, note: &str) -> Option<&'a Group> {
     groups.get(&Key {
@@ -352,7 +355,16 @@ fn targets(groups: &Groups) -> Vec<Target> {
         Target {
             what: "new payments, c=32: with one subscribed webhook endpoint / without (same rounds; events delivered meanwhile)",
             goal: ">= 0.9",
-            value: webhook_step(groups, WEBHOOKS_ONE)
+            value: webhook_step(groups, WEBHOOKS_MEANWHILE)
+                .zip(webhook_step(groups, WEBHOOKS_NONE))
+                .map(|(one, none)| one.throughput / none.throughput),
+            limit: None,
+            met: |v| v >= 0.9,
+        },
+        Target {
+            what: "new payments, c=32: with one subscribed webhook endpoint / without (same rounds; delivered after the step: the outbox's own cost)",
+            goal: ">= 0.9",
+            value: webhook_step(groups, WEBHOOKS_LATER)
                 .zip(webhook_step(groups, WEBHOOKS_NONE))
                 .map(|(one, none)| one.throughput / none.throughput),
             limit: None,
