@@ -255,6 +255,11 @@ noisy_neighbour() { # round
 #   4. the rest of that backlog drained, the deliverer stopped: no other step pays for it.
 deliverer_port=$((port + 9))
 pending() { sql -c "SELECT count(*) FROM webhook_deliveries WHERE state = 'pending'"; }
+# Waits (at most two minutes) until no delivery is pending.
+wait_drained() {
+  local _i
+  for _i in $(seq 1200); do [ "$(pending)" = 0 ] && return; sleep 0.1; done
+}
 # CPU ticks of the PostgreSQL cluster (the postmaster and its children) and of one process.
 pg_ticks() {
   local t=0 p
@@ -269,11 +274,8 @@ drain() {
   before="$(pending)" t0="$(date +%s%N)" pg0="$(pg_ticks)"
   start 9 ONCEPAY_WEBHOOK_CONCURRENCY=64
   deliverer_pid="${pids[-1]}"
-  for _ in $(seq 1200); do
-    after="$(pending)"
-    [ "$after" = 0 ] && break
-    sleep 0.1
-  done
+  wait_drained
+  after="$(pending)"
   t1="$(date +%s%N)" pg1="$(pg_ticks)" d1="$(ticks "$deliverer_pid")"
   ms=$(((t1 - t0) / 1000000))
   awk -v r="$1" -v n="$((before - after))" -v left="$after" -v ms="$ms" -v pg="$((pg1 - pg0))" \
@@ -282,8 +284,7 @@ drain() {
       pg * 1000 / clk / (n > 0 ? n : 1), d * 1000 / clk / (n > 0 ? n : 1) }' >>"$out/webhook-delivery.rows"
 }
 stop_deliverer() {
-  local _i
-  for _i in $(seq 1200); do [ "$(pending)" = 0 ] && break; sleep 0.1; done
+  wait_drained
   kill "$deliverer_pid" 2>/dev/null || true
   wait "$deliverer_pid" 2>/dev/null || true
   unset 'pids[-1]'
@@ -344,15 +345,9 @@ topup_steps() { # round
   if [ $(($1 % 2)) = 0 ]; then topup_direct "$1"; fi
 }
 
-# The outbox after the webhook steps: rows and sizes once the backlog drained (at most a
-# minute), appended to the report. Delivered rows stay until the purge, a retention later.
+# The outbox after the webhook steps (whose deliverer drained the backlog before it
+# stopped), appended to the report. Delivered rows stay until the purge, a retention later.
 outbox_row() {
-  local pending
-  for _ in $(seq 120); do
-    pending="$(sql -c "SELECT count(*) FROM webhook_deliveries WHERE state = 'pending'")"
-    [ "$pending" = 0 ] && break
-    sleep 0.5
-  done
   {
     echo
     echo "## Webhook outbox (after the webhook steps)"
