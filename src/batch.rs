@@ -35,11 +35,17 @@
 //!   them, and never delays the items of other accounts batched with it. (Across replicas
 //!   the row lock still orders them; a duplicate of a key in flight on another replica
 //!   waits at most [`IN_BATCH_INFLIGHT_WAIT`] before its batch splits.)
+//! - **A tenant's share**: while more than one tenant has payments in the batcher (or had,
+//!   within [`ACTIVE_WINDOW`]), no tenant has more than [`Limits::tenant_share`] of its
+//!   payments in statements at once; its others wait their turn, in order. On two shared
+//!   cores the server, PostgreSQL and the clients compete for CPU, so one tenant paying as
+//!   fast as it can would otherwise set the latency of everyone else (docs/bench/README.md,
+//!   "Noisy neighbour"). A tenant alone uses every slot and the whole batch.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use prometheus::{Histogram, IntCounter, IntCounterVec};
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
@@ -52,6 +58,11 @@ use crate::ledger::{Batched, ClaimArgs, Effect, Outcome};
 /// replica: one in this process is held back instead) before the batch gives up and splits.
 /// An original normally finishes within one batch's time (a few ms).
 pub const IN_BATCH_INFLIGHT_WAIT: Duration = Duration::from_millis(200);
+
+/// A tenant whose payments reached the batcher this recently counts as active: a client
+/// paying in a closed loop has nothing queued between its answer and its next request, and
+/// the others' share must not swing back to everything in that gap.
+pub const ACTIVE_WINDOW: Duration = Duration::from_millis(100);
 
 /// How batches are formed.
 #[derive(Clone, Copy, Debug)]
@@ -67,6 +78,9 @@ pub struct Limits {
     /// the slots are stuck (a database that stopped answering), clients hear 429 at once
     /// instead of queueing for the statement timeout.
     pub queue_wait: Duration,
+    /// Most payments of one tenant in statements at once while other tenants are active
+    /// (`ONCEPAY_DB_TENANT_SHARE`); 0: no share, a tenant may take every slot.
+    pub tenant_share: usize,
 }
 
 /// What a batcher counts, registered by the caller.
@@ -83,6 +97,9 @@ pub struct Counters {
     pub failed: IntCounterVec,
     /// Items held back because their account or key was in a statement still out.
     pub held_back: IntCounter,
+    /// Items held back because their tenant had its share in statements while others were
+    /// active.
+    pub held_for_share: IntCounter,
 }
 
 type Reply<E> = oneshot::Sender<Result<Outcome<<E as Effect>::Row>, DbError>>;
@@ -200,6 +217,8 @@ struct Dispatcher<E: Batched> {
     slots: Arc<Semaphore>,
     /// What the statements still out hold.
     out: Out,
+    /// When each tenant's payments last reached the dispatcher (see [`ACTIVE_WINDOW`]).
+    seen: HashMap<TenantId, Instant>,
     /// Items whose account or key was out when they arrived, oldest first.
     held: VecDeque<Job<E>>,
     /// Items received while the dispatcher waited, not yet considered.
@@ -217,6 +236,7 @@ impl<E: Batched> Dispatcher<E> {
             limits,
             counters,
             out: Out::default(),
+            seen: HashMap::new(),
             held: VecDeque::new(),
             arrived: Vec::new(),
             done: mpsc::unbounded_channel(),
@@ -266,43 +286,88 @@ impl<E: Batched> Dispatcher<E> {
     }
 
     /// Takes the held-back items now free to go, then the waiting ones, into a batch; holds
-    /// back those whose account or key is out. Skips items whose waiter gave up (429).
+    /// back those whose account or key is out, or whose tenant has its share out. Skips items
+    /// whose waiter gave up (429).
     fn gather(&mut self) -> Vec<Job<E>> {
-        let max = self.limits.max_items.max(1);
-        let mut batch = Vec::new();
+        let mut batch = Batch {
+            jobs: Vec::new(),
+            max: self.limits.max_items.max(1),
+            share: self.share(),
+            per_tenant: HashMap::new(),
+        };
         let mut still_held = VecDeque::new();
         // Held back before: already counted.
         for job in std::mem::take(&mut self.held) {
-            self.consider(job, false, max, &mut batch, &mut still_held);
+            self.consider(job, false, &mut batch, &mut still_held);
         }
         // Received while the dispatcher waited, then what waits in the queue. Held-back
         // items count against the queue's bound: past it, arrivals stay in the channel,
         // which then refuses new ones (429).
         for job in std::mem::take(&mut self.arrived) {
-            self.consider(job, true, max, &mut batch, &mut still_held);
+            self.seen(&job);
+            self.consider(job, true, &mut batch, &mut still_held);
         }
-        while batch.len() < max && still_held.len() < self.limits.queue {
+        while batch.jobs.len() < batch.max && still_held.len() < self.limits.queue {
             let Ok(job) = self.jobs.try_recv() else { break };
-            self.consider(job, true, max, &mut batch, &mut still_held);
+            self.seen(&job);
+            self.consider(job, true, &mut batch, &mut still_held);
         }
         self.held = still_held;
         // An item is run only if its waiter has not given up meanwhile (then it never will).
-        batch.retain(|job| !job.taken.swap(true, Ordering::AcqRel));
-        batch
+        let mut jobs = batch.jobs;
+        jobs.retain(|job| !job.taken.swap(true, Ordering::AcqRel));
+        jobs
+    }
+
+    fn seen(&mut self, job: &Job<E>) {
+        self.seen.insert(job.tenant, Instant::now());
+    }
+
+    /// The most payments one tenant may have in statements now: its share while more than one
+    /// tenant is active (seen within [`ACTIVE_WINDOW`], or with payments in statements still
+    /// out), else no limit. Forgets tenants not seen within the window.
+    fn share(&mut self) -> usize {
+        if self.limits.tenant_share == 0 {
+            return usize::MAX;
+        }
+        let now = Instant::now();
+        self.seen.retain(|_, at| now.duration_since(*at) < ACTIVE_WINDOW);
+        // Active: seen lately, or with payments in statements still out. Two are enough.
+        let mut one = None;
+        for tenant in self.seen.keys().chain(self.out.items.keys()) {
+            match one {
+                None => one = Some(tenant),
+                Some(first) if first != tenant => return self.limits.tenant_share,
+                Some(_) => {}
+            }
+        }
+        usize::MAX
     }
 
     /// Puts `job` in the batch, or holds it back (counted when `new`) if its account or key
-    /// is out or the batch is full; drops it if its waiter gave up.
-    fn consider(&self, job: Job<E>, new: bool, max: usize, batch: &mut Vec<Job<E>>, held: &mut VecDeque<Job<E>>) {
+    /// is out, its tenant has its share out, or the batch is full; drops it if its waiter
+    /// gave up.
+    fn consider(&self, job: Job<E>, new: bool, batch: &mut Batch<E>, held: &mut VecDeque<Job<E>>) {
         if job.taken.load(Ordering::Acquire) {
             return; // refused while it waited
         }
-        match self.out.blocks(&job.holds) {
-            None if batch.len() < max => batch.push(job),
+        let taking = batch.per_tenant.get(&job.tenant).copied().unwrap_or(0);
+        let blocked = self
+            .out
+            .blocks(&job.holds)
+            .or_else(|| (self.out.items_of(job.tenant) + taking >= batch.share).then_some(Blocked::Share));
+        match blocked {
+            None if batch.jobs.len() < batch.max => {
+                batch.per_tenant.insert(job.tenant, taking + 1);
+                batch.jobs.push(job);
+            }
             None => held.push_back(job),
             Some(blocked) => {
                 if new {
-                    self.counters.held_back.inc();
+                    match blocked {
+                        Blocked::Share => self.counters.held_for_share.inc(),
+                        Blocked::Key | Blocked::Account => self.counters.held_back.inc(),
+                    }
                 }
                 if blocked == Blocked::Key {
                     job.duplicate.store(true, Ordering::Release);
@@ -334,13 +399,24 @@ impl<E: Batched> Dispatcher<E> {
     }
 }
 
-/// The accounts and keys of the statements still out. No two statements share one (an item
-/// that would is held back), so a set suffices: a batch with several items on one account
-/// inserts and removes it once.
+/// A batch being formed.
+struct Batch<E: Batched> {
+    jobs: Vec<Job<E>>,
+    max: usize,
+    /// Most items of one tenant in statements, this batch's included ([`Dispatcher::share`]).
+    share: usize,
+    /// Items of each tenant in `jobs`.
+    per_tenant: HashMap<TenantId, usize>,
+}
+
+/// The accounts and keys of the statements still out, and how many items of each tenant they
+/// carry. No two statements share an account or key (an item that would is held back), so a
+/// set suffices: a batch with several items on one account inserts and removes it once.
 #[derive(Default)]
 struct Out {
     accounts: HashSet<(TenantId, String)>,
     keys: HashSet<(TenantId, String)>,
+    items: HashMap<TenantId, usize>,
 }
 
 /// Why an item cannot go now.
@@ -350,6 +426,8 @@ enum Blocked {
     Key,
     /// Its account is out.
     Account,
+    /// Its tenant has its share out while other tenants are active.
+    Share,
 }
 
 impl Out {
@@ -363,7 +441,12 @@ impl Out {
         }
     }
 
+    fn items_of(&self, tenant: TenantId) -> usize {
+        self.items.get(&tenant).copied().unwrap_or(0)
+    }
+
     fn insert(&mut self, holds: &Holds) {
+        *self.items.entry(holds.account.0).or_default() += 1;
         self.accounts.insert(holds.account.clone());
         if let Some(key) = &holds.key {
             self.keys.insert(key.clone());
@@ -371,6 +454,12 @@ impl Out {
     }
 
     fn remove(&mut self, holds: &Holds) {
+        if let Some(n) = self.items.get_mut(&holds.account.0) {
+            *n -= 1;
+            if *n == 0 {
+                self.items.remove(&holds.account.0);
+            }
+        }
         self.accounts.remove(&holds.account);
         if let Some(key) = &holds.key {
             self.keys.remove(key);

@@ -34,6 +34,9 @@ pub struct Settings {
     /// Batched statements in flight per process (`ONCEPAY_DB_BATCHES_IN_FLIGHT`): while all
     /// are out, payments queue and leave together in the next one.
     pub db_batches_in_flight: usize,
+    /// Most payments of one tenant in a process's statements at once while other tenants
+    /// are paying too (`ONCEPAY_DB_TENANT_SHARE`); 0 turns the share off (src/batch.rs).
+    pub db_tenant_share: usize,
     /// Opt-in in-process purge schedule (`ONCEPAY_PURGE_INTERVAL_SECS`); `None` = off.
     pub purge_interval: Option<Duration>,
     pub purge_batch_size: i64,
@@ -192,6 +195,9 @@ impl Settings {
             // Measured in docs/bench/analysis.md ("Payments in batches").
             db_batch_max: number("ONCEPAY_DB_BATCH_MAX", 32)?,
             db_batches_in_flight: number("ONCEPAY_DB_BATCHES_IN_FLIGHT", cores.clamp(2, 8))?,
+            // Two payments in flight per core keep a core busy; measured in docs/bench/README.md
+            // ("Noisy neighbour").
+            db_tenant_share: number("ONCEPAY_DB_TENANT_SHARE", (cores * 2).clamp(4, 32))?,
             purge_interval: match number::<u64>("ONCEPAY_PURGE_INTERVAL_SECS", 0)? {
                 0 => None,
                 secs => Some(Duration::from_secs(secs)),
@@ -302,6 +308,7 @@ impl std::fmt::Debug for Settings {
             statement_timeout,
             db_batch_max,
             db_batches_in_flight,
+            db_tenant_share,
             purge_interval,
             purge_batch_size,
             workers,
@@ -330,6 +337,7 @@ impl std::fmt::Debug for Settings {
             .field("statement_timeout", statement_timeout)
             .field("db_batch_max", db_batch_max)
             .field("db_batches_in_flight", db_batches_in_flight)
+            .field("db_tenant_share", db_tenant_share)
             .field("purge_interval", purge_interval)
             .field("purge_batch_size", purge_batch_size)
             .field("workers", workers)

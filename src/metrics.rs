@@ -153,6 +153,12 @@ impl Metrics {
                 "Payments held back from a batch because their account or key was in a statement still out",
             )
             .expect("valid metric"),
+            held_for_share: IntCounter::new(
+                "oncepay_db_batch_held_for_share_total",
+                "Payments held back from a batch because their tenant had its share (ONCEPAY_DB_TENANT_SHARE) \
+                 in statements while other tenants were paying",
+            )
+            .expect("valid metric"),
         };
         let processor = crate::topup::processor::CallCounters {
             calls: IntCounterVec::new(
@@ -289,6 +295,7 @@ impl Metrics {
             Box::new(batch.split.clone()),
             Box::new(batch.failed.clone()),
             Box::new(batch.held_back.clone()),
+            Box::new(batch.held_for_share.clone()),
             Box::new(processor.calls.clone()),
             Box::new(processor.duration.clone()),
             Box::new(completer.runs.clone()),

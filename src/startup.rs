@@ -54,6 +54,7 @@ impl Application {
                 // As many as could wait for a pooled connection without batching.
                 queue: settings.db_batch_max * settings.db_batches_in_flight * 4,
                 queue_wait: settings.db_acquire_timeout,
+                tenant_share: settings.db_tenant_share,
             };
             Batcher::start(db.clone(), limits, metrics.batch.clone())
         });

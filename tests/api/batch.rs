@@ -12,9 +12,12 @@ use serde_json::json;
 use sqlx::{Connection, PgConnection};
 use tokio::task::JoinHandle;
 
-use crate::concurrency::lock_account_at;
+use oncepay::batch;
+use oncepay::domain::MissingKeyPolicy;
+
+use crate::concurrency::{lock_account_at, lock_accounts_at};
 use crate::helpers::{
-    direct_url, metric_value, new_key, spawn_app_with, waiting_behind, Answer, TestApp, MAIN_BALANCE,
+    direct_url, metric_value, new_key, new_tenant, spawn_app_with, waiting_behind, Answer, TestApp, MAIN_BALANCE,
 };
 
 /// Holds one batch slot busy: a payment with `key` on `account` (which must exist), blocked on
@@ -369,4 +372,89 @@ async fn a_payment_that_waits_for_a_slot_past_the_acquire_timeout_gets_429_and_n
         3,
         "the account's, the held payment's and the retry's"
     );
+}
+
+#[tokio::test]
+async fn beside_another_paying_tenant_a_tenant_has_at_most_its_share_in_statements_and_alone_no_limit() {
+    let app = spawn_app_with(|s| {
+        // A slot for every one of the six below: only the share can hold one back.
+        s.db_batches_in_flight = 8;
+        s.db_batch_max = 32;
+        s.db_tenant_share = 2;
+        s.db_acquire_timeout = Duration::from_secs(1);
+    })
+    .await;
+    let accounts: Vec<String> = (0..6).map(|i| format!("busy-{i}")).collect();
+    for a in &accounts {
+        app.open_account(a, 100).await;
+    }
+    let (_, quiet_key) = new_tenant(&app.pool, MissingKeyPolicy::Reject).await;
+    let quiet_pays = async || {
+        app.post_as(&quiet_key, "/payments", Some(&new_key()), &json!({ "amount": 1 }))
+            .await
+    };
+    let held_for_share = async || metric_value(&app.metrics().await, "oncepay_db_batch_held_for_share_total");
+    let rows: Vec<_> = accounts.iter().map(|a| (app.tenant_id, a.as_str())).collect();
+    let url = direct_url(&app.state);
+
+    // Beside a tenant that keeps paying, six payments on six locked rows: two go out and wait
+    // on their rows, four wait their turn in the dispatcher and are refused (429) after the
+    // acquire timeout, unrun. Without a share all six went out and held every slot they got.
+    let mut lock = lock_accounts_at(&url, &rows).await;
+    let before = held_for_share().await;
+    let quiet = async {
+        let mut answers = Vec::new();
+        let until = Instant::now() + Duration::from_millis(1_600);
+        while Instant::now() < until && answers.len() < 200 {
+            answers.push(quiet_pays().await);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        answers
+    };
+    let busy = async {
+        tokio::time::sleep(Duration::from_millis(100)).await; // the quiet tenant is active by now
+        let payments = tokio::spawn(join_all(accounts.iter().map(|a| pay_on(&app, &new_key(), a, 7))));
+        tokio::time::sleep(Duration::from_millis(1_300)).await; // past the acquire timeout
+        sqlx::query("COMMIT").execute(&mut lock).await.unwrap();
+        payments.await.unwrap()
+    };
+    let (quiet, busy) = tokio::join!(quiet, busy);
+    // (Not how long they took: one batched with a busy item waited with it for its row. The
+    // rows of payments are locked by other statements, not by a test, and only briefly.)
+    assert!(quiet.len() >= 10, "the quiet tenant kept paying: {}", quiet.len());
+    for answer in &quiet {
+        assert_eq!(answer.status, 201, "{}", answer.body);
+    }
+    let statuses: Vec<u16> = busy.iter().map(|a| a.status).collect();
+    assert_eq!(
+        (
+            statuses.iter().filter(|s| **s == 201).count(),
+            statuses.iter().filter(|s| **s == 429).count()
+        ),
+        (2, 4),
+        "two ran, four were refused unrun: {statuses:?}"
+    );
+    assert_eq!(
+        held_for_share().await - before,
+        4.0,
+        "the four waited for their tenant's share"
+    );
+    let mut charged = 0;
+    for a in &accounts {
+        charged += 100 - app.balance(a).await;
+    }
+    assert_eq!(charged, 2 * 7, "only the two that ran were charged");
+
+    // Alone (the other tenant quiet for longer than the active window), the same six all go
+    // out at once: no share applies.
+    tokio::time::sleep(batch::ACTIVE_WINDOW * 3).await;
+    let mut lock = lock_accounts_at(&url, &rows).await;
+    let before = held_for_share().await;
+    let payments = tokio::spawn(join_all(accounts.iter().map(|a| pay_on(&app, &new_key(), a, 1))));
+    tokio::time::sleep(Duration::from_millis(1_300)).await;
+    sqlx::query("COMMIT").execute(&mut lock).await.unwrap();
+    for answer in payments.await.unwrap() {
+        assert_eq!(answer.status, 201, "{}", answer.body);
+    }
+    assert_eq!(held_for_share().await - before, 0.0, "alone, nothing waits for a share");
 }
