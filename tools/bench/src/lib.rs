@@ -50,6 +50,11 @@ pub struct Record {
     /// Free text, e.g. "purge running".
     #[serde(default)]
     pub note: String,
+    /// The share of the machine's CPU time that the hypervisor gave to other guests during
+    /// the step (`steal` over all ticks of /proc/stat's `cpu` line): a shared host's noise,
+    /// recorded so that a step it hit can be told from one the code slowed down.
+    #[serde(default)]
+    pub host_steal: Option<f64>,
 }
 
 /// Latencies in microseconds, 1 µs to 60 s at three significant figures.

@@ -599,6 +599,45 @@ fn storm_table(w: &mut String, groups: &Groups) {
     }
 }
 
+/// The noisy-neighbour steps round by round, with the host's steal in each: a p99 is one
+/// step's worst hundredth, and on a shared host a moment of stolen CPU in one step moves it.
+fn noisy_table(w: &mut String, records: &[Record]) {
+    let step = |round: u32, note: &str| {
+        records
+            .iter()
+            .find(|r| r.side == QUIET && r.round == round && r.note == note)
+    };
+    let mut rounds: Vec<u32> = records.iter().filter(|r| r.side == QUIET).map(|r| r.round).collect();
+    rounds.sort_unstable();
+    rounds.dedup();
+    if rounds.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        w,
+        "\n## Noisy neighbour, round by round\n\nThe quiet tenant's p99 (ms) alone and beside the noisy one, \
+         and the share of the machine's CPU the host stole during each step (/proc/stat `steal`).\n\n\
+         | round | p99 alone | p99 beside | ratio | steal alone | steal beside |\n| --- | --- | --- | --- | --- | --- |"
+    );
+    let pct = |r: &Record| {
+        r.host_steal
+            .map_or_else(|| "-".to_owned(), |s| format!("{:.0} %", s * 100.0))
+    };
+    for round in rounds {
+        if let (Some(alone), Some(beside)) = (step(round, QUIET_ALONE), step(round, QUIET_BESIDE_NOISY)) {
+            let _ = writeln!(
+                w,
+                "| {round} | {:.2} | {:.2} | {:.2} | {} | {} |",
+                alone.p99_ms,
+                beside.p99_ms,
+                beside.p99_ms / alone.p99_ms,
+                pct(alone),
+                pct(beside)
+            );
+        }
+    }
+}
+
 fn top_up_table(w: &mut String, groups: &Groups) {
     let steps: Vec<(&Key, &Group)> = groups.iter().filter(|(k, _)| k.scenario == TOP_UP).collect();
     if steps.is_empty() {
@@ -666,6 +705,7 @@ pub fn markdown(records: &[Record], groups: &Groups, machine: &str) -> String {
     cpu_table(w, groups);
     storm_table(w, groups);
     top_up_table(w, groups);
+    noisy_table(w, records);
     let _ = writeln!(
         w,
         "\n## All figures\n\nThroughput in requests (or pgbench transactions) per second; latencies in ms; \
@@ -779,6 +819,7 @@ mod tests {
             cache_hits: None,
             cache_misses: None,
             note: String::new(),
+            host_steal: None,
         }
     }
 

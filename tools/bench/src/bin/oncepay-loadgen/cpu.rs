@@ -27,6 +27,21 @@ fn own_ticks(pid: &str) -> anyhow::Result<u64> {
     Ok(field(&f, 11)? + field(&f, 12)?)
 }
 
+/// The machine's (steal, all) ticks so far, from /proc/stat's `cpu` line.
+fn host_ticks() -> anyhow::Result<(u64, u64)> {
+    let stat = std::fs::read_to_string("/proc/stat")?;
+    let line = stat.lines().next().context("empty /proc/stat")?;
+    // user nice system idle iowait irq softirq steal guest guest_nice; guest time is already
+    // counted in user.
+    let ticks: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .take(8)
+        .map(|f| f.parse().unwrap_or(0))
+        .collect();
+    Ok((ticks.get(7).copied().unwrap_or(0), ticks.iter().sum()))
+}
+
 /// Total user + system CPU seconds of `pids` so far.
 pub fn seconds(pids: &[u32], clock_ticks_per_sec: u32) -> anyhow::Result<f64> {
     let mut ticks = 0u64;
@@ -85,6 +100,8 @@ pub struct PerRequest {
     pub client: Option<f64>,
     /// The card processor's (localstripe), where its pid was given.
     pub processor: Option<f64>,
+    /// The share of the machine's CPU time stolen by the host during the step.
+    pub host_steal: Option<f64>,
 }
 
 /// Readings at the start of a step.
@@ -95,6 +112,7 @@ pub struct Meter {
     client: Client,
     processor_pid: Option<u32>,
     start: Reading,
+    host_start: (u64, u64),
 }
 
 /// CPU seconds so far: servers, PostgreSQL, load generator, processor.
@@ -120,6 +138,7 @@ impl Meter {
             client,
             processor_pid,
             start: (0.0, None, 0.0, None),
+            host_start: host_ticks()?,
         };
         meter.start = meter.read()?;
         Ok(meter)
@@ -139,8 +158,17 @@ impl Meter {
     /// The step's CPU per request: `None` where nothing was measured or nothing answered.
     pub fn stop(&self, requests: u64) -> anyhow::Result<PerRequest> {
         let (server, postgres, client, processor) = self.read()?;
+        let (steal, all) = host_ticks()?;
+        let (steal, all) = (
+            steal.saturating_sub(self.host_start.0),
+            all.saturating_sub(self.host_start.1),
+        );
+        let host_steal = (all > 0).then(|| steal as f64 / all as f64);
         if requests == 0 {
-            return Ok(PerRequest::default());
+            return Ok(PerRequest {
+                host_steal,
+                ..PerRequest::default()
+            });
         }
         let per = |spent: f64| spent / requests as f64;
         Ok(PerRequest {
@@ -148,6 +176,7 @@ impl Meter {
             postgres: postgres.zip(self.start.1).map(|(after, before)| per(after - before)),
             client: Some(per(client - self.start.2)),
             processor: processor.zip(self.start.3).map(|(after, before)| per(after - before)),
+            host_steal,
         })
     }
 }

@@ -452,6 +452,7 @@ pub async fn run(args: Args) -> anyhow::Result<Record> {
         cache_hits: cache.map(|c| c.0),
         cache_misses: cache.map(|c| c.1),
         note: step.note.clone(),
+        host_steal: cpu.host_steal,
     })
 }
 

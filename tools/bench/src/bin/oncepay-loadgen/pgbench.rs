@@ -68,6 +68,7 @@ pub fn run(args: &Args) -> anyhow::Result<Record> {
     let cpu = meter.stop(record.requests)?;
     record.pg_cpu_secs_per_request = cpu.postgres;
     record.client_cpu_secs_per_request = cpu.client;
+    record.host_steal = cpu.host_steal;
     Ok(record)
 }
 
@@ -123,5 +124,6 @@ fn summarise(logs: &std::path::Path, step: &Step, side: &str) -> anyhow::Result<
         cache_hits: None,
         cache_misses: None,
         note: step.note.clone(),
+        host_steal: None,
     })
 }
