@@ -11,9 +11,10 @@ use std::time::{Duration, Instant};
 
 use reqwest::Method;
 use serde_json::json;
+use sqlx::Connection;
 use uuid::Uuid;
 
-use crate::helpers::{metric_value, new_key, TestApp};
+use crate::helpers::{drop_database, empty_database, metric_value, new_key, TestApp};
 use crate::webhook_receiver::{Receiver, Reply};
 
 const WAIT: Duration = Duration::from_secs(60);
@@ -790,4 +791,109 @@ async fn an_endpoint_at_its_bound_gets_its_next_event_when_an_attempt_ends_not_a
     assert_eq!(receiver.max_in_flight(), 1, "the endpoint's bound");
     assert!(took < poll / 2, "twelve events took {took:?}");
     crate::helpers::drop_database(&url).await;
+}
+
+/// Index fetches on webhook_deliveries by this transaction so far.
+async fn delivery_fetches(conn: &mut sqlx::PgConnection) -> i64 {
+    sqlx::query_scalar("SELECT idx_tup_fetch FROM pg_stat_xact_user_tables WHERE relname = 'webhook_deliveries'")
+        .fetch_one(conn)
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn results_are_recorded_by_key_even_when_the_statistics_saw_an_empty_backlog() {
+    // A queue table is analysed when its backlog happens to be empty (right after a drain):
+    // the planner then expects one pending row. Recording results must still look each
+    // delivery up by its key, not walk every pending row of the endpoint per attempt (what
+    // slowed make bench's second drain to a fifth: migrations/V12).
+    let url = empty_database("record_plan").await;
+    oncepay::db::migrate(&url).await.unwrap();
+    let mut conn = sqlx::PgConnection::connect(&url).await.unwrap();
+    let (tenant, endpoint) = (Uuid::new_v4(), Uuid::new_v4());
+    sqlx::query("ALTER TABLE webhook_deliveries SET (autovacuum_enabled = false)")
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    let insert = |n: i32, state: &'static str| {
+        sqlx::query(
+            "INSERT INTO webhook_deliveries (tenant_id, event_id, endpoint_id, resource_id, state, next_attempt_at, created_at)
+             SELECT $1, gen_random_uuid(), $2, 'pay_' || g, $3, now(), now() FROM generate_series(1, $4) g",
+        )
+        .bind(tenant)
+        .bind(endpoint)
+        .bind(state)
+        .bind(n)
+    };
+    insert(300, "delivered").execute(&mut conn).await.unwrap();
+    sqlx::query("ANALYZE webhook_deliveries")
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    insert(2_000, "pending").execute(&mut conn).await.unwrap();
+    // As a long-lived connection runs them after five calls: one plan for any arrays.
+    sqlx::query("SET plan_cache_mode = force_generic_plan")
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    let picked: Vec<Uuid> = sqlx::query_scalar(
+        "SELECT event_id FROM webhook_deliveries WHERE state = 'pending' ORDER BY random() LIMIT 17",
+    )
+    .fetch_all(&mut conn)
+    .await
+    .unwrap();
+    let (delivered, retried) = picked.split_at(16);
+    let n = delivered.len();
+
+    sqlx::query("BEGIN").execute(&mut conn).await.unwrap();
+    let before = delivery_fetches(&mut conn).await;
+    let applied: Vec<bool> = sqlx::query_scalar(
+        "SELECT applied FROM oncepay_webhook_record_many($1, $2, $3, $4, $5, $6, $7, $8, $9, 'test', $10, $11)",
+    )
+    .bind(vec![tenant; n])
+    .bind(delivered)
+    .bind(vec![endpoint; n])
+    .bind(vec![0_i32; n])
+    .bind(vec![chrono::Utc::now(); n])
+    .bind(vec![1_i32; n])
+    .bind(vec![200_i16; n])
+    .bind(vec![None::<String>; n])
+    .bind(vec![None::<String>; n])
+    .bind(vec!["delivered"; n])
+    .bind(vec![None::<chrono::DateTime<chrono::Utc>>; n])
+    .fetch_all(&mut conn)
+    .await
+    .unwrap();
+    let many = delivery_fetches(&mut conn).await - before;
+    // One result alone, another outcome (a retry): V9's one-by-one function.
+    let before = delivery_fetches(&mut conn).await;
+    let one: bool = sqlx::query_scalar(
+        "SELECT oncepay_webhook_record($1, $2, $3, 0, now(), 1, 500::smallint, NULL, NULL, 'test', 'retry', now())",
+    )
+    .bind(tenant)
+    .bind(retried[0])
+    .bind(endpoint)
+    .fetch_one(&mut conn)
+    .await
+    .unwrap();
+    let single = delivery_fetches(&mut conn).await - before;
+    sqlx::query("COMMIT").execute(&mut conn).await.unwrap();
+
+    assert_eq!(
+        (applied, one),
+        (vec![true; n], true),
+        "every result settled its delivery"
+    );
+    assert!(
+        many <= 2 * n as i64,
+        "{many} index fetches to record {n} deliveries: the pending rows were walked, not the key looked up"
+    );
+    assert!(single <= 2, "{single} index fetches to record one result");
+    let settled: i64 = sqlx::query_scalar("SELECT count(*) FROM webhook_deliveries WHERE state = 'delivered'")
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(settled, 300 + n as i64);
+    drop(conn);
+    drop_database(&url).await;
 }
