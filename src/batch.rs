@@ -289,10 +289,10 @@ impl<E: Batched> Dispatcher<E> {
     /// back those whose account or key is out, or whose tenant has its share out. Skips items
     /// whose waiter gave up (429).
     fn gather(&mut self) -> Vec<Job<E>> {
+        self.forget_idle();
         let mut batch = Batch {
             jobs: Vec::new(),
             max: self.limits.max_items.max(1),
-            share: self.share(),
             per_tenant: HashMap::new(),
         };
         let mut still_held = VecDeque::new();
@@ -323,25 +323,26 @@ impl<E: Batched> Dispatcher<E> {
         self.seen.insert(job.tenant, Instant::now());
     }
 
-    /// The most payments one tenant may have in statements now: its share while more than one
-    /// tenant is active (seen within [`ACTIVE_WINDOW`], or with payments in statements still
-    /// out), else no limit. Forgets tenants not seen within the window.
-    fn share(&mut self) -> usize {
-        if self.limits.tenant_share == 0 {
-            return usize::MAX;
-        }
+    /// Forgets tenants not seen within [`ACTIVE_WINDOW`].
+    fn forget_idle(&mut self) {
         let now = Instant::now();
         self.seen.retain(|_, at| now.duration_since(*at) < ACTIVE_WINDOW);
-        // Active: seen lately, or with payments in statements still out. Two are enough.
-        let mut one = None;
-        for tenant in self.seen.keys().chain(self.out.items.keys()) {
-            match one {
-                None => one = Some(tenant),
-                Some(first) if first != tenant => return self.limits.tenant_share,
-                Some(_) => {}
-            }
+    }
+
+    /// The most payments `tenant` may have in statements now: its share while another tenant
+    /// is active (seen within [`ACTIVE_WINDOW`], or with payments in statements still out),
+    /// else no limit.
+    fn share_of(&self, tenant: TenantId) -> usize {
+        let share = self.limits.tenant_share;
+        if share == 0 {
+            return usize::MAX;
         }
-        usize::MAX
+        let others = self.seen.keys().chain(self.out.items.keys()).any(|t| *t != tenant);
+        if others {
+            share
+        } else {
+            usize::MAX
+        }
     }
 
     /// Puts `job` in the batch, or holds it back (counted when `new`) if its account or key
@@ -352,10 +353,9 @@ impl<E: Batched> Dispatcher<E> {
             return; // refused while it waited
         }
         let taking = batch.per_tenant.get(&job.tenant).copied().unwrap_or(0);
-        let blocked = self
-            .out
-            .blocks(&job.holds)
-            .or_else(|| (self.out.items_of(job.tenant) + taking >= batch.share).then_some(Blocked::Share));
+        let blocked = self.out.blocks(&job.holds).or_else(|| {
+            (self.out.items_of(job.tenant) + taking >= self.share_of(job.tenant)).then_some(Blocked::Share)
+        });
         match blocked {
             None if batch.jobs.len() < batch.max => {
                 batch.per_tenant.insert(job.tenant, taking + 1);
@@ -403,8 +403,6 @@ impl<E: Batched> Dispatcher<E> {
 struct Batch<E: Batched> {
     jobs: Vec<Job<E>>,
     max: usize,
-    /// Most items of one tenant in statements, this batch's included ([`Dispatcher::share`]).
-    share: usize,
     /// Items of each tenant in `jobs`.
     per_tenant: HashMap<TenantId, usize>,
 }

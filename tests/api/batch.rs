@@ -388,43 +388,64 @@ async fn beside_another_paying_tenant_a_tenant_has_at_most_its_share_in_statemen
     for a in &accounts {
         app.open_account(a, 100).await;
     }
-    let (_, quiet_key) = new_tenant(&app.pool, MissingKeyPolicy::Reject).await;
-    let quiet_pays = async || {
-        app.post_as(&quiet_key, "/payments", Some(&new_key()), &json!({ "amount": 1 }))
-            .await
-    };
+    let (quiet_tenant, quiet_key) = new_tenant(&app.pool, MissingKeyPolicy::Reject).await;
     let held_for_share = async || metric_value(&app.metrics().await, "oncepay_db_batch_held_for_share_total");
-    let rows: Vec<_> = accounts.iter().map(|a| (app.tenant_id, a.as_str())).collect();
+    let mut rows: Vec<_> = accounts.iter().map(|a| (app.tenant_id, a.as_str())).collect();
+    rows.push((quiet_tenant, "main"));
     let url = direct_url(&app.state);
 
-    // Beside a tenant that keeps paying, six payments on six locked rows: two go out and wait
-    // on their rows, four wait their turn in the dispatcher and are refused (429) after the
-    // acquire timeout, unrun. Without a share all six went out and held every slot they got.
+    // Beside another tenant with a payment in a statement (waiting on its row, which the test
+    // holds: the other tenant is active however slow the machine), six payments on six locked
+    // rows: two go out and wait on their rows, four wait their turn in the dispatcher and are
+    // refused (429) after the acquire timeout, unrun. Without a share all six went out.
     let mut lock = lock_accounts_at(&url, &rows).await;
+    let holder: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut lock)
+        .await
+        .unwrap();
     let before = held_for_share().await;
-    let quiet = async {
-        let mut answers = Vec::new();
-        let until = Instant::now() + Duration::from_millis(1_600);
-        while Instant::now() < until && answers.len() < 200 {
-            answers.push(quiet_pays().await);
-            tokio::time::sleep(Duration::from_millis(20)).await;
+    let quiet = tokio::spawn({
+        let app_client = (app.client.clone(), app.url("/payments"), quiet_key.clone());
+        async move {
+            let (client, url, key) = app_client;
+            let response = client
+                .post(url)
+                .bearer_auth(key)
+                .header("Idempotency-Key", new_key())
+                .json(&json!({ "amount": 1 }))
+                .send()
+                .await
+                .unwrap();
+            Answer::from(response).await
         }
-        answers
-    };
-    let busy = async {
-        tokio::time::sleep(Duration::from_millis(100)).await; // the quiet tenant is active by now
-        let payments = tokio::spawn(join_all(accounts.iter().map(|a| pay_on(&app, &new_key(), a, 7))));
-        tokio::time::sleep(Duration::from_millis(1_300)).await; // past the acquire timeout
-        sqlx::query("COMMIT").execute(&mut lock).await.unwrap();
-        payments.await.unwrap()
-    };
-    let (quiet, busy) = tokio::join!(quiet, busy);
-    // (Not how long they took: one batched with a busy item waited with it for its row. The
-    // rows of payments are locked by other statements, not by a test, and only briefly.)
-    assert!(quiet.len() >= 10, "the quiet tenant kept paying: {}", quiet.len());
-    for answer in &quiet {
-        assert_eq!(answer.status, 201, "{}", answer.body);
+    });
+    for _ in 0..200 {
+        if waiting_behind(&app.pool, holder).await >= 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
     }
+    assert_eq!(
+        waiting_behind(&app.pool, holder).await,
+        1,
+        "the other tenant's payment waits on its row"
+    );
+    let payments: Vec<_> = accounts
+        .iter()
+        .map(|a| tokio::spawn(pay_on(&app, &new_key(), a, 7)))
+        .collect();
+    // The rows stay locked until four have been answered (refused after the acquire timeout,
+    // however late each request reached the server), or for at most 10 s.
+    for _ in 0..400 {
+        if payments.iter().filter(|p| p.is_finished()).count() >= 4 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    sqlx::query("COMMIT").execute(&mut lock).await.unwrap();
+    let busy: Vec<Answer> = join_all(payments).await.into_iter().map(Result::unwrap).collect();
+    let quiet = quiet.await.unwrap();
+    assert_eq!(quiet.status, 201, "{}", quiet.body);
     let statuses: Vec<u16> = busy.iter().map(|a| a.status).collect();
     assert_eq!(
         (
