@@ -304,12 +304,12 @@ impl<E: Batched> Dispatcher<E> {
         // items count against the queue's bound: past it, arrivals stay in the channel,
         // which then refuses new ones (429).
         for job in std::mem::take(&mut self.arrived) {
-            self.seen(&job);
+            self.mark_seen(&job);
             self.consider(job, true, &mut batch, &mut still_held);
         }
         while batch.jobs.len() < batch.max && still_held.len() < self.limits.queue {
             let Ok(job) = self.jobs.try_recv() else { break };
-            self.seen(&job);
+            self.mark_seen(&job);
             self.consider(job, true, &mut batch, &mut still_held);
         }
         self.held = still_held;
@@ -319,7 +319,7 @@ impl<E: Batched> Dispatcher<E> {
         jobs
     }
 
-    fn seen(&mut self, job: &Job<E>) {
+    fn mark_seen(&mut self, job: &Job<E>) {
         self.seen.insert(job.tenant, Instant::now());
     }
 

@@ -54,10 +54,21 @@ pub async fn hold_slot_at(app: &TestApp, url: &str, key: &str, account: &str) ->
 }
 
 pub fn pay_on(app: &TestApp, key: &str, account: &str, amount: i64) -> impl std::future::Future<Output = Answer> {
+    pay_as(app, &app.api_key, key, account, amount)
+}
+
+/// [`pay_on`] as the tenant of `api_key`; a `'static` future, for `tokio::spawn`.
+pub fn pay_as(
+    app: &TestApp,
+    api_key: &str,
+    key: &str,
+    account: &str,
+    amount: i64,
+) -> impl std::future::Future<Output = Answer> {
     let (client, url, api_key, key) = (
         app.client.clone(),
         app.url("/payments"),
-        app.api_key.clone(),
+        api_key.to_owned(),
         key.to_owned(),
     );
     let body = json!({ "amount": amount, "account": account });
@@ -404,21 +415,7 @@ async fn beside_another_paying_tenant_a_tenant_has_at_most_its_share_in_statemen
         .await
         .unwrap();
     let before = held_for_share().await;
-    let quiet = tokio::spawn({
-        let app_client = (app.client.clone(), app.url("/payments"), quiet_key.clone());
-        async move {
-            let (client, url, key) = app_client;
-            let response = client
-                .post(url)
-                .bearer_auth(key)
-                .header("Idempotency-Key", new_key())
-                .json(&json!({ "amount": 1 }))
-                .send()
-                .await
-                .unwrap();
-            Answer::from(response).await
-        }
-    });
+    let quiet = tokio::spawn(pay_as(&app, &quiet_key, &new_key(), "main", 1));
     for _ in 0..200 {
         if waiting_behind(&app.pool, holder).await >= 1 {
             break;
