@@ -50,7 +50,8 @@ use std::time::{Duration, Instant};
 use prometheus::{Histogram, IntCounter, IntCounterVec};
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 
-use crate::db::{Db, DbError};
+use crate::config::Pooler;
+use crate::db::{Conn, Db, DbError};
 use crate::domain::TenantId;
 use crate::ledger::{Batched, ClaimArgs, Effect, Outcome};
 
@@ -486,7 +487,7 @@ async fn execute<E: Batched>(db: &Db, mut batch: Vec<Job<E>>, counters: &Counter
         .collect();
     let items: Vec<_> = batch.iter().map(|j| (j.tenant, &j.claim, &j.effect)).collect();
     let started = std::time::Instant::now();
-    let result = conn.run(async |c| E::run_batch(c, &items).await).await;
+    let result = run_items(&mut conn, &items).await;
     drop(items);
     match result {
         Ok(outcomes) => {
@@ -526,9 +527,37 @@ async fn execute<E: Batched>(db: &Db, mut batch: Vec<Job<E>>, counters: &Counter
     }
 }
 
-/// One item in a statement of its own, as without batching.
+/// Items in one statement, in the way that takes fewest round trips for the pooler: binary
+/// parameters and a statement cached per connection when oncepay talks to PostgreSQL
+/// itself; the statement rendered into one simple-protocol message through a
+/// transaction-mode pooler (one round trip instead of four: docs/scaling.md).
+async fn run_items<E: Batched>(
+    conn: &mut Conn,
+    items: &[(TenantId, &ClaimArgs, &E)],
+) -> Result<Vec<Outcome<E::Row>>, DbError> {
+    match conn.pooler() {
+        Pooler::None => conn.run(async |c| E::run_batch(c, items).await).await,
+        Pooler::Transaction => E::run_batch_rendered(conn, items).await,
+    }
+}
+
+/// One item in a statement of its own, as without batching (through a transaction-mode
+/// pooler, a rendered batch of one: see [`run_items`]).
 async fn alone<E: Batched>(db: &Db, job: &Job<E>) -> Result<Outcome<E::Row>, DbError> {
-    db.run(async |c| job.effect.run(c, job.tenant, &job.claim).await).await
+    let mut conn = db.conn().await?;
+    match conn.pooler() {
+        Pooler::None => {
+            conn.run(async |c| job.effect.run(c, job.tenant, &job.claim).await)
+                .await
+        }
+        Pooler::Transaction => {
+            let mut answers = run_items(&mut conn, &[(job.tenant, &job.claim, &job.effect)]).await?;
+            // One answer per item, or `run_items` failed (`settle_rendered`).
+            answers
+                .pop()
+                .ok_or_else(|| DbError::from(sqlx::Error::Decode("a batch of one answered nothing".into())))
+        }
+    }
 }
 
 /// The same failure for every item of a batch that could not run, or whose outcome is not

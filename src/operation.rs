@@ -15,9 +15,11 @@
 
 use oncepay_protocol::{routes, ProblemCode};
 
-/// An idempotent operation (PostgreSQL `oncepay_operation`, stored with each key).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, sqlx::Type)]
+/// An idempotent operation (PostgreSQL `oncepay_operation`, stored with each key). In JSON
+/// (a rendered statement's argument, `ledger`) by the same label.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, sqlx::Type, serde::Serialize)]
 #[sqlx(type_name = "oncepay_operation", rename_all = "snake_case")]
+#[serde(rename_all = "snake_case")]
 pub enum Operation {
     Pay,
     Refund,
@@ -31,9 +33,11 @@ pub enum Operation {
 }
 
 /// A deterministic failure (PostgreSQL `oncepay_decline`): stored with the key and replayed
-/// like a success. Its label is its problem `code`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, sqlx::Type)]
+/// like a success. Its label is its problem `code`, in JSON too (a rendered statement's
+/// answer, `ledger`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, sqlx::Type, serde::Deserialize)]
 #[sqlx(type_name = "oncepay_decline", rename_all = "snake_case")]
+#[serde(rename_all = "snake_case")]
 pub enum Decline {
     InsufficientFunds,
     AccountNotFound,
@@ -46,9 +50,10 @@ pub enum Decline {
     InvalidPaymentMethod,
 }
 
-/// What a claim found (PostgreSQL `oncepay_outcome`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, sqlx::Type)]
+/// What a claim found (PostgreSQL `oncepay_outcome`; in JSON by the same label).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, sqlx::Type, serde::Deserialize)]
 #[sqlx(type_name = "oncepay_outcome", rename_all = "snake_case")]
+#[serde(rename_all = "snake_case")]
 pub enum ClaimOutcome {
     /// The key was new (or absent under policy `allow`): the effect ran.
     Created,

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use deadpool::managed::Object;
-use sqlx::{Executor, PgConnection};
+use sqlx::{Executor, PgConnection, Postgres, Row};
 
 use super::error::is_connection_broken;
 use super::pool::Connector;
@@ -89,6 +89,49 @@ impl Conn {
         self.discard_if_broken(result)
     }
 
+    /// Runs `statement`, whose one parameter `$1` is text, with `argument` rendered in its
+    /// place as a literal, in one simple-protocol `Query` message: **one round trip in either
+    /// pooler mode**, where [`Conn::run`] makes four through a transaction-mode pooler
+    /// (docs/scaling.md). With a pooler the message starts with the settings that the
+    /// start-up packet carries in mode `none` (`SET LOCAL`: a multi-statement message is one
+    /// implicit transaction, and the statement timeout is armed for each of its
+    /// statements); nothing is prepared, so nothing is left on the server connection.
+    ///
+    /// `statement` is meant to be a compile-time checked one (`sqlx::query!`'s `sql()`),
+    /// so that what runs here is the checked text with only `$1` replaced. The argument
+    /// reaches PostgreSQL as hexadecimal digits (`convert_from(decode('…', 'hex'),
+    /// 'UTF8')`): no character of it can end the literal, whatever the server's settings
+    /// and the client encoding. Its one column of its one row is decoded as `O`, from
+    /// PostgreSQL's text form (the simple protocol has no binary results).
+    pub async fn fetch_rendered<O>(&mut self, statement: &str, argument: &str) -> Result<O, DbError>
+    where
+        O: for<'r> sqlx::Decode<'r, Postgres> + sqlx::Type<Postgres>,
+    {
+        let message = match render(statement, argument) {
+            Ok(rendered) if self.session.settings.is_empty() => rendered,
+            Ok(rendered) => format!("{}; {rendered}", self.session.settings),
+            Err(err) => return Err(DbError::from(err)),
+        };
+        self.unsettled = true;
+        // A `&str` without arguments is sent as a simple-protocol `Query` message.
+        let result = match self.raw().fetch_all(message.as_str()).await {
+            Ok(rows) => match rows.as_slice() {
+                [row] => row.try_get::<O, _>(0),
+                rows => Err(sqlx::Error::Decode(
+                    format!("a rendered statement answered {} rows, not one", rows.len()).into(),
+                )),
+            },
+            Err(err) => Err(err),
+        };
+        self.unsettled = false;
+        self.discard_if_broken(result)
+    }
+
+    /// The pooler mode its calls are made for.
+    pub fn pooler(&self) -> Pooler {
+        self.session.pooler
+    }
+
     /// Closes the connection instead of returning it to the pool (it reached a node that
     /// cannot take writes: behind a proxy, a new connection reaches the current primary).
     pub fn discard(&mut self) {
@@ -114,6 +157,33 @@ impl Conn {
     }
 }
 
+/// `statement` with its one parameter, `$1`, replaced by a text literal of `argument` made of
+/// hexadecimal digits only. A statement with any other parameter, or with `$1` more than
+/// once, is refused before anything is sent (a bug of the caller: nothing ran).
+fn render(statement: &str, argument: &str) -> Result<String, sqlx::Error> {
+    let parameters: Vec<(usize, &str)> = statement
+        .match_indices('$')
+        .map(|(at, _)| {
+            let digits = statement[at + 1..]
+                .find(|c: char| !c.is_ascii_digit())
+                .map_or(&statement[at + 1..], |end| &statement[at + 1..at + 1 + end]);
+            (at, digits)
+        })
+        .filter(|(_, digits)| !digits.is_empty())
+        .collect();
+    let [(at, "1")] = parameters.as_slice() else {
+        return Err(sqlx::Error::InvalidArgument(format!(
+            "a rendered statement takes one parameter, $1, once; this one has {parameters:?}"
+        )));
+    };
+    Ok(format!(
+        "{}(convert_from(decode('{}', 'hex'), 'UTF8')){}",
+        &statement[..*at],
+        hex::encode(argument),
+        &statement[at + 2..]
+    ))
+}
+
 impl Drop for Conn {
     fn drop(&mut self) {
         if self.unsettled || self.broken {
@@ -127,5 +197,37 @@ impl Drop for Conn {
                 drop(Object::take(conn));
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::render;
+
+    #[test]
+    fn the_argument_is_rendered_as_hexadecimal_digits_only() {
+        let argument = "'); DROP TABLE payments; --\\ $1";
+        let rendered = render("SELECT f($1::text::jsonb) AS x", argument).unwrap();
+        assert_eq!(
+            rendered,
+            format!(
+                "SELECT f((convert_from(decode('{}', 'hex'), 'UTF8'))::text::jsonb) AS x",
+                hex::encode(argument)
+            )
+        );
+        let literal = rendered.split('\'').nth(1).unwrap();
+        assert!(literal.chars().all(|c| c.is_ascii_hexdigit()), "{literal}");
+        assert_eq!(hex::decode(literal).unwrap(), argument.as_bytes());
+    }
+
+    #[test]
+    fn a_statement_with_another_parameter_or_none_is_refused() {
+        for statement in ["SELECT 1", "SELECT $2", "SELECT $1, $2", "SELECT $10", "SELECT $1, $1"] {
+            assert!(render(statement, "x").is_err(), "{statement}");
+        }
+        assert!(
+            render("SELECT $1 AS \"price in $\"", "x").is_ok(),
+            "a $ without digits is no parameter"
+        );
     }
 }

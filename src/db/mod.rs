@@ -74,6 +74,9 @@ pub struct Db {
 #[derive(Debug)]
 struct Session {
     pooler: Pooler,
+    /// What the start-up packet carries in mode `none`, as `SET LOCAL`s for a transaction
+    /// (empty in mode `none`).
+    settings: String,
     begin: String,
     commit: &'static str,
     rollback: &'static str,
@@ -84,6 +87,7 @@ impl Session {
         match pooler {
             Pooler::None => Self {
                 pooler,
+                settings: String::new(),
                 begin: "BEGIN".to_owned(),
                 commit: "COMMIT",
                 rollback: "ROLLBACK",
@@ -93,15 +97,19 @@ impl Session {
             // transaction deallocates everything before the pooler may hand its server
             // connection to another client; on the way out of a failed transaction only
             // after the ROLLBACK, since an aborted transaction refuses everything else.
-            Pooler::Transaction => Self {
-                pooler,
-                begin: format!(
-                    "BEGIN; SET LOCAL statement_timeout = '{}ms'; SET LOCAL idle_in_transaction_session_timeout = '{IDLE_IN_TRANSACTION}'",
+            Pooler::Transaction => {
+                let settings = format!(
+                    "SET LOCAL statement_timeout = '{}ms'; SET LOCAL idle_in_transaction_session_timeout = '{IDLE_IN_TRANSACTION}'",
                     statement_timeout.as_millis()
-                ),
-                commit: "DEALLOCATE ALL; COMMIT",
-                rollback: "ROLLBACK; DEALLOCATE ALL",
-            },
+                );
+                Self {
+                    pooler,
+                    begin: format!("BEGIN; {settings}"),
+                    settings,
+                    commit: "DEALLOCATE ALL; COMMIT",
+                    rollback: "ROLLBACK; DEALLOCATE ALL",
+                }
+            }
         }
     }
 }

@@ -21,11 +21,14 @@ use crate::idempotency::Claim;
 use crate::operation::{ClaimOutcome, Decline, Spec};
 
 /// What the claim of one request tells its SQL function (PostgreSQL `oncepay_claim_args`).
-#[derive(Clone, Debug, sqlx::Type)]
+/// In JSON (a rendered statement's argument) as the object `jsonb_populate_record` makes
+/// the composite from: the same field names, the fingerprint in `bytea`'s text form.
+#[derive(Clone, Debug, sqlx::Type, serde::Serialize)]
 #[sqlx(type_name = "oncepay_claim_args")]
 pub struct ClaimArgs {
     key: Option<String>,
     derived: bool,
+    #[serde(serialize_with = "bytea_text")]
     fingerprint: Option<Vec<u8>>,
     operation: crate::operation::Operation,
     method: String,
@@ -74,6 +77,14 @@ impl ClaimArgs {
     /// The idempotency key (`None` for a keyless request under policy `allow`).
     pub fn key(&self) -> Option<&str> {
         self.key.as_deref()
+    }
+}
+
+/// `bytea`'s text input form, `\x` and hexadecimal digits.
+fn bytea_text<S: serde::Serializer>(bytes: &Option<Vec<u8>>, s: S) -> Result<S::Ok, S::Error> {
+    match bytes {
+        Some(bytes) => s.serialize_str(&format!("\\x{}", hex::encode(bytes))),
+        None => s.serialize_none(),
     }
 }
 

@@ -13,8 +13,9 @@ use uuid::Uuid;
 macro_rules! sql_domain {
     ($(#[$doc:meta])* $name:ident($inner:ty) = $sql:literal) => {
         $(#[$doc])*
-        #[derive(Clone, Debug, PartialEq, Eq, sqlx::Type)]
+        #[derive(Clone, Debug, PartialEq, Eq, sqlx::Type, serde::Deserialize)]
         #[sqlx(type_name = $sql)]
+        #[serde(transparent)]
         pub struct $name(pub $inner);
 
         impl std::ops::Deref for $name {
@@ -49,7 +50,9 @@ sql_domain!(
     SqlAccountId(String) = "oncepay_account_id"
 );
 
-#[derive(Clone, Debug, PartialEq, Eq, sqlx::Type)]
+/// In JSON too (`to_jsonb` of the row: a rendered statement's answer, `ledger`), where a
+/// column added at the end is ignored as well.
+#[derive(Clone, Debug, PartialEq, Eq, sqlx::Type, serde::Deserialize)]
 #[sqlx(type_name = "payments")]
 pub struct PaymentRow {
     pub tenant_id: Uuid,

@@ -13,11 +13,13 @@ use sqlx::{Connection, PgConnection};
 use tokio::task::JoinHandle;
 
 use oncepay::batch;
+use oncepay::config::{Pooler, Settings};
 use oncepay::domain::MissingKeyPolicy;
 
 use crate::concurrency::{lock_account_at, lock_accounts_at};
 use crate::helpers::{
-    direct_url, metric_value, new_key, new_tenant, spawn_app_with, waiting_behind, Answer, TestApp, MAIN_BALANCE,
+    admin_pool, direct_url, metric_value, new_key, new_tenant, spawn_app_with, waiting_behind, Answer, TestApp,
+    MAIN_BALANCE,
 };
 
 /// Holds one batch slot busy: a payment with `key` on `account` (which must exist), blocked on
@@ -98,9 +100,27 @@ async fn batches(app: &TestApp) -> (f64, f64) {
 
 #[tokio::test]
 async fn payments_that_wait_together_commit_in_one_statement_each_with_its_own_answer() {
+    queued_payments_commit_together(|_| {}).await;
+}
+
+/// Through a transaction-mode pooler a batch is rendered into one simple-protocol message
+/// (its items as one JSON literal, `Conn::fetch_rendered`): the same answers, whatever the
+/// keys hold. (`make test-pgbouncer` runs every test this way, through PgBouncer.)
+#[tokio::test]
+async fn payments_that_wait_together_answer_alike_when_their_statement_is_rendered_for_a_pooler() {
+    queued_payments_commit_together(|s| s.db_pooler = Pooler::Transaction).await;
+}
+
+/// A key with every character a literal could be broken with, unique to the test.
+fn hostile_key() -> String {
+    format!("{}-');DROP\\TABLE\"payments\";--$1", new_key())
+}
+
+async fn queued_payments_commit_together(adjust: impl FnOnce(&mut Settings)) {
     let app = spawn_app_with(|s| {
         s.db_batches_in_flight = 1;
         s.db_batch_max = 32;
+        adjust(s);
     })
     .await;
     app.open_account("blocker", 1_000).await;
@@ -112,7 +132,7 @@ async fn payments_that_wait_together_commit_in_one_statement_each_with_its_own_a
     let (mut lock, first) = hold_slot(&app, &new_key(), "blocker").await;
 
     // These queue behind it, then leave together.
-    let (k1, k2, k3, k4) = (new_key(), new_key(), new_key(), new_key());
+    let (k1, k2, k3, k4) = (hostile_key(), hostile_key(), hostile_key(), new_key());
     let queued = tokio::spawn(join_all([
         pay_on(&app, &k1, "main", 10),
         pay_on(&app, &k1, "main", 10),
@@ -160,6 +180,19 @@ async fn payments_that_wait_together_commit_in_one_statement_each_with_its_own_a
     pay_on(&app, &k3, "poor", 50)
         .await
         .assert_problem(402, "insufficient_funds");
+    pay_on(&app, &k1, "main", 11)
+        .await
+        .assert_problem(422, "idempotency_key_reused");
+    let stored: Vec<String> =
+        sqlx::query_scalar("SELECT key FROM idempotency_keys WHERE tenant_id = $1 AND key = ANY($2) ORDER BY key")
+            .bind(app.tenant_id)
+            .bind([&k1, &k2, &k3])
+            .fetch_all(&admin_pool(&app.state))
+            .await
+            .unwrap();
+    let mut sent = vec![k1, k2, k3];
+    sent.sort_unstable();
+    assert_eq!(stored, sent, "each key stored as sent, character for character");
 }
 
 #[tokio::test]
