@@ -180,10 +180,10 @@ impl Batched for Pay {
     }
 
     /// [`Pay::run_batch`]'s loop over `oncepay_pay`, reading the items from one JSON array
-    /// and answering with one JSON array. The statement is checked at compile time like the
-    /// others; only its `sql()` is sent, with the argument rendered in (see
-    /// [`Conn::fetch_rendered`]). Its comment comes first because `pg_stat_activity` shows a
-    /// statement's first kilobyte (`track_activity_query_size`), which the argument fills.
+    /// and answering with one JSON array: `oncepay_pay_many` (migrations/V13), a function so
+    /// that its query is planned once per server connection, not once per message. The
+    /// statement is checked at compile time like the others; only its `sql()` is sent, with
+    /// the argument rendered in (see [`Conn::fetch_rendered`]).
     async fn run_batch_rendered(
         conn: &mut Conn,
         items: &[(TenantId, &ClaimArgs, &Self)],
@@ -198,14 +198,7 @@ impl Batched for Pay {
             amount: pay.amount.get(),
         })?;
         let statement = sqlx::query_scalar!(
-            r#"/* oncepay_pay per item */
-               SELECT jsonb_agg(jsonb_build_object('outcome', p.outcome, 'decline', p.decline,
-                                                   'expires_at', p.expires_at, 'resource', p.resource)
-                                ORDER BY item.n) AS "answers!: Json<Vec<RenderedAnswer<PaymentRow>>>"
-               FROM jsonb_array_elements($1::text::jsonb) WITH ORDINALITY AS item(i, n)
-               CROSS JOIN LATERAL oncepay_pay((item.i->>'tenant')::uuid,
-                                              jsonb_populate_record(NULL::oncepay_claim_args, item.i->'claim'),
-                                              item.i->>'account', (item.i->>'amount')::bigint) AS p"#,
+            r#"SELECT oncepay_pay_many($1::text::jsonb) AS "answers!: Json<Vec<RenderedAnswer<PaymentRow>>>""#,
             argument.as_str(),
         );
         let Json(answers) = conn
