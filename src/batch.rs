@@ -551,8 +551,8 @@ async fn alone<E: Batched>(db: &Db, job: &Job<E>) -> Result<Outcome<E::Row>, DbE
                 .await
         }
         Pooler::Transaction => {
-            let mut answers = run_items(&mut conn, &[(job.tenant, &job.claim, &job.effect)]).await?;
-            // One answer per item, or `run_items` failed (`settle_rendered`).
+            let mut answers = E::run_batch_rendered(&mut conn, &[(job.tenant, &job.claim, &job.effect)]).await?;
+            // One answer per item, or the call failed (`settle_batch`).
             answers
                 .pop()
                 .ok_or_else(|| DbError::from(sqlx::Error::Decode("a batch of one answered nothing".into())))

@@ -56,16 +56,6 @@ pub trait Batched: Effect + Sized + 'static {
     ) -> impl Future<Output = Result<Vec<Outcome<Self::Row>>, DbError>> + Send;
 }
 
-/// One item of a rendered batch, as its statement reads it (`->>` and
-/// `jsonb_populate_record`).
-#[derive(serde::Serialize)]
-struct RenderedItem<'a, I: serde::Serialize> {
-    tenant: Uuid,
-    claim: &'a ClaimArgs,
-    #[serde(flatten)]
-    input: I,
-}
-
 /// One answer of a rendered batch: the columns of the binary path, as `jsonb_build_object`
 /// writes them.
 #[derive(serde::Deserialize)]
@@ -76,34 +66,20 @@ struct RenderedAnswer<R> {
     resource: Option<R>,
 }
 
-/// The items of a rendered batch as its JSON argument.
-fn rendered_items<'a, E, I: serde::Serialize>(
-    items: &'a [(TenantId, &'a ClaimArgs, &'a E)],
-    input: impl Fn(&'a E) -> I,
-) -> Result<String, DbError> {
-    let items: Vec<_> = items
-        .iter()
-        .map(|(tenant, claim, effect)| RenderedItem {
-            tenant: tenant.get(),
-            claim,
-            input: input(effect),
-        })
-        .collect();
-    serde_json::to_string(&items).map_err(|err| DbError::from(sqlx::Error::Encode(err.into())))
-}
-
-/// A rendered batch's answers, checked to be one per item, as outcomes.
-fn settle_rendered<R>(answers: Vec<RenderedAnswer<R>>, items: usize) -> Result<Vec<Outcome<R>>, DbError> {
+/// A batch's answers, `(outcome, decline, expires_at, resource)` in the items' order, as
+/// outcomes; any other count than one per item is an answer that cannot be read.
+fn settle_batch<R>(
+    answers: impl ExactSizeIterator<Item = (ClaimOutcome, Option<Decline>, Option<DateTime<Utc>>, Option<R>)>,
+    items: usize,
+) -> Result<Vec<Outcome<R>>, sqlx::Error> {
     if answers.len() != items {
-        return Err(DbError::from(sqlx::Error::Decode(
-            format!("a batch of {items} answered {} rows", answers.len()).into(),
-        )));
+        return Err(sqlx::Error::Decode(
+            format!("a batch of {items} payments answered {} rows", answers.len()).into(),
+        ));
     }
     answers
-        .into_iter()
-        .map(|a| settle(a.outcome, a.decline, a.expires_at, a.resource))
-        .collect::<Result<_, _>>()
-        .map_err(DbError::from)
+        .map(|(outcome, decline, expires_at, resource)| settle(outcome, decline, expires_at, resource))
+        .collect()
 }
 
 /// Charges `amount` to `account`.
@@ -169,14 +145,11 @@ impl Batched for Pay {
         )
         .fetch_all(conn)
         .await?;
-        if rows.len() != items.len() {
-            return Err(sqlx::Error::Decode(
-                format!("a batch of {} payments answered {} rows", items.len(), rows.len()).into(),
-            ));
-        }
-        rows.into_iter()
-            .map(|r| settle(r.outcome, r.decline, r.expires_at, r.resource))
-            .collect()
+        settle_batch(
+            rows.into_iter()
+                .map(|r| (r.outcome, r.decline, r.expires_at, r.resource)),
+            items.len(),
+        )
     }
 
     /// [`Pay::run_batch`]'s loop over `oncepay_pay`, reading the items from one JSON array
@@ -188,15 +161,24 @@ impl Batched for Pay {
         conn: &mut Conn,
         items: &[(TenantId, &ClaimArgs, &Self)],
     ) -> Result<Vec<Outcome<PaymentRow>>, DbError> {
+        /// One item as `oncepay_pay_many` reads it (`->>` and `jsonb_populate_record`).
         #[derive(serde::Serialize)]
-        struct Input<'a> {
+        struct Item<'a> {
+            tenant: Uuid,
+            claim: &'a ClaimArgs,
             account: &'a str,
             amount: i64,
         }
-        let argument = rendered_items(items, |pay: &Pay| Input {
-            account: pay.account.as_str(),
-            amount: pay.amount.get(),
-        })?;
+        let items_json: Vec<Item<'_>> = items
+            .iter()
+            .map(|(tenant, claim, pay)| Item {
+                tenant: tenant.get(),
+                claim,
+                account: pay.account.as_str(),
+                amount: pay.amount.get(),
+            })
+            .collect();
+        let argument = serde_json::to_string(&items_json).map_err(|err| sqlx::Error::Encode(err.into()))?;
         let statement = sqlx::query_scalar!(
             r#"SELECT oncepay_pay_many($1::text::jsonb) AS "answers!: Json<Vec<RenderedAnswer<PaymentRow>>>""#,
             argument.as_str(),
@@ -204,7 +186,10 @@ impl Batched for Pay {
         let Json(answers) = conn
             .fetch_rendered::<Json<Vec<RenderedAnswer<PaymentRow>>>>(statement.sql(), &argument)
             .await?;
-        settle_rendered(answers, items.len())
+        let answers = answers
+            .into_iter()
+            .map(|a| (a.outcome, a.decline, a.expires_at, a.resource));
+        Ok(settle_batch(answers, items.len())?)
     }
 }
 
