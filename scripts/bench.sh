@@ -254,7 +254,11 @@ noisy_neighbour() { # round
 #   3. the hooked tenant's payments again, delivered meanwhile by the deliverer;
 #   4. the rest of that backlog drained, the deliverer stopped: no other step pays for it.
 deliverer_port=$((port + 9))
-pending() { sql -c "SELECT count(*) FROM webhook_deliveries WHERE state = 'pending'"; }
+# The backlog: pending deliveries, and events not yet fanned out to theirs (migrations/V14).
+pending() {
+  sql -c "SELECT (SELECT count(*) FROM webhook_deliveries WHERE state = 'pending')
+                 + (SELECT count(*) FROM webhook_events WHERE awaiting_fan_out)"
+}
 # Waits (at most two minutes) until no delivery is pending.
 wait_drained() {
   local _i
@@ -352,10 +356,11 @@ outbox_row() {
     echo
     echo "## Webhook outbox (after the webhook steps)"
     echo
-    echo "| events | deliveries | pending | delivered | attempts | outbox size (events + deliveries + attempts, with indexes) | bytes per event |"
+    echo "| events | deliveries | pending (deliveries, and events awaiting their fan-out) | delivered | attempts | outbox size (events + deliveries + attempts, with indexes) | bytes per event |"
     echo "| --- | --- | --- | --- | --- | --- | --- |"
     sql -F ' | ' -c "SELECT (SELECT count(*) FROM webhook_events), (SELECT count(*) FROM webhook_deliveries),
-                             (SELECT count(*) FROM webhook_deliveries WHERE state = 'pending'),
+                             (SELECT count(*) FROM webhook_deliveries WHERE state = 'pending')
+                             + (SELECT count(*) FROM webhook_events WHERE awaiting_fan_out),
                              (SELECT count(*) FROM webhook_deliveries WHERE state = 'delivered'),
                              (SELECT count(*) FROM webhook_attempts),
                              pg_size_pretty(pg_total_relation_size('webhook_events') + pg_total_relation_size('webhook_deliveries')

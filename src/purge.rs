@@ -27,9 +27,10 @@ pub async fn purge(db: &Db, retention: Duration, batch: i64) -> Result<u64, DbEr
 }
 
 /// The webhooks' bounded growth: deliveries finished (delivered, given up, cancelled) longer
-/// than `retention` ago are deleted with their attempts, then events left with no delivery;
+/// than `retention` ago are deleted with their attempts, then events left with no delivery,
+/// and events older than `retention` that no endpoint took when they were fanned out;
 /// and a delivery still pending for an endpoint deleted or disabled meanwhile (written by a
-/// change that raced the deletion) is cancelled. Batches as for the keys; returns the
+/// fan-out that raced the deletion) is cancelled. Batches as for the keys; returns the
 /// events deleted.
 pub async fn purge_webhooks(db: &Db, retention: Duration, batch: i64) -> Result<u64, DbError> {
     let retention_secs = retention.as_secs_f64();
@@ -84,6 +85,33 @@ pub async fn purge_webhooks(db: &Db, retention: Duration, batch: i64) -> Result<
             .await?;
         events += deleted_events as u64;
         if deliveries < batch {
+            break;
+        }
+    }
+    // Events that no endpoint took when they were fanned out (every endpoint deleted or
+    // disabled between the change and its fan-out: migrations/V14) have no delivery to be
+    // purged with; they go by their own age.
+    loop {
+        let unsent = db
+            .run(async |c| {
+                let r = sqlx::query!(
+                    r#"DELETE FROM webhook_events e
+                        USING (SELECT tenant_id, event_id FROM webhook_events
+                                WHERE NOT awaiting_fan_out AND created_at < now() - make_interval(secs => $1)
+                                ORDER BY created_at
+                                LIMIT $2
+                                  FOR UPDATE SKIP LOCKED) doomed
+                        WHERE e.tenant_id = doomed.tenant_id AND e.event_id = doomed.event_id"#,
+                    retention_secs,
+                    batch,
+                )
+                .execute(c)
+                .await?;
+                Ok(r.rows_affected())
+            })
+            .await?;
+        events += unsent;
+        if unsent < batch as u64 {
             break;
         }
     }

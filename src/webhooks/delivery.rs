@@ -1,9 +1,11 @@
 //! The delivery workers: every replica runs one [`Deliverer`], and they share the work
 //! through PostgreSQL alone (no second queue).
 //!
-//! A worker claims due deliveries with `oncepay_webhook_claim` (migrations/V9, V11): by state,
-//! `FOR UPDATE SKIP LOCKED`, at most `ONCEPAY_WEBHOOK_ENDPOINT_CONCURRENCY` in flight per
-//! endpoint over all replicas, the next event of a resource only after the previous one was
+//! A change's transaction writes only its event; each claim first writes the deliveries of the
+//! events committed since (the fan-out, one claim at a time over all replicas, in event order:
+//! migrations/V14). A worker claims due deliveries with `oncepay_webhook_claim` (migrations/V9,
+//! V11, V14): by state, `FOR UPDATE SKIP LOCKED`, at most
+//! `ONCEPAY_WEBHOOK_ENDPOINT_CONCURRENCY` in flight per endpoint over all replicas, the next event of a resource only after the previous one was
 //! delivered or given up. The claim leases the row (its next attempt moves past the HTTP
 //! timeout), then the attempt runs with no connection or lock held, then its result is
 //! recorded (`oncepay_webhook_record_many`, every attempt that ended since the worker's last
@@ -51,7 +53,8 @@ pub struct Counters {
     /// `oncepay_webhook_attempt_duration_seconds`.
     pub attempt_duration: Histogram,
     /// `oncepay_webhook_pending_deliveries{age}`: the backlog (all replicas: read from the
-    /// database), by the age of its event: `lt_1m`, `1m_to_1h`, `gt_1h`.
+    /// database), by the age of its event: `lt_1m`, `1m_to_1h`, `gt_1h`. An event not yet
+    /// fanned out to its endpoints counts once (migrations/V14).
     pub pending: IntGaugeVec,
     /// `oncepay_webhook_oldest_pending_seconds`: the age of the oldest undelivered event
     /// (0 with none): what the alert watches.
@@ -467,14 +470,18 @@ impl Deliverer {
                 .db
                 .run(async |c| {
                     sqlx::query!(
-                        r#"SELECT count(*) FILTER (WHERE d.created_at > now() - interval '1 minute') AS "fresh!",
-                                  count(*) FILTER (WHERE d.created_at <= now() - interval '1 minute'
-                                                     AND d.created_at > now() - interval '1 hour') AS "recent!",
-                                  count(*) FILTER (WHERE d.created_at <= now() - interval '1 hour') AS "old!",
-                                  coalesce(extract(epoch FROM now() - min(d.created_at))::float8, 0) AS "oldest!",
+                        r#"WITH waiting AS (
+                               SELECT d.created_at FROM webhook_deliveries d WHERE d.state = 'pending'
+                               UNION ALL
+                               SELECT ev.created_at FROM webhook_events ev WHERE ev.awaiting_fan_out)
+                           SELECT count(*) FILTER (WHERE w.created_at > now() - interval '1 minute') AS "fresh!",
+                                  count(*) FILTER (WHERE w.created_at <= now() - interval '1 minute'
+                                                     AND w.created_at > now() - interval '1 hour') AS "recent!",
+                                  count(*) FILTER (WHERE w.created_at <= now() - interval '1 hour') AS "old!",
+                                  coalesce(extract(epoch FROM now() - min(w.created_at))::float8, 0) AS "oldest!",
                                   (SELECT count(*) FROM webhook_endpoints e
                                     WHERE e.disabled_at IS NOT NULL AND e.deleted_at IS NULL) AS "disabled!"
-                             FROM webhook_deliveries d WHERE d.state = 'pending'"#
+                             FROM waiting w"#
                     )
                     .fetch_one(c)
                     .await

@@ -455,11 +455,13 @@ async fn gone_disables_the_endpoint_and_a_spent_schedule_gives_up() {
         .fetch_all(&app.pool)
         .await
         .unwrap();
-        if states.iter().all(|(_, state, _)| state != "pending") || Instant::now() > deadline {
+        // Both deliveries written (by the fan-out, after the payment) and settled.
+        if (states.len() == 2 && states.iter().all(|(_, state, _)| state != "pending")) || Instant::now() > deadline {
             break states;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
+    assert_eq!(states.len(), 2, "{states:?}");
     for (endpoint, state, reason) in &states {
         if endpoint.to_string() == gone_id {
             assert_eq!((state.as_str(), reason.as_deref()), ("given_up", Some("gone")));
@@ -553,6 +555,94 @@ async fn an_event_committed_late_is_not_skipped() {
     assert!(receiver.messages().iter().any(|m| m.resource == late.to_string()));
 }
 
+/// While no replica delivers, a change's transaction writes its event alone (migrations/V14).
+/// The first deliverer to claim fans the backlog out in event order (each payment's success
+/// before its refund) to the endpoints registered before the change, none after; an event
+/// that no endpoint takes by then (its one endpoint deleted meanwhile) stays readable and goes
+/// with the purge after the retention.
+#[tokio::test]
+async fn events_written_while_none_delivers_are_fanned_out_in_order_to_the_endpoints_registered_before_them() {
+    let (quiet, url) = crate::helpers::spawn_app_on_own_database("fan_out").await;
+    let gone = Receiver::start().await;
+    let gone_endpoint = subscribe(&quiet, &gone, None).await;
+    let unsent = quiet.deposit(Some(&new_key()), "main", 5).await;
+    assert_eq!(unsent.status, 201, "{}", unsent.body);
+    let unsent = unsent.body["id"].as_str().unwrap().to_owned();
+    let deleted = quiet
+        .client
+        .delete(quiet.url(&format!("/webhook-endpoints/{gone_endpoint}")));
+    assert_eq!(deleted.bearer_auth(&quiet.api_key).send().await.unwrap().status(), 204);
+    let receiver = Receiver::start().await;
+    subscribe(&quiet, &receiver, None).await;
+    for _ in 0..5 {
+        let payment = pay(&quiet, 10).await;
+        refund(&quiet, &payment).await;
+    }
+    let late = Receiver::start().await;
+    subscribe(&quiet, &late, None).await;
+    let counts = || async {
+        let r: (i64, i64) = sqlx::query_as(
+            "SELECT (SELECT count(*) FROM webhook_events WHERE awaiting_fan_out),
+                    (SELECT count(*) FROM webhook_deliveries)",
+        )
+        .fetch_one(&quiet.pool)
+        .await
+        .unwrap();
+        r
+    };
+    assert_eq!(
+        counts().await,
+        (11, 0),
+        "events awaiting their fan-out, no delivery written"
+    );
+
+    let _deliverer = TestApp::builder()
+        .settings(|s| {
+            s.database_url = crate::helpers::server_url(&url);
+            delivering(s);
+        })
+        .tenant_of(&quiet)
+        .spawn()
+        .await;
+    let mut expected = committed(&quiet).await;
+    assert!(expected.remove(&unsent).is_some());
+    receiver.wait_for_acknowledged(10, WAIT).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let report = receiver.check(&expected);
+    assert_eq!(report.events, 10, "{report:?}");
+    assert!(gone.messages().is_empty(), "the deleted endpoint got an event");
+    assert!(
+        late.messages().is_empty(),
+        "an endpoint got the changes made before it was registered"
+    );
+    assert_eq!(counts().await.0, 0, "every event fanned out");
+
+    let (unsent_event, awaiting): (Uuid, Option<bool>) =
+        sqlx::query_as("SELECT event_id, awaiting_fan_out FROM webhook_events WHERE resource_id = $1")
+            .bind(&unsent)
+            .fetch_one(&quiet.pool)
+            .await
+            .unwrap();
+    assert_eq!(awaiting, Some(false), "fanned out to no endpoint");
+    assert_eq!(quiet.get(&format!("/events/{unsent_event}")).await.status, 200);
+    sqlx::query("UPDATE webhook_events SET created_at = now() - interval '30 days' WHERE event_id = $1")
+        .bind(unsent_event)
+        .execute(&quiet.pool)
+        .await
+        .unwrap();
+    assert_eq!(quiet.admin(Method::POST, "/admin/purge", None).await.status, 200);
+    quiet
+        .get(&format!("/events/{unsent_event}"))
+        .await
+        .assert_problem(404, "not_found");
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM webhook_events")
+        .fetch_one(&quiet.pool)
+        .await
+        .unwrap();
+    assert_eq!(left, 10, "the delivered events stay for their retention");
+    drop_database(&url).await;
+}
+
 /// Three replicas deliver at once, each claiming from the same tables, while the payments
 /// and refunds arrive concurrently on all three: every event arrives (none skipped under
 /// concurrent writers), duplicates only with their id, in order per payment, and never more
@@ -610,6 +700,8 @@ async fn delivered_events_are_purged_after_the_retention_and_pending_ones_kept()
     let down = Receiver::unstarted().await;
     subscribe(&app, &down, None).await;
     pay(&app, 10).await;
+    // Its event fanned out to both endpoints: delivered to the first, pending for the second.
+    all_delivered(&app, &receiver).await;
     // Age every finished delivery past the retention.
     sqlx::query("UPDATE webhook_deliveries SET finished_at = now() - interval '30 days' WHERE tenant_id = $1 AND finished_at IS NOT NULL")
         .bind(app.tenant_id)
@@ -637,7 +729,7 @@ async fn delivered_events_are_purged_after_the_retention_and_pending_ones_kept()
     // while its delivery to the endpoint that is down is pending.
     assert_eq!(orphans, 0);
     assert_eq!(events, 1, "events left");
-    assert!(deliveries >= 1);
+    assert!(deliveries >= 1, "the pending delivery to the endpoint that is down");
 }
 
 /// A rotation: the new secret signs at once, the previous one beside it during the overlap
