@@ -989,3 +989,76 @@ async fn results_are_recorded_by_key_even_when_the_statistics_saw_an_empty_backl
     drop(conn);
     drop_database(&url).await;
 }
+
+#[tokio::test]
+async fn a_fan_out_reads_only_its_batch_however_large_the_events_table() {
+    // The events table keeps a week of events, nearly all fanned out long ago. A fan-out must
+    // reach its batch through the awaiting index and the rows' addresses, never by reading the
+    // table (V14's join was planned as a hash join over a sequential scan, by the table's
+    // statistics: 0.78 ms per event on a 31,000-row table; migrations/V15).
+    let url = empty_database("fan_out_plan").await;
+    oncepay::db::migrate(&url).await.unwrap();
+    let mut conn = sqlx::PgConnection::connect(&url).await.unwrap();
+    let tenant = Uuid::new_v4();
+    sqlx::query(
+        "INSERT INTO tenants (tenant_id, name, api_key_hash, missing_key_policy)
+         VALUES ($1, 'fan-out', '\\x01', 'reject')",
+    )
+    .bind(tenant)
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO webhook_endpoints (tenant_id, endpoint_id, url, secret_encrypted, created_at)
+         VALUES ($1, gen_random_uuid(), 'https://example.com/hooks', '\\x00', now() - interval '1 hour')",
+    )
+    .bind(tenant)
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    let events = |n: i32, awaiting: Option<bool>| {
+        sqlx::query(
+            "INSERT INTO webhook_events (tenant_id, event_id, event_type, resource_id, data, created_at, awaiting_fan_out)
+             SELECT $1, gen_random_uuid(), 'payment.succeeded', 'pay_' || g, '{}', now(), $3
+               FROM generate_series(1, $2) g",
+        )
+        .bind(tenant)
+        .bind(n)
+        .bind(awaiting)
+    };
+    events(5_000, None).execute(&mut conn).await.unwrap();
+    sqlx::query("ANALYZE webhook_events").execute(&mut conn).await.unwrap();
+    let awaiting = 40;
+    events(awaiting, Some(true)).execute(&mut conn).await.unwrap();
+
+    sqlx::query("BEGIN").execute(&mut conn).await.unwrap();
+    let fanned: i32 = sqlx::query_scalar("SELECT oncepay_webhook_fan_out(1000)")
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+    let (seq_read, fetched): (i64, i64) = sqlx::query_as(
+        "SELECT seq_tup_read, idx_tup_fetch FROM pg_stat_xact_user_tables WHERE relname = 'webhook_events'",
+    )
+    .fetch_one(&mut conn)
+    .await
+    .unwrap();
+    sqlx::query("COMMIT").execute(&mut conn).await.unwrap();
+
+    assert_eq!(fanned, awaiting, "every awaiting event fanned out");
+    assert_eq!(
+        seq_read, 0,
+        "the fan-out read {seq_read} event rows by sequential scan to fan out {awaiting}"
+    );
+    assert!(
+        fetched <= 2 * i64::from(awaiting),
+        "{fetched} index fetches to fan out {awaiting} events"
+    );
+    let deliveries: i64 = sqlx::query_scalar("SELECT count(*) FROM webhook_deliveries WHERE tenant_id = $1")
+        .bind(tenant)
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(deliveries, i64::from(awaiting));
+    drop(conn);
+    drop_database(&url).await;
+}
