@@ -259,10 +259,17 @@ pending() {
   sql -c "SELECT (SELECT count(*) FROM webhook_deliveries WHERE state = 'pending')
                  + (SELECT count(*) FROM webhook_events WHERE awaiting_fan_out)"
 }
+# Whether anything is pending: two probes of the partial indexes, where pending()'s counts
+# read the whole backlog (polled every 0.1 s, they cost the drain's figures 12 to 77 us of
+# PostgreSQL CPU per event, measured with pg_stat_statements at 21:45).
+drained() {
+  [ "$(sql -c "SELECT NOT EXISTS (SELECT FROM webhook_deliveries WHERE state = 'pending')
+                      AND NOT EXISTS (SELECT FROM webhook_events WHERE awaiting_fan_out)")" = t ]
+}
 # Waits (at most two minutes) until no delivery is pending.
 wait_drained() {
   local _i
-  for _i in $(seq 1200); do [ "$(pending)" = 0 ] && return; sleep 0.1; done
+  for _i in $(seq 1200); do drained && return; sleep 0.1; done
 }
 # CPU ticks of the PostgreSQL cluster (the postmaster and its children) and of one process.
 pg_ticks() {

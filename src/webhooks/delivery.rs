@@ -1,11 +1,12 @@
 //! The delivery workers: every replica runs one [`Deliverer`], and they share the work
 //! through PostgreSQL alone (no second queue).
 //!
-//! A change's transaction writes only its event; each claim first writes the deliveries of the
-//! events committed since (the fan-out, one claim at a time over all replicas, in event order:
-//! migrations/V14). A worker claims due deliveries with `oncepay_webhook_claim` (migrations/V9,
-//! V11, V14): by state, `FOR UPDATE SKIP LOCKED`, at most
-//! `ONCEPAY_WEBHOOK_ENDPOINT_CONCURRENCY` in flight per endpoint over all replicas, the next event of a resource only after the previous one was
+//! A change's transaction writes only its event; a claim first writes the deliveries of the
+//! events committed since (the fan-out, at most every [`FAN_OUT_EVERY`] per worker, one at a
+//! time over all replicas, in event order: migrations/V14, V16). A worker claims due
+//! deliveries with `oncepay_webhook_claim` (migrations/V9, V11, V14, V16): by state,
+//! `FOR UPDATE SKIP LOCKED`, at most `ONCEPAY_WEBHOOK_ENDPOINT_CONCURRENCY` in flight per
+//! endpoint over all replicas, the next event of a resource only after the previous one was
 //! delivered or given up. The claim leases the row (its next attempt moves past the HTTP
 //! timeout), then the attempt runs with no connection or lock held, then its result is
 //! recorded (`oncepay_webhook_record_many`, every attempt that ended since the worker's last
@@ -42,6 +43,11 @@ const LEASE_MARGIN: Duration = Duration::from_secs(10);
 const GATHER: Duration = Duration::from_millis(2);
 /// The wait before recording again when the database could not be reached.
 const RECORD_RETRY: Duration = Duration::from_millis(500);
+/// How often a worker writes the deliveries of newly committed events (the fan-out) before
+/// a claim: each fan-out steps over the index entries of the events fanned out since the
+/// table's last vacuum, so one per claim (hundreds a second) cost more than the claims
+/// (migrations/V16). An event waits for its deliveries at most this much longer.
+const FAN_OUT_EVERY: Duration = Duration::from_millis(20);
 
 /// What the workers count, registered by the caller (`crate::metrics`).
 #[derive(Clone)]
@@ -157,6 +163,7 @@ impl Deliverer {
         let gauges = tokio::spawn(self.clone().refresh_gauges());
         let _stop_gauges = AbortOnDrop(gauges);
         let mut ended = Vec::new();
+        let mut fanned_out: Option<Instant> = None;
         loop {
             while let Ok(e) = ended_rx.try_recv() {
                 ended.push(e);
@@ -168,7 +175,11 @@ impl Deliverer {
             let free = slots.available_permits().min(CLAIM_MAX);
             let mut more_due = false;
             if free > 0 {
-                match self.claim(free).await {
+                let fan_out = fanned_out.is_none_or(|t| t.elapsed() >= FAN_OUT_EVERY);
+                if fan_out {
+                    fanned_out = Some(Instant::now());
+                }
+                match self.claim(free, fan_out).await {
                     Ok(claimed) => {
                         more_due = claimed.len() == free;
                         for c in claimed {
@@ -205,7 +216,9 @@ impl Deliverer {
         }
     }
 
-    async fn claim(&self, n: usize) -> Result<Vec<Claimed>, DbError> {
+    /// Claims up to `n` due deliveries, first writing those of newly committed events if
+    /// `fan_out`.
+    async fn claim(&self, n: usize, fan_out: bool) -> Result<Vec<Claimed>, DbError> {
         let lease = self.settings.timeout + LEASE_MARGIN;
         let lease_ms = i32::try_from(lease.as_millis()).unwrap_or(i32::MAX);
         let per_endpoint = i32::try_from(self.settings.endpoint_concurrency).unwrap_or(i32::MAX);
@@ -218,10 +231,11 @@ impl Deliverer {
                               attempt AS "attempt!", url AS "url!", secret_encrypted AS "secret_encrypted!",
                               previous_secret_encrypted, event_type AS "event_type!", data AS "data!",
                               created_at AS "created_at!"
-                         FROM oncepay_webhook_claim($1, $2, $3)"#,
+                         FROM oncepay_webhook_claim($1, $2, $3, $4)"#,
                     limit,
                     per_endpoint,
                     lease_ms,
+                    fan_out,
                 )
                 .fetch_all(c)
                 .await

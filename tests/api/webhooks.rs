@@ -893,24 +893,53 @@ async fn delivery_fetches(conn: &mut sqlx::PgConnection) -> i64 {
         .unwrap()
 }
 
+/// A migrated database of its own for a test of the planner's choices, autovacuum off on the
+/// outbox's tables (the test decides when they are analysed), and a connection to it.
+async fn planner_database(name: &str) -> (String, sqlx::PgConnection) {
+    let url = empty_database(name).await;
+    oncepay::db::migrate(&url).await.unwrap();
+    let mut conn = sqlx::PgConnection::connect(&url).await.unwrap();
+    for table in ["webhook_events", "webhook_deliveries"] {
+        sqlx::query(&format!("ALTER TABLE {table} SET (autovacuum_enabled = false)"))
+            .execute(&mut conn)
+            .await
+            .unwrap();
+    }
+    (url, conn)
+}
+
+/// A tenant with one endpoint, registered an hour ago: (tenant, endpoint).
+async fn tenant_with_endpoint(conn: &mut sqlx::PgConnection) -> (Uuid, Uuid) {
+    let (tenant, endpoint) = (Uuid::new_v4(), Uuid::new_v4());
+    sqlx::query(
+        "WITH t AS (
+             INSERT INTO tenants (tenant_id, name, api_key_hash, missing_key_policy)
+             VALUES ($1, 'planner', '\\x01', 'reject'))
+         INSERT INTO webhook_endpoints (tenant_id, endpoint_id, url, secret_encrypted, created_at)
+         VALUES ($1, $2, 'https://example.com/hooks', '\\x00', now() - interval '1 hour')",
+    )
+    .bind(tenant)
+    .bind(endpoint)
+    .execute(conn)
+    .await
+    .unwrap();
+    (tenant, endpoint)
+}
+
 #[tokio::test]
 async fn results_are_recorded_by_key_even_when_the_statistics_saw_an_empty_backlog() {
     // A queue table is analysed when its backlog happens to be empty (right after a drain):
     // the planner then expects one pending row. Recording results must still look each
     // delivery up by its key, not walk every pending row of the endpoint per attempt (what
     // slowed make bench's second drain to a fifth: migrations/V12).
-    let url = empty_database("record_plan").await;
-    oncepay::db::migrate(&url).await.unwrap();
-    let mut conn = sqlx::PgConnection::connect(&url).await.unwrap();
+    let (url, mut conn) = planner_database("record_plan").await;
     let (tenant, endpoint) = (Uuid::new_v4(), Uuid::new_v4());
-    sqlx::query("ALTER TABLE webhook_deliveries SET (autovacuum_enabled = false)")
-        .execute(&mut conn)
-        .await
-        .unwrap();
     let insert = |n: i32, state: &'static str| {
         sqlx::query(
-            "INSERT INTO webhook_deliveries (tenant_id, event_id, endpoint_id, resource_id, state, next_attempt_at, created_at)
-             SELECT $1, gen_random_uuid(), $2, 'pay_' || g, $3, now(), now() FROM generate_series(1, $4) g",
+            "INSERT INTO webhook_deliveries (tenant_id, event_id, endpoint_id, resource_id, state, next_attempt_at,
+                                             created_at, finished_at)
+             SELECT $1, gen_random_uuid(), $2, 'pay_' || g, $3, now(), now(), CASE WHEN $3 <> 'pending' THEN now() END
+               FROM generate_series(1, $4) g",
         )
         .bind(tenant)
         .bind(endpoint)
@@ -996,26 +1025,8 @@ async fn a_fan_out_reads_only_its_batch_however_large_the_events_table() {
     // reach its batch through the awaiting index and the rows' addresses, never by reading the
     // table (V14's join was planned as a hash join over a sequential scan, by the table's
     // statistics: 0.78 ms per event on a 31,000-row table; migrations/V15).
-    let url = empty_database("fan_out_plan").await;
-    oncepay::db::migrate(&url).await.unwrap();
-    let mut conn = sqlx::PgConnection::connect(&url).await.unwrap();
-    let tenant = Uuid::new_v4();
-    sqlx::query(
-        "INSERT INTO tenants (tenant_id, name, api_key_hash, missing_key_policy)
-         VALUES ($1, 'fan-out', '\\x01', 'reject')",
-    )
-    .bind(tenant)
-    .execute(&mut conn)
-    .await
-    .unwrap();
-    sqlx::query(
-        "INSERT INTO webhook_endpoints (tenant_id, endpoint_id, url, secret_encrypted, created_at)
-         VALUES ($1, gen_random_uuid(), 'https://example.com/hooks', '\\x00', now() - interval '1 hour')",
-    )
-    .bind(tenant)
-    .execute(&mut conn)
-    .await
-    .unwrap();
+    let (url, mut conn) = planner_database("fan_out_plan").await;
+    let (tenant, _) = tenant_with_endpoint(&mut conn).await;
     let events = |n: i32, awaiting: Option<bool>| {
         sqlx::query(
             "INSERT INTO webhook_events (tenant_id, event_id, event_type, resource_id, data, created_at, awaiting_fan_out)
@@ -1059,6 +1070,75 @@ async fn a_fan_out_reads_only_its_batch_however_large_the_events_table() {
         .await
         .unwrap();
     assert_eq!(deliveries, i64::from(awaiting));
+    drop(conn);
+    drop_database(&url).await;
+}
+
+#[tokio::test]
+async fn a_claim_finds_each_resources_earlier_delivery_by_its_index_even_when_the_statistics_saw_an_empty_backlog() {
+    // The claim takes an endpoint's due deliveries in order, each only if no earlier delivery
+    // of its resource is pending. Analysed while the backlog was empty, the planner believed
+    // the endpoint's pending rows to be one and answered that check by walking them all from
+    // the front, once per candidate: make bench's drains and this test's 2,000 deliveries
+    // waiting for a retry ahead of the due ones (a receiver that failed, then recovered)
+    // made the claim cost grow with the backlog (migrations/V16).
+    let (url, mut conn) = planner_database("claim_plan").await;
+    let (tenant, endpoint) = tenant_with_endpoint(&mut conn).await;
+    // Deliveries of distinct resources, in this order, with their events.
+    let deliveries = |n: i32, state: &'static str, due_in_secs: i32| {
+        sqlx::query(
+            "WITH d AS (
+                 INSERT INTO webhook_deliveries (tenant_id, event_id, endpoint_id, resource_id, state, next_attempt_at,
+                                                 created_at, finished_at)
+                 SELECT $1, gen_random_uuid(), $2, 'pay_' || gen_random_uuid(), $3,
+                        now() + make_interval(secs => $5), now(), CASE WHEN $3 <> 'pending' THEN now() END
+                   FROM generate_series(1, $4) g
+                 RETURNING tenant_id, event_id, resource_id)
+             INSERT INTO webhook_events (tenant_id, event_id, event_type, resource_id, data, created_at)
+             SELECT tenant_id, event_id, 'payment.succeeded', resource_id, '{}', now() FROM d",
+        )
+        .bind(tenant)
+        .bind(endpoint)
+        .bind(state)
+        .bind(n)
+        .bind(f64::from(due_in_secs))
+    };
+    deliveries(300, "delivered", 0).execute(&mut conn).await.unwrap();
+    sqlx::query("ANALYZE webhook_deliveries")
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    let waiting = 2_000;
+    deliveries(waiting, "pending", 3_600).execute(&mut conn).await.unwrap();
+    deliveries(300, "pending", 0).execute(&mut conn).await.unwrap();
+    // As a long-lived connection runs the claim's statements after five calls.
+    sqlx::query("SET plan_cache_mode = force_generic_plan")
+        .execute(&mut conn)
+        .await
+        .unwrap();
+
+    let limit = 16;
+    sqlx::query("BEGIN").execute(&mut conn).await.unwrap();
+    let before = delivery_fetches(&mut conn).await;
+    let claimed: i64 = sqlx::query_scalar("SELECT count(*) FROM oncepay_webhook_claim_fanned_out($1, $1, 30000)")
+        .bind(limit)
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+    let fetched = delivery_fetches(&mut conn).await - before;
+    sqlx::query("COMMIT").execute(&mut conn).await.unwrap();
+
+    assert_eq!(
+        claimed,
+        i64::from(limit),
+        "the claim took as many due deliveries as it asked for"
+    );
+    // Passing the waiting rows once is the scan's; each candidate's check is a probe.
+    assert!(
+        fetched <= i64::from(waiting + 8 * limit),
+        "{fetched} index fetches to claim {limit} deliveries behind {waiting} waiting ones: \
+         each candidate walked the endpoint's pending rows"
+    );
     drop(conn);
     drop_database(&url).await;
 }
