@@ -885,12 +885,19 @@ async fn an_endpoint_at_its_bound_gets_its_next_event_when_an_attempt_ends_not_a
     crate::helpers::drop_database(&url).await;
 }
 
-/// Index fetches on webhook_deliveries by this transaction so far.
-async fn delivery_fetches(conn: &mut sqlx::PgConnection) -> i64 {
-    sqlx::query_scalar("SELECT idx_tup_fetch FROM pg_stat_xact_user_tables WHERE relname = 'webhook_deliveries'")
+/// Rows of `table` read by this transaction so far: (by sequential scans, fetched through
+/// an index).
+async fn reads(conn: &mut sqlx::PgConnection, table: &str) -> (i64, i64) {
+    sqlx::query_as("SELECT seq_tup_read, idx_tup_fetch FROM pg_stat_xact_user_tables WHERE relname = $1")
+        .bind(table)
         .fetch_one(conn)
         .await
         .unwrap()
+}
+
+/// Index fetches on webhook_deliveries by this transaction so far.
+async fn delivery_fetches(conn: &mut sqlx::PgConnection) -> i64 {
+    reads(conn, "webhook_deliveries").await.1
 }
 
 /// A migrated database of its own for a test of the planner's choices, autovacuum off on the
@@ -906,6 +913,36 @@ async fn planner_database(name: &str) -> (String, sqlx::PgConnection) {
             .unwrap();
     }
     (url, conn)
+}
+
+/// `n` deliveries in `state` to the endpoint, of distinct resources, due in `due_in_secs`, in
+/// this order, with their events.
+async fn insert_deliveries(
+    conn: &mut sqlx::PgConnection,
+    (tenant, endpoint): (Uuid, Uuid),
+    n: i32,
+    state: &str,
+    due_in_secs: i32,
+) {
+    sqlx::query(
+        "WITH d AS (
+             INSERT INTO webhook_deliveries (tenant_id, event_id, endpoint_id, resource_id, state, next_attempt_at,
+                                             created_at, finished_at)
+             SELECT $1, gen_random_uuid(), $2, 'pay_' || gen_random_uuid(), $3,
+                    now() + make_interval(secs => $5), now(), CASE WHEN $3 <> 'pending' THEN now() END
+               FROM generate_series(1, $4) g
+             RETURNING tenant_id, event_id, resource_id)
+         INSERT INTO webhook_events (tenant_id, event_id, event_type, resource_id, data, created_at)
+         SELECT tenant_id, event_id, 'payment.succeeded', resource_id, '{}', now() FROM d",
+    )
+    .bind(tenant)
+    .bind(endpoint)
+    .bind(state)
+    .bind(n)
+    .bind(f64::from(due_in_secs))
+    .execute(conn)
+    .await
+    .unwrap();
 }
 
 /// A tenant with one endpoint, registered an hour ago: (tenant, endpoint).
@@ -934,24 +971,12 @@ async fn results_are_recorded_by_key_even_when_the_statistics_saw_an_empty_backl
     // slowed make bench's second drain to a fifth: migrations/V12).
     let (url, mut conn) = planner_database("record_plan").await;
     let (tenant, endpoint) = (Uuid::new_v4(), Uuid::new_v4());
-    let insert = |n: i32, state: &'static str| {
-        sqlx::query(
-            "INSERT INTO webhook_deliveries (tenant_id, event_id, endpoint_id, resource_id, state, next_attempt_at,
-                                             created_at, finished_at)
-             SELECT $1, gen_random_uuid(), $2, 'pay_' || g, $3, now(), now(), CASE WHEN $3 <> 'pending' THEN now() END
-               FROM generate_series(1, $4) g",
-        )
-        .bind(tenant)
-        .bind(endpoint)
-        .bind(state)
-        .bind(n)
-    };
-    insert(300, "delivered").execute(&mut conn).await.unwrap();
+    insert_deliveries(&mut conn, (tenant, endpoint), 300, "delivered", 0).await;
     sqlx::query("ANALYZE webhook_deliveries")
         .execute(&mut conn)
         .await
         .unwrap();
-    insert(2_000, "pending").execute(&mut conn).await.unwrap();
+    insert_deliveries(&mut conn, (tenant, endpoint), 2_000, "pending", 0).await;
     // As a long-lived connection runs them after five calls: one plan for any arrays.
     sqlx::query("SET plan_cache_mode = force_generic_plan")
         .execute(&mut conn)
@@ -1047,12 +1072,7 @@ async fn a_fan_out_reads_only_its_batch_however_large_the_events_table() {
         .fetch_one(&mut conn)
         .await
         .unwrap();
-    let (seq_read, fetched): (i64, i64) = sqlx::query_as(
-        "SELECT seq_tup_read, idx_tup_fetch FROM pg_stat_xact_user_tables WHERE relname = 'webhook_events'",
-    )
-    .fetch_one(&mut conn)
-    .await
-    .unwrap();
+    let (seq_read, fetched) = reads(&mut conn, "webhook_events").await;
     sqlx::query("COMMIT").execute(&mut conn).await.unwrap();
 
     assert_eq!(fanned, awaiting, "every awaiting event fanned out");
@@ -1084,33 +1104,14 @@ async fn a_claim_finds_each_resources_earlier_delivery_by_its_index_even_when_th
     // made the claim cost grow with the backlog (migrations/V16).
     let (url, mut conn) = planner_database("claim_plan").await;
     let (tenant, endpoint) = tenant_with_endpoint(&mut conn).await;
-    // Deliveries of distinct resources, in this order, with their events.
-    let deliveries = |n: i32, state: &'static str, due_in_secs: i32| {
-        sqlx::query(
-            "WITH d AS (
-                 INSERT INTO webhook_deliveries (tenant_id, event_id, endpoint_id, resource_id, state, next_attempt_at,
-                                                 created_at, finished_at)
-                 SELECT $1, gen_random_uuid(), $2, 'pay_' || gen_random_uuid(), $3,
-                        now() + make_interval(secs => $5), now(), CASE WHEN $3 <> 'pending' THEN now() END
-                   FROM generate_series(1, $4) g
-                 RETURNING tenant_id, event_id, resource_id)
-             INSERT INTO webhook_events (tenant_id, event_id, event_type, resource_id, data, created_at)
-             SELECT tenant_id, event_id, 'payment.succeeded', resource_id, '{}', now() FROM d",
-        )
-        .bind(tenant)
-        .bind(endpoint)
-        .bind(state)
-        .bind(n)
-        .bind(f64::from(due_in_secs))
-    };
-    deliveries(300, "delivered", 0).execute(&mut conn).await.unwrap();
+    insert_deliveries(&mut conn, (tenant, endpoint), 300, "delivered", 0).await;
     sqlx::query("ANALYZE webhook_deliveries")
         .execute(&mut conn)
         .await
         .unwrap();
     let waiting = 2_000;
-    deliveries(waiting, "pending", 3_600).execute(&mut conn).await.unwrap();
-    deliveries(300, "pending", 0).execute(&mut conn).await.unwrap();
+    insert_deliveries(&mut conn, (tenant, endpoint), waiting, "pending", 3_600).await;
+    insert_deliveries(&mut conn, (tenant, endpoint), 300, "pending", 0).await;
     // As a long-lived connection runs the claim's statements after five calls.
     sqlx::query("SET plan_cache_mode = force_generic_plan")
         .execute(&mut conn)
