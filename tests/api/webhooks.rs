@@ -964,6 +964,76 @@ async fn tenant_with_endpoint(conn: &mut sqlx::PgConnection) -> (Uuid, Uuid) {
 }
 
 #[tokio::test]
+async fn a_payment_runs_no_sql_function_that_is_planned_again_each_transaction() {
+    // A SQL function that PostgreSQL cannot inline (declared IMMUTABLE over a STABLE body, as
+    // oncepay_json_time was) is parsed and planned again in every transaction that calls it
+    // from PL/pgSQL: 163,000 of a payment's 1,041,000 instructions, spent on the event's data,
+    // and spent even for a tenant with no endpoint, which writes no event (migrations/V17).
+    // Counted with track_functions, which sees a SQL function only when it runs as a call of
+    // its own.
+    let (url, mut conn) = planner_database("pay_functions").await;
+    let (hooked, _) = tenant_with_endpoint(&mut conn).await;
+    let plain = Uuid::new_v4();
+    sqlx::query(
+        "WITH t AS (
+             INSERT INTO tenants (tenant_id, name, api_key_hash, missing_key_policy)
+             VALUES ($2, 'planner', '\\x02', 'reject'))
+         INSERT INTO accounts (tenant_id, account_id, balance, opening_balance)
+         SELECT t, 'main', 1000, 1000 FROM unnest(ARRAY[$1, $2]::uuid[]) t",
+    )
+    .bind(hooked)
+    .bind(plain)
+    .execute(&mut conn)
+    .await
+    .unwrap();
+
+    for (tenant, events) in [(hooked, 1), (plain, 0)] {
+        sqlx::query("BEGIN").execute(&mut conn).await.unwrap();
+        sqlx::query("SET LOCAL track_functions = 'all'")
+            .execute(&mut conn)
+            .await
+            .unwrap();
+        let outcome: String = sqlx::query_scalar(
+            "SELECT outcome::text FROM oncepay_pay($1, ROW(NULL, false, NULL, 'pay', 'POST', '/payments', 0, 1000, 201, '{}')::oncepay_claim_args, 'main', 7)",
+        )
+        .bind(tenant)
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+        let called: Vec<(String, String)> = sqlx::query_as(
+            "SELECT f.funcname::text, l.lanname::text
+               FROM pg_stat_xact_user_functions f
+               JOIN pg_proc p ON p.oid = f.funcid
+               JOIN pg_language l ON l.oid = p.prolang
+              ORDER BY 1",
+        )
+        .fetch_all(&mut conn)
+        .await
+        .unwrap();
+        let written: i64 = sqlx::query_scalar("SELECT count(*) FROM webhook_events WHERE tenant_id = $1")
+            .bind(tenant)
+            .fetch_one(&mut conn)
+            .await
+            .unwrap();
+        sqlx::query("COMMIT").execute(&mut conn).await.unwrap();
+
+        assert_eq!(outcome, "created");
+        assert_eq!(written, events, "events written for tenant {tenant}");
+        assert!(
+            called.iter().any(|(name, _)| name == "oncepay_pay"),
+            "track_functions counted no call at all: {called:?}"
+        );
+        let planned: Vec<_> = called.iter().filter(|(_, language)| language == "sql").collect();
+        assert!(
+            planned.is_empty(),
+            "a payment ran SQL functions as calls of their own (each planned again every transaction): {planned:?}"
+        );
+    }
+    drop(conn);
+    drop_database(&url).await;
+}
+
+#[tokio::test]
 async fn results_are_recorded_by_key_even_when_the_statistics_saw_an_empty_backlog() {
     // A queue table is analysed when its backlog happens to be empty (right after a drain):
     // the planner then expects one pending row. Recording results must still look each
