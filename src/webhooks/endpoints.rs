@@ -216,8 +216,10 @@ pub struct EventRow {
 
 pub async fn event(conn: &mut PgConnection, tenant: TenantId, event: EventId) -> Result<Option<EventRow>, sqlx::Error> {
     let row = sqlx::query!(
-        r#"SELECT event_id, event_type, data, created_at FROM webhook_events
-            WHERE tenant_id = $1 AND event_id = $2"#,
+        // A payment's event is stored without its data, rendered here (migrations/V18).
+        r#"SELECT ev.event_id, ev.event_type, oncepay_event_data(ev) AS "data!", ev.created_at
+             FROM webhook_events ev
+            WHERE ev.tenant_id = $1 AND ev.event_id = $2"#,
         tenant.get(),
         event.get(),
     )

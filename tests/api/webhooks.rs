@@ -848,6 +848,66 @@ async fn a_batch_emits_one_event_per_new_payment_and_none_for_its_replays() {
     assert_eq!(after, 3);
 }
 
+/// A payment's event is written without its data (migrations/V18), which the deliverer and
+/// GET /events/{id} render from the payment row: as the payment was when it succeeded, the
+/// same as the answer to its POST, even when it was refunded before the event went out.
+#[tokio::test]
+async fn a_payment_event_is_stored_without_data_and_delivered_as_the_payment_was_created() {
+    let (writer, url) = crate::helpers::spawn_app_on_own_database("webhook_rendered").await;
+    let receiver = Receiver::start().await;
+    subscribe(&writer, &receiver, None).await;
+    let paid = writer.pay(Some(&new_key()), 40).await;
+    assert_eq!(paid.status, 201, "{}", paid.body);
+    let payment = paid.body["id"].as_str().unwrap().to_owned();
+    refund(&writer, &payment).await;
+    let stored: Vec<(String, Option<serde_json::Value>)> =
+        sqlx::query_as("SELECT event_type, data FROM webhook_events WHERE tenant_id = $1 ORDER BY sequence")
+            .bind(writer.tenant_id)
+            .fetch_all(&writer.pool)
+            .await
+            .unwrap();
+    assert_eq!(stored.len(), 2, "{stored:?}");
+    assert_eq!(stored[0], ("payment.succeeded".to_owned(), None));
+    assert_eq!(stored[1].0, "payment.refunded");
+    assert!(stored[1].1.is_some(), "other events keep their data");
+
+    let _deliverer = TestApp::builder()
+        .tenant_of(&writer)
+        .settings(|s| {
+            delivering(s);
+            s.database_url = crate::helpers::server_url(&url);
+        })
+        .spawn()
+        .await;
+    let report = all_delivered(&writer, &receiver).await;
+    assert_eq!(report.events, 2, "{report:?}");
+    let messages = receiver.messages();
+    let succeeded = messages.iter().find(|m| m.event_type == "payment.succeeded").unwrap();
+    let data = &succeeded.body["data"];
+    for key in ["id", "account", "status", "created_at"] {
+        assert_eq!(
+            data[key], paid.body[key],
+            "{key}: the answer to the POST was {}",
+            paid.body
+        );
+    }
+    assert_eq!(data["amount"], paid.body["charged"]);
+    assert_eq!(data["status"], "succeeded");
+    assert_eq!(succeeded.body["data"]["refunded_at"], serde_json::Value::Null);
+    let keys = |v: &serde_json::Value| v.as_object().unwrap().keys().cloned().collect::<Vec<_>>();
+    assert_eq!(
+        keys(&succeeded.body["data"]),
+        ["account", "amount", "created_at", "id", "refunded_at", "status"]
+    );
+    let event = writer.get(&format!("/events/{}", succeeded.id)).await;
+    assert_eq!(event.status, 200, "{}", event.body);
+    assert_eq!(event.body["data"], succeeded.body["data"]);
+    let refunded = messages.iter().find(|m| m.event_type == "payment.refunded").unwrap();
+    assert_eq!(refunded.body["data"]["status"], "refunded");
+    drop(writer);
+    crate::helpers::drop_database(&url).await;
+}
+
 /// An endpoint at its bound gets its next event as soon as one of its attempts ends, not a
 /// poll later. One attempt in flight allowed, a poll of two minutes, twelve events waiting
 /// when the only delivering replica starts: they all arrive, in order, one at a time, long
