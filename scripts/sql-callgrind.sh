@@ -10,7 +10,9 @@
 # ANALYZE (the steady state: plans as in production, not those of empty tables). Then, per side
 # and kind, `postgres --single` under callgrind runs N1 and N2 prepared calls (new keys, or
 # replays of the seeded keys): instructions per call = (Ir(N2) - Ir(N1)) / (N2 - N1), which
-# cancels start-up and the first plans. The cluster is removed at the end, also on failure;
+# cancels start-up and the first plans. Where a side has webhooks (V9 on), a second tenant with
+# one subscribed endpoint makes the third kind, `hooked`: new payments that write an event, the
+# outbox's own cost against `new` (issue 20; make bench measures the same in payments/s). The cluster is removed at the end, also on failure;
 # SQL_CALLGRIND_OUT=dir keeps the callgrind files.
 set -euo pipefail
 top="$(cd "$(dirname "$0")/.." && pwd)"
@@ -42,6 +44,8 @@ as_pg "$bin/pg_ctl" -D "$work/data" -l "$work/log" -w start >/dev/null
 psql() { "$bin/psql" -X -q -v ON_ERROR_STOP=1 -h 127.0.0.1 -p "$port" -U oncepay "$@"; }
 
 tenant="'00000000-0000-0000-0000-000000000001'"
+hooked="'00000000-0000-0000-0000-000000000002'"
+has_webhooks() { [ "$(psql -d "$1" -tAc "SELECT to_regclass('webhook_endpoints') IS NOT NULL")" = t ]; }
 # The call of each generation of oncepay_pay, as a format string over (key, fingerprint, account).
 call_of() { # db -> the call template
   if [ "$(psql -d "$1" -tAc "SELECT pronargs FROM pg_proc WHERE proname = 'oncepay_pay'")" = 7 ]; then
@@ -64,6 +68,16 @@ load() { # db, then the migration files of that side
   call="$(printf "$(call_of "$db")" "'seed-' || i" "sha256(i::text::bytea)" "(i % 10000)::text")"
   psql -d "$db" -c "SELECT count(*) FROM (SELECT $call FROM generate_series(1, 500) i) s" -c ANALYZE \
     -c "SELECT count(*) FROM (SELECT $call FROM generate_series(501, 20000) i) s" -c "VACUUM ANALYZE" >/dev/null
+  if has_webhooks "$db"; then
+    # The hooked tenant, its endpoint (never delivered to: no deliverer runs) and 2,000 events.
+    psql -d "$db" -c "INSERT INTO tenants (tenant_id, name, api_key_hash) VALUES ($hooked, 'hooked', sha256('y'))" \
+      -c "INSERT INTO accounts (tenant_id, account_id, balance, opening_balance)
+          SELECT $hooked, i::text, 1000000000000, 1000000000000 FROM generate_series(0, 9999) i" \
+      -c "INSERT INTO webhook_endpoints (tenant_id, endpoint_id, url, secret_encrypted, created_at)
+          VALUES ($hooked, gen_random_uuid(), 'https://example.com/hooks', '\\x00', now())" \
+      -c "SELECT count(*) FROM (SELECT ${call//$tenant/$hooked} FROM generate_series(1, 2000) i) s" \
+      -c "VACUUM ANALYZE" >/dev/null
+  fi
 }
 
 say "loading the migrations of $base and of this tree"
@@ -74,17 +88,21 @@ load sqlcg_base $(ls "$work"/base/V*.sql | sort -V)
 # shellcheck disable=SC2046
 load sqlcg_tree $(ls migrations/V*.sql | sort -V)
 declare -A calls=([sqlcg_base]="$(call_of sqlcg_base)" [sqlcg_tree]="$(call_of sqlcg_tree)")
+declare -A webhooks=()
+for db in sqlcg_base sqlcg_tree; do if has_webhooks "$db"; then webhooks[$db]=1; fi; done
 stop
 
 script() { # db kind n -> a single-user input of n calls
-  python3 - "$1" "$2" "$3" "${calls[$1]}" <<'EOF'
+  local call="${calls[$1]}"
+  [ "$2" = hooked ] && call="${call//$tenant/$hooked}"
+  python3 - "$1" "$2" "$3" "$call" <<'EOF'
 import hashlib, sys
 db, kind, n, call = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 # Prepared, as the service's statements are: the outer statement is planned once.
 print("PREPARE p(text, bytea, text) AS SELECT * FROM " + (call % ("$1", "$2", "$3")) + ";")
 for i in range(n):
-    if kind == "new":
-        key, fp, acct = f"'cg-{n}-{i}'", "'\\x" + "ab" * 32 + "'", f"'{i % 10000}'"
+    if kind in ("new", "hooked"):
+        key, fp, acct = f"'cg-{kind}-{n}-{i}'", "'\\x" + "ab" * 32 + "'", f"'{i % 10000}'"
     else:  # a replay of seed-j, with the fingerprint it was made with
         j = 1 + i % 20000
         key, fp, acct = f"'seed-{j}'", "'\\x" + hashlib.sha256(str(j).encode()).hexdigest() + "'", f"'{j % 10000}'"
@@ -93,8 +111,10 @@ EOF
 }
 
 printf '%-28s %-8s %14s\n' "migrations" "call" "instructions"
-for kind in new replay; do
+declare -A per_call=()
+for kind in new replay hooked; do
   for db in sqlcg_base sqlcg_tree; do
+    if [ "$kind" = hooked ] && [ -z "${webhooks[$db]:-}" ]; then continue; fi
     ir=()
     for n in "$n1" "$n2"; do
       script "$db" "$kind" "$n" >"$work/in.sql"
@@ -104,8 +124,15 @@ for kind in new replay; do
       ir+=("$(awk '/^summary:/ {print $2}' "$work/cg.$db.$kind.$n")")
     done
     label="$([ "$db" = sqlcg_base ] && echo "$base" || echo "this tree ($(git rev-parse --short HEAD)+)")"
-    printf '%-28s %-8s %14d\n' "$label" "$kind" $(((ir[1] - ir[0]) / (n2 - n1)))
+    per_call[$db.$kind]=$(((ir[1] - ir[0]) / (n2 - n1)))
+    printf '%-28s %-8s %14d\n' "$label" "$kind" "${per_call[$db.$kind]}"
   done
+done
+for db in sqlcg_base sqlcg_tree; do
+  [ -n "${per_call[$db.hooked]:-}" ] || continue
+  label="$([ "$db" = sqlcg_base ] && echo "$base" || echo "this tree ($(git rev-parse --short HEAD)+)")"
+  awk -v l="$label" -v n="${per_call[$db.new]}" -v h="${per_call[$db.hooked]}" \
+    'BEGIN { printf "%-28s new / hooked: %.3f (the outbox costs a payment %d instructions)\n", l, n / h, h - n }'
 done
 # SQL_CALLGRIND_OUT=dir keeps the callgrind files (cg.<db>.<kind>.<calls>) for callgrind_annotate.
 if [ -n "${SQL_CALLGRIND_OUT:-}" ]; then
