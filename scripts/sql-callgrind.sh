@@ -12,8 +12,8 @@
 # replays of the seeded keys): instructions per call = (Ir(N2) - Ir(N1)) / (N2 - N1), which
 # cancels start-up and the first plans. Where a side has webhooks (V9 on), a second tenant with
 # one subscribed endpoint makes the third kind, `hooked`: new payments that write an event, the
-# outbox's own cost against `new` (issue 20; make bench measures the same in payments/s). The cluster is removed at the end, also on failure;
-# SQL_CALLGRIND_OUT=dir keeps the callgrind files.
+# outbox's own cost against `new` (issue 20; make bench measures the same in payments/s). The
+# cluster is removed at the end, also on failure; SQL_CALLGRIND_OUT=dir keeps the callgrind files.
 set -euo pipefail
 top="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$top"
@@ -110,6 +110,9 @@ for i in range(n):
 EOF
 }
 
+# How a side is named in the table.
+label() { if [ "$1" = sqlcg_base ]; then echo "$base"; else echo "this tree ($(git rev-parse --short HEAD)+)"; fi; }
+
 printf '%-28s %-8s %14s\n' "migrations" "call" "instructions"
 declare -A per_call=()
 for kind in new replay hooked; do
@@ -123,15 +126,13 @@ for kind in new replay hooked; do
       grep -q 'ERROR' "$work/out" "$work/err" && { echo "sql-callgrind: $db $kind failed:" >&2; grep -m3 ERROR "$work/out" "$work/err" >&2; exit 1; }
       ir+=("$(awk '/^summary:/ {print $2}' "$work/cg.$db.$kind.$n")")
     done
-    label="$([ "$db" = sqlcg_base ] && echo "$base" || echo "this tree ($(git rev-parse --short HEAD)+)")"
     per_call[$db.$kind]=$(((ir[1] - ir[0]) / (n2 - n1)))
-    printf '%-28s %-8s %14d\n' "$label" "$kind" "${per_call[$db.$kind]}"
+    printf '%-28s %-8s %14d\n' "$(label "$db")" "$kind" "${per_call[$db.$kind]}"
   done
 done
 for db in sqlcg_base sqlcg_tree; do
   [ -n "${per_call[$db.hooked]:-}" ] || continue
-  label="$([ "$db" = sqlcg_base ] && echo "$base" || echo "this tree ($(git rev-parse --short HEAD)+)")"
-  awk -v l="$label" -v n="${per_call[$db.new]}" -v h="${per_call[$db.hooked]}" \
+  awk -v l="$(label "$db")" -v n="${per_call[$db.new]}" -v h="${per_call[$db.hooked]}" \
     'BEGIN { printf "%-28s new / hooked: %.3f (the outbox costs a payment %d instructions)\n", l, n / h, h - n }'
 done
 # SQL_CALLGRIND_OUT=dir keeps the callgrind files (cg.<db>.<kind>.<calls>) for callgrind_annotate.
