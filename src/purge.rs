@@ -90,15 +90,17 @@ pub async fn purge_webhooks(db: &Db, retention: Duration, batch: i64) -> Result<
     }
     // Events that no endpoint took when they were fanned out (every endpoint deleted or
     // disabled between the change and its fan-out: migrations/V14) have no delivery to be
-    // purged with; they go by their own age.
+    // purged with; they go by their own age, found by the fan-out's index (V19: its predicate
+    // is `awaiting_fan_out IS NOT NULL`, written out so the planner can use it).
     loop {
         let unsent = db
             .run(async |c| {
                 let r = sqlx::query!(
                     r#"DELETE FROM webhook_events e
                         USING (SELECT tenant_id, event_id FROM webhook_events
-                                WHERE NOT awaiting_fan_out AND created_at < now() - make_interval(secs => $1)
-                                ORDER BY created_at
+                                WHERE awaiting_fan_out IS NOT NULL AND NOT awaiting_fan_out
+                                  AND created_at < now() - make_interval(secs => $1)
+                                ORDER BY sequence
                                 LIMIT $2
                                   FOR UPDATE SKIP LOCKED) doomed
                         WHERE e.tenant_id = doomed.tenant_id AND e.event_id = doomed.event_id"#,

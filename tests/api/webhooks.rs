@@ -921,6 +921,11 @@ async fn a_payment_event_is_stored_without_data_and_delivered_as_the_payment_was
     assert_eq!(data["refunded_at"], serde_json::Value::Null);
     let keys: Vec<_> = data.as_object().unwrap().keys().cloned().collect();
     assert_eq!(keys, ["account", "amount", "created_at", "id", "refunded_at", "status"]);
+    assert_eq!(succeeded.id, payment, "a payment's event takes the payment's id (V19)");
+    assert_eq!(
+        succeeded.body["timestamp"], paid.body["created_at"],
+        "and the payment's time"
+    );
     let event = writer.get(&format!("/events/{}", succeeded.id)).await;
     assert_eq!(event.status, 200, "{}", event.body);
     assert_eq!(&event.body["data"], data);
