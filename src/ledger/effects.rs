@@ -119,10 +119,12 @@ impl Batched for Pay {
         self.account.as_str()
     }
 
-    /// The same function as [`Pay::run`], once per item: its claim and debit rules stay in
-    /// one place. Within the statement each call sees what the earlier ones wrote, so a key
-    /// that appears twice is created by the first and replayed by the second. (Indexed by
-    /// position rather than `unnest`ed: `unnest` spreads a composite into its fields.)
+    /// `oncepay_pay_batch` (migrations/V20): the same function as [`Pay::run`] without its
+    /// event, once per item, so its claim and debit rules stay in one place; then, in the same
+    /// statement, one INSERT of the `payment.succeeded` events of the payments it created, for
+    /// a tenant with a subscribed endpoint. Within the statement each call sees what the
+    /// earlier ones wrote, so a key that appears twice is created by the first and replayed by
+    /// the second.
     async fn run_batch(
         conn: &mut PgConnection,
         items: &[(TenantId, &ClaimArgs, &Self)],
@@ -134,10 +136,8 @@ impl Batched for Pay {
         let rows = sqlx::query!(
             r#"SELECT outcome AS "outcome!: ClaimOutcome", decline AS "decline: Decline", expires_at,
                       resource AS "resource: PaymentRow"
-               FROM generate_series(1, cardinality($1::uuid[])) AS item
-               CROSS JOIN LATERAL oncepay_pay($1[item], ($2::oncepay_claim_args[])[item],
-                                              ($3::text[])[item], ($4::bigint[])[item])
-               ORDER BY item"#,
+                 FROM oncepay_pay_batch($1::uuid[], $2::oncepay_claim_args[], $3::text[], $4::bigint[])
+                ORDER BY item"#,
             &tenants,
             &claims as _,
             &accounts as _,
@@ -152,7 +152,7 @@ impl Batched for Pay {
         )
     }
 
-    /// [`Pay::run_batch`]'s loop over `oncepay_pay`, reading the items from one JSON array
+    /// [`Pay::run_batch`]'s function, reading the items from one JSON array
     /// and answering with one JSON array: `oncepay_pay_many` (migrations/V13), a function so
     /// that its query is planned once per server connection, not once per message. The
     /// statement is checked at compile time like the others; only its `sql()` is sent, with

@@ -1,7 +1,8 @@
 //! What a batch of payments answers when it fails after PostgreSQL may have committed it,
 //! and when the node it reached cannot write (src/batch.rs, src/db/error.rs).
 //!
-//! Each test runs on a database of its own, where `oncepay_pay` is wrapped by a function that
+//! Each test runs on a database of its own, where `oncepay_pay` (a payment alone) and
+//! `oncepay_pay_in_batch` (each item of a batch, migrations/V20) are wrapped by a function that
 //! misbehaves *after* the real one ran, for a few magic amounts: its row does not decode, it
 //! answers one row too many, it answers a combination no real call gives, it sleeps (so that
 //! the test can cut the connection while the statement runs), or it raises the error a node
@@ -25,26 +26,27 @@ use crate::helpers::{
 };
 use crate::tcp_relay::TcpRelay;
 
-/// Magic amounts of the wrapped `oncepay_pay`.
+/// Magic amounts of the wrapped `oncepay_pay` and `oncepay_pay_in_batch`.
 const UNDECODABLE: i64 = 13;
 const ROW_TOO_MANY: i64 = 14;
 const IMPOSSIBLE: i64 = 15;
 const SLOW: i64 = 16;
 const IN_RECOVERY: i64 = 17;
 
+/// The wrapper of `{f}`, the function of that name renamed to `{f}_unfaulted`.
 const FAULTS: &str = r#"
-ALTER FUNCTION oncepay_pay(uuid, oncepay_claim_args, text, bigint) RENAME TO oncepay_pay_unfaulted;
-CREATE FUNCTION oncepay_pay(p_tenant uuid, p oncepay_claim_args, p_account text, p_amount bigint)
+ALTER FUNCTION {f}(uuid, oncepay_claim_args, text, bigint) RENAME TO {f}_unfaulted;
+CREATE FUNCTION {f}(p_tenant uuid, p oncepay_claim_args, p_account text, p_amount bigint)
 RETURNS TABLE (outcome oncepay_outcome, decline oncepay_decline, expires_at timestamptz,
                resource payments)
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql ROWS 1 AS $$
 DECLARE
     r record;
 BEGIN
     IF p_amount = 17 THEN
         RAISE EXCEPTION 'cannot assign TransactionIds during recovery' USING ERRCODE = 'XX000';
     END IF;
-    SELECT * INTO r FROM oncepay_pay_unfaulted(p_tenant, p, p_account, p_amount) AS x;
+    SELECT * INTO r FROM {f}_unfaulted(p_tenant, p, p_account, p_amount) AS x;
     outcome := r.outcome; decline := r.decline; expires_at := r.expires_at; resource := r.resource;
     IF p_amount = 13 THEN outcome := NULL; END IF;
     IF p_amount = 14 THEN RETURN NEXT; END IF;
@@ -55,12 +57,16 @@ END
 $$;
 "#;
 
-/// A migrated database of the test's own with the faulty `oncepay_pay`; its direct URL.
+/// A migrated database of the test's own with the faulty `oncepay_pay` and
+/// `oncepay_pay_in_batch`; its direct URL.
 async fn faulty_database(hint: &str) -> String {
     let url = empty_database(hint).await;
     oncepay::db::migrate(&url).await.unwrap();
     let mut conn = PgConnection::connect(&url).await.unwrap();
-    sqlx::raw_sql(FAULTS).execute(&mut conn).await.unwrap();
+    for f in ["oncepay_pay", "oncepay_pay_in_batch"] {
+        let wrapper = FAULTS.replace("{f}", f);
+        sqlx::raw_sql(&wrapper).execute(&mut conn).await.unwrap();
+    }
     url
 }
 

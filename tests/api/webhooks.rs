@@ -14,6 +14,8 @@ use serde_json::json;
 use sqlx::Connection;
 use uuid::Uuid;
 
+use oncepay::domain::MissingKeyPolicy;
+
 use crate::helpers::{drop_database, empty_database, metric_value, new_key, TestApp};
 use crate::webhook_receiver::{Receiver, Reply};
 
@@ -828,49 +830,77 @@ async fn a_rotated_secret_signs_beside_the_previous_one_during_the_overlap() {
     bad.assert_problem(400, "invalid_request");
 }
 
-/// A batch (src/batch.rs: one statement calling `oncepay_pay` once per item) emits one event
-/// per new payment and none for the duplicate of a key inside it (a replay): the events come
-/// from the SQL, so batches need nothing of their own.
+/// A batch (src/batch.rs: `oncepay_pay_batch`, migrations/V20, the payments one call each and
+/// then their events in one INSERT) writes one event per new payment of a tenant with an
+/// endpoint, with the payment's id, and none for the duplicate of a key inside it (a replay),
+/// for a declined item, or for a tenant of the same batch without an endpoint.
 #[tokio::test]
 async fn a_batch_emits_one_event_per_new_payment_and_none_for_its_replays() {
     let app = TestApp::builder().spawn().await;
     let receiver = Receiver::unstarted().await;
     subscribe(&app, &receiver, None).await;
-    let keys = [new_key(), new_key(), new_key()];
-    // The batch statement's shape, with the second key twice: created, created, replayed, created.
-    let items = [&keys[0], &keys[1], &keys[1], &keys[2]];
+    let (quiet, _) = crate::helpers::new_tenant(&app.pool, MissingKeyPolicy::Reject).await;
+    let keys = [new_key(), new_key(), new_key(), new_key(), new_key()];
+    // The second key twice (created, then replayed), a payment on no account (declined), and a
+    // payment of a tenant without an endpoint, in one batch.
+    let items = [
+        (app.tenant_id, &keys[0], "main"),
+        (app.tenant_id, &keys[1], "main"),
+        (app.tenant_id, &keys[1], "main"),
+        (app.tenant_id, &keys[2], "nobody"),
+        (quiet, &keys[3], "main"),
+        (app.tenant_id, &keys[4], "main"),
+    ];
     let batch = || async {
-        sqlx::query_scalar::<_, String>(
-            "SELECT outcome::text FROM generate_series(1, cardinality($2::text[])) AS item
-               CROSS JOIN LATERAL oncepay_pay($1,
-                   ROW(($2::text[])[item], false, sha256(convert_to(($2::text[])[item], 'UTF8')), 'pay', 'POST',
-                       '/payments', 86400, 1000, 201, '{}')::oncepay_claim_args, 'main', 5)
+        sqlx::query_as::<_, (String, Option<Uuid>)>(
+            "SELECT outcome::text, (resource).payment_id
+               FROM oncepay_pay_batch($1::uuid[],
+                        ARRAY(SELECT ROW(k, false, sha256(convert_to(k, 'UTF8')), 'pay', 'POST', '/payments', 86400,
+                                         1000, 201, '{\"account_not_found\": 404}')::oncepay_claim_args
+                                FROM unnest($2::text[]) WITH ORDINALITY AS u(k, n) ORDER BY n),
+                        $3::text[], array_fill(5::bigint, ARRAY[cardinality($3::text[])]))
               ORDER BY item",
         )
-        .bind(app.tenant_id)
-        .bind(items.iter().map(|k| k.as_str()).collect::<Vec<_>>())
+        .bind(items.iter().map(|i| i.0).collect::<Vec<_>>())
+        .bind(items.iter().map(|i| i.1.as_str()).collect::<Vec<_>>())
+        .bind(items.iter().map(|i| i.2).collect::<Vec<_>>())
         .fetch_all(&app.pool)
         .await
         .unwrap()
     };
-    assert_eq!(batch().await, ["created", "created", "replayed", "created"]);
-    let (events, resources): (i64, i64) = sqlx::query_as(
-        "SELECT count(*), count(DISTINCT resource_id) FROM webhook_events
-          WHERE tenant_id = $1 AND event_type = 'payment.succeeded'",
-    )
-    .bind(app.tenant_id)
-    .fetch_one(&app.pool)
-    .await
-    .unwrap();
-    assert_eq!((events, resources), (3, 3));
-    // The same batch again: every item a replay, no event.
-    assert_eq!(batch().await, ["replayed"; 4]);
-    let after: i64 = sqlx::query_scalar("SELECT count(*) FROM webhook_events WHERE tenant_id = $1")
-        .bind(app.tenant_id)
+    let answers = batch().await;
+    let outcomes: Vec<&str> = answers.iter().map(|a| a.0.as_str()).collect();
+    assert_eq!(
+        outcomes,
+        ["created", "created", "replayed", "declined", "created", "created"]
+    );
+    let events = || async {
+        sqlx::query_scalar::<_, Uuid>(
+            "SELECT event_id FROM webhook_events
+              WHERE tenant_id = ANY($1) AND event_type = 'payment.succeeded' AND event_id::text = resource_id
+                AND data IS NULL AND awaiting_fan_out ORDER BY sequence",
+        )
+        .bind([app.tenant_id, quiet])
+        .fetch_all(&app.pool)
+        .await
+        .unwrap()
+    };
+    let all: i64 = sqlx::query_scalar("SELECT count(*) FROM webhook_events WHERE tenant_id = ANY($1)")
+        .bind([app.tenant_id, quiet])
         .fetch_one(&app.pool)
         .await
         .unwrap();
-    assert_eq!(after, 3);
+    let hooked_payments = [answers[0].1.unwrap(), answers[1].1.unwrap(), answers[5].1.unwrap()];
+    assert_eq!(
+        events().await,
+        hooked_payments,
+        "one event per new payment of the hooked tenant, in order"
+    );
+    assert_eq!(all, 3, "no other event");
+    // The same batch again: every item a replay (the decline's too), no event.
+    let outcomes: Vec<String> = batch().await.into_iter().map(|a| a.0).collect();
+    assert_eq!(outcomes, ["replayed"; 6]);
+    assert_eq!(events().await, hooked_payments);
 }
 
 /// A payment's event is written without its data (migrations/V18), which the deliverer and
