@@ -833,7 +833,9 @@ async fn a_rotated_secret_signs_beside_the_previous_one_during_the_overlap() {
 /// A batch (src/batch.rs: `oncepay_pay_batch`, migrations/V20, the payments one call each and
 /// then their events in one INSERT) writes one event per new payment of a tenant with an
 /// endpoint, with the payment's id, and none for the duplicate of a key inside it (a replay),
-/// for a declined item, or for a tenant of the same batch without an endpoint.
+/// for a declined item, or for a tenant of the same batch without an endpoint. A read-only
+/// transaction (a database turned read-only by a failover, migrations/V21) answers the batch's
+/// replays, and refuses a new key without writing anything.
 #[tokio::test]
 async fn a_batch_emits_one_event_per_new_payment_and_none_for_its_replays() {
     let app = TestApp::builder().spawn().await;
@@ -851,24 +853,7 @@ async fn a_batch_emits_one_event_per_new_payment_and_none_for_its_replays() {
         (quiet, &keys[3], "main"),
         (app.tenant_id, &keys[4], "main"),
     ];
-    let batch = || async {
-        sqlx::query_as::<_, (String, Option<Uuid>)>(
-            "SELECT outcome::text, (resource).payment_id
-               FROM oncepay_pay_batch($1::uuid[],
-                        ARRAY(SELECT ROW(k, false, sha256(convert_to(k, 'UTF8')), 'pay', 'POST', '/payments', 86400,
-                                         1000, 201, '{\"account_not_found\": 404}')::oncepay_claim_args
-                                FROM unnest($2::text[]) WITH ORDINALITY AS u(k, n) ORDER BY n),
-                        $3::text[], array_fill(5::bigint, ARRAY[cardinality($3::text[])]))
-              ORDER BY item",
-        )
-        .bind(items.iter().map(|i| i.0).collect::<Vec<_>>())
-        .bind(items.iter().map(|i| i.1.as_str()).collect::<Vec<_>>())
-        .bind(items.iter().map(|i| i.2).collect::<Vec<_>>())
-        .fetch_all(&app.pool)
-        .await
-        .unwrap()
-    };
-    let answers = batch().await;
+    let answers = pay_batch(&mut app.pool.acquire().await.unwrap(), &items).await.unwrap();
     let outcomes: Vec<&str> = answers.iter().map(|a| a.0.as_str()).collect();
     assert_eq!(
         outcomes,
@@ -898,9 +883,68 @@ async fn a_batch_emits_one_event_per_new_payment_and_none_for_its_replays() {
     );
     assert_eq!(all, 3, "no other event");
     // The same batch again: every item a replay (the decline's too), no event.
-    let outcomes: Vec<String> = batch().await.into_iter().map(|a| a.0).collect();
+    let again = pay_batch(&mut app.pool.acquire().await.unwrap(), &items).await.unwrap();
+    let outcomes: Vec<String> = again.into_iter().map(|a| a.0).collect();
     assert_eq!(outcomes, ["replayed"; 6]);
     assert_eq!(events().await, hooked_payments);
+
+    // In a read-only transaction: the replays are answered (a statement that contains an
+    // INSERT is refused there even when it would insert nothing, so V21 leaves it out), a new
+    // key is refused (25006) and leaves no key, payment or event.
+    let read_only = async |items: &[(Uuid, &String, &str)]| {
+        let mut tx = app.pool.begin().await.unwrap();
+        sqlx::query("SET TRANSACTION READ ONLY")
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        let answer = pay_batch(&mut tx, items).await;
+        tx.rollback().await.unwrap();
+        answer
+    };
+    let replayed = read_only(&items).await.unwrap();
+    assert_eq!(
+        replayed.iter().map(|a| a.0.as_str()).collect::<Vec<_>>(),
+        ["replayed"; 6]
+    );
+    assert_eq!(replayed[5].1, answers[5].1, "the stored payment");
+    let fresh = new_key();
+    let refused = read_only(&[(app.tenant_id, &keys[0], "main"), (app.tenant_id, &fresh, "main")])
+        .await
+        .unwrap_err();
+    assert_eq!(
+        refused.as_database_error().and_then(|e| e.code()).as_deref(),
+        Some("25006"),
+        "{refused}"
+    );
+    let keys_of_fresh: i64 = sqlx::query_scalar("SELECT count(*) FROM idempotency_keys WHERE key = $1")
+        .bind(&fresh)
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(keys_of_fresh, 0);
+    assert_eq!(events().await, hooked_payments);
+}
+
+/// `oncepay_pay_batch` called as the server's batch statement calls it (src/ledger/effects.rs),
+/// a payment of 5 per item: each item's outcome and payment id.
+async fn pay_batch(
+    conn: &mut sqlx::PgConnection,
+    items: &[(Uuid, &String, &str)],
+) -> Result<Vec<(String, Option<Uuid>)>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT outcome::text, (resource).payment_id
+           FROM oncepay_pay_batch($1::uuid[],
+                    ARRAY(SELECT ROW(k, false, sha256(convert_to(k, 'UTF8')), 'pay', 'POST', '/payments', 86400,
+                                     1000, 201, '{\"account_not_found\": 404}')::oncepay_claim_args
+                            FROM unnest($2::text[]) WITH ORDINALITY AS u(k, n) ORDER BY n),
+                    $3::text[], array_fill(5::bigint, ARRAY[cardinality($3::text[])]))
+          ORDER BY item",
+    )
+    .bind(items.iter().map(|i| i.0).collect::<Vec<_>>())
+    .bind(items.iter().map(|i| i.1.as_str()).collect::<Vec<_>>())
+    .bind(items.iter().map(|i| i.2).collect::<Vec<_>>())
+    .fetch_all(conn)
+    .await
 }
 
 /// A payment's event is written without its data (migrations/V18), which the deliverer and
