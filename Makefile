@@ -37,7 +37,7 @@ help:
 	@echo "make bench-analyze   where PostgreSQL's CPU per payment goes (pg_stat_statements, auto_explain, perf)"
 	@echo "make callgrind       the server's instructions per new payment and per replay (valgrind)"
 	@echo "make bench-ab BASE_BIN=dir   this tree's server against another build, side by side in one run"
-	@echo "make sql-callgrind   PostgreSQL's instructions per new payment, replay and payment with a webhook endpoint, this SQL vs an older one"
+	@echo "make sql-callgrind   PostgreSQL's instructions per new payment, replay and payment with a webhook endpoint, alone and in batches, this SQL vs an older one"
 	@echo "make ha       Patroni cluster (3 PostgreSQL 15, etcd, HAProxy), 3 oncepay, 5 faults under load, books verified (root)"
 	@echo "make bench-ha  the yardstick ratios on that cluster (0.5 ms between nodes) and through PgBouncer (root)"
 	@echo "make install  cargo install --path . --locked: the oncepay binary into ~/.cargo/bin"

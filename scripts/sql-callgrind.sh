@@ -12,7 +12,10 @@
 # replays of the seeded keys): instructions per call = (Ir(N2) - Ir(N1)) / (N2 - N1), which
 # cancels start-up and the first plans. Where a side has webhooks (V9 on), a second tenant with
 # one subscribed endpoint makes the third kind, `hooked`: new payments that write an event, the
-# outbox's own cost against `new` (issue 20; make bench measures the same in payments/s). The
+# outbox's own cost against `new` (issue 20; make bench measures the same in payments/s). Where
+# a side has `oncepay_pay_batch` (V20), `batch` and `hooked-batch` are the same payments eight
+# to a call of it, prepared as the server's batch statement (src/ledger/effects.rs), counted per
+# payment: what a payment costs under load, where the batcher groups them. The
 # cluster is removed at the end, also on failure; SQL_CALLGRIND_OUT=dir keeps the callgrind files.
 set -euo pipefail
 top="$(cd "$(dirname "$0")/.." && pwd)"
@@ -46,6 +49,7 @@ psql() { "$bin/psql" -X -q -v ON_ERROR_STOP=1 -h 127.0.0.1 -p "$port" -U oncepay
 tenant="'00000000-0000-0000-0000-000000000001'"
 hooked="'00000000-0000-0000-0000-000000000002'"
 has_webhooks() { [ "$(psql -d "$1" -tAc "SELECT to_regclass('webhook_endpoints') IS NOT NULL")" = t ]; }
+has_batch() { [ "$(psql -d "$1" -tAc "SELECT to_regproc('oncepay_pay_batch') IS NOT NULL")" = t ]; }
 # The call of each generation of oncepay_pay, as a format string over (key, fingerprint, account).
 call_of() { # db -> the call template
   if [ "$(psql -d "$1" -tAc "SELECT pronargs FROM pg_proc WHERE proname = 'oncepay_pay'")" = 7 ]; then
@@ -89,15 +93,32 @@ load sqlcg_base $(ls "$work"/base/V*.sql | sort -V)
 load sqlcg_tree $(ls migrations/V*.sql | sort -V)
 declare -A calls=([sqlcg_base]="$(call_of sqlcg_base)" [sqlcg_tree]="$(call_of sqlcg_tree)")
 declare -A webhooks=()
-for db in sqlcg_base sqlcg_tree; do if has_webhooks "$db"; then webhooks[$db]=1; fi; done
+declare -A batches=()
+for db in sqlcg_base sqlcg_tree; do
+  if has_webhooks "$db"; then webhooks[$db]=1; fi
+  if has_batch "$db"; then batches[$db]=1; fi
+done
 stop
 
-script() { # db kind n -> a single-user input of n calls
-  local call="${calls[$1]}"
-  [ "$2" = hooked ] && call="${call//$tenant/$hooked}"
-  python3 - "$1" "$2" "$3" "$call" <<'EOF'
+# Payments eight to a batch call.
+batch_size=8
+script() { # db kind n -> a single-user input of n payments
+  local call="${calls[$1]}" who="$tenant"
+  case "$2" in hooked | hooked-batch) call="${call//$tenant/$hooked}" who="$hooked" ;; esac
+  python3 - "$1" "$2" "$3" "$call" "$who" "$batch_size" <<'EOF'
 import hashlib, sys
-db, kind, n, call = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+db, kind, n, call, who, size = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5], int(sys.argv[6])
+if kind.endswith("batch"):
+    print("PREPARE p(uuid[], oncepay_claim_args[], text[], bigint[]) AS SELECT item, outcome, decline, expires_at,"
+          " resource FROM oncepay_pay_batch($1, $2, $3, $4) ORDER BY item;")
+    claim = ("ROW('cg-%s-%d-%d', false, '\\x" + "ab" * 32 + "', 'pay', 'POST', '/payments', 86400, 5000, 201,"
+             " '{\"insufficient_funds\": 402, \"account_not_found\": 404}')::oncepay_claim_args")
+    for b in range(n // size):
+        items = range(b * size, (b + 1) * size)
+        print("EXECUTE p(ARRAY[" + ", ".join([who] * size) + "]::uuid[], ARRAY["
+              + ", ".join(claim % (kind, n, i) for i in items) + "], ARRAY["
+              + ", ".join(f"'{i % 10000}'" for i in items) + "], ARRAY[" + ", ".join(["1"] * size) + "]::bigint[]);")
+    sys.exit()
 # Prepared, as the service's statements are: the outer statement is planned once.
 print("PREPARE p(text, bytea, text) AS SELECT * FROM " + (call % ("$1", "$2", "$3")) + ";")
 for i in range(n):
@@ -113,11 +134,12 @@ EOF
 # How a side is named in the table.
 label() { if [ "$1" = sqlcg_base ]; then echo "$base"; else echo "this tree ($(git rev-parse --short HEAD)+)"; fi; }
 
-printf '%-28s %-8s %14s\n' "migrations" "call" "instructions"
+printf '%-28s %-12s %14s\n' "migrations" "call" "instructions"
 declare -A per_call=()
-for kind in new replay hooked; do
+for kind in new replay hooked batch hooked-batch; do
   for db in sqlcg_base sqlcg_tree; do
     if [ "$kind" = hooked ] && [ -z "${webhooks[$db]:-}" ]; then continue; fi
+    case "$kind" in *batch) [ -n "${batches[$db]:-}" ] || continue ;; esac
     ir=()
     for n in "$n1" "$n2"; do
       script "$db" "$kind" "$n" >"$work/in.sql"
@@ -126,14 +148,24 @@ for kind in new replay hooked; do
       grep -q 'ERROR' "$work/out" "$work/err" && { echo "sql-callgrind: $db $kind failed:" >&2; grep -m3 ERROR "$work/out" "$work/err" >&2; exit 1; }
       ir+=("$(awk '/^summary:/ {print $2}' "$work/cg.$db.$kind.$n")")
     done
-    per_call[$db.$kind]=$(((ir[1] - ir[0]) / (n2 - n1)))
-    printf '%-28s %-8s %14d\n' "$(label "$db")" "$kind" "${per_call[$db.$kind]}"
+    # Payments made between the two runs (a batch kind makes whole batches of n).
+    case "$kind" in
+      *batch) made=$((n2 / batch_size * batch_size - n1 / batch_size * batch_size)) ;;
+      *) made=$((n2 - n1)) ;;
+    esac
+    per_call[$db.$kind]=$(((ir[1] - ir[0]) / made))
+    printf '%-28s %-12s %14d\n' "$(label "$db")" "$kind" "${per_call[$db.$kind]}"
   done
 done
 for db in sqlcg_base sqlcg_tree; do
   [ -n "${per_call[$db.hooked]:-}" ] || continue
   awk -v l="$(label "$db")" -v n="${per_call[$db.new]}" -v h="${per_call[$db.hooked]}" \
     'BEGIN { printf "%-28s new / hooked: %.3f (the outbox costs a payment %d instructions)\n", l, n / h, h - n }'
+done
+for db in sqlcg_base sqlcg_tree; do
+  [ -n "${per_call[$db.hooked-batch]:-}" ] || continue
+  awk -v l="$(label "$db")" -v n="${per_call[$db.batch]}" -v h="${per_call[$db.hooked-batch]}" -v s="$batch_size" \
+    'BEGIN { printf "%-28s batch / hooked-batch: %.3f (in batches of %d, the outbox costs a payment %d instructions)\n", l, n / h, s, h - n }'
 done
 # SQL_CALLGRIND_OUT=dir keeps the callgrind files (cg.<db>.<kind>.<calls>) for callgrind_annotate.
 if [ -n "${SQL_CALLGRIND_OUT:-}" ]; then
