@@ -307,14 +307,18 @@ stop_deliverer() {
   unset 'pids[-1]'
 }
 : >"$out/webhook-delivery.rows"
+# One step of new payments at c=32 on instance 0, as the tenant of that API key.
+wh_step() { # round api_key note
+  api_key="$2" http new 32 0 "$1" oncepay "$one" "${pids[0]}" --note "$3"
+}
 webhook_steps() { # round
-  api_key="$plain_api_key" http new 32 0 "$1" oncepay "$one" "${pids[0]}" --note "$wh_none"
-  api_key="$hooked_api_key" http new 32 0 "$1" oncepay "$one" "${pids[0]}" --note "$wh_later"
+  wh_step "$1" "$plain_api_key" "$wh_none"
+  wh_step "$1" "$hooked_api_key" "$wh_later"
   drain "$1"
-  api_key="$hooked_api_key" http new 32 0 "$1" oncepay "$one" "${pids[0]}" --note "$wh_meanwhile"
+  wh_step "$1" "$hooked_api_key" "$wh_meanwhile"
   stop_deliverer
-  api_key="$hooked_api_key" http new 32 0 "$1" oncepay "$one" "${pids[0]}" --note "$wh_later"
-  api_key="$plain_api_key" http new 32 0 "$1" oncepay "$one" "${pids[0]}" --note "$wh_none"
+  wh_step "$1" "$hooked_api_key" "$wh_later"
+  wh_step "$1" "$plain_api_key" "$wh_none"
   drain "$1"
   stop_deliverer
 }
