@@ -100,6 +100,11 @@ pub struct WebhookSettings {
     pub endpoint_concurrency: u32,
     /// `ONCEPAY_WEBHOOK_POLL_MS` (250): how often an idle worker looks for due deliveries.
     pub poll: Duration,
+    /// `ONCEPAY_WEBHOOK_DISABLE_AFTER_SECS` (432000, five days): an endpoint none of whose
+    /// attempts succeeded for this long, while attempts kept failing, is disabled.
+    pub disable_after: Duration,
+    /// `ONCEPAY_WEBHOOK_MAX_ENDPOINTS` (16): endpoints per tenant (deleted ones not counted).
+    pub max_endpoints: u32,
 }
 
 /// `5,300,1800,7200,18000,36000,36000`: contract section 2.
@@ -130,6 +135,8 @@ impl WebhookSettings {
             concurrency: number("ONCEPAY_WEBHOOK_CONCURRENCY", 64)?,
             endpoint_concurrency: number("ONCEPAY_WEBHOOK_ENDPOINT_CONCURRENCY", 16)?,
             poll: Duration::from_millis(number("ONCEPAY_WEBHOOK_POLL_MS", 250)?),
+            disable_after: Duration::from_secs(number("ONCEPAY_WEBHOOK_DISABLE_AFTER_SECS", 432_000)?),
+            max_endpoints: number("ONCEPAY_WEBHOOK_MAX_ENDPOINTS", 16)?,
         })
     }
 }
@@ -250,6 +257,12 @@ impl Settings {
         if self.webhooks.timeout.is_zero() || self.webhooks.endpoint_concurrency == 0 || self.webhooks.poll.is_zero() {
             bail!("ONCEPAY_WEBHOOK_TIMEOUT_MS, ONCEPAY_WEBHOOK_ENDPOINT_CONCURRENCY and ONCEPAY_WEBHOOK_POLL_MS must be positive");
         }
+        if self.webhooks.max_endpoints == 0 || self.webhooks.max_endpoints > 1_000 {
+            bail!("ONCEPAY_WEBHOOK_MAX_ENDPOINTS must be between 1 and 1000");
+        }
+        if self.webhooks.disable_after.as_secs() > i32::MAX as u64 {
+            bail!("ONCEPAY_WEBHOOK_DISABLE_AFTER_SECS above {} is not supported", i32::MAX);
+        }
         if let Some(token) = &self.admin_token {
             let length = token.chars().count();
             if length < MIN_ADMIN_TOKEN_CHARS {
@@ -356,6 +369,8 @@ impl std::fmt::Debug for Settings {
             .field("webhook_concurrency", &webhooks.concurrency)
             .field("webhook_endpoint_concurrency", &webhooks.endpoint_concurrency)
             .field("webhook_poll", &webhooks.poll)
+            .field("webhook_disable_after", &webhooks.disable_after)
+            .field("webhook_max_endpoints", &webhooks.max_endpoints)
             .finish()
     }
 }

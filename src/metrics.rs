@@ -208,8 +208,10 @@ impl Metrics {
                 Opts::new(
                     "oncepay_webhook_deliveries_total",
                     "Webhook attempts by outcome: delivered (2xx), retry (failed, attempted again later), \
-                     given_up (failed the whole retry schedule), gone (410: endpoint disabled), unrecorded \
-                     (the result could not be written; sent again after its lease)",
+                     given_up (failed the whole retry schedule: that message alone), gone (410: endpoint \
+                     disabled), deferred (this replica could not attempt it, e.g. a secret it cannot \
+                     decrypt: not counted against the receiver), unrecorded (the result could not be \
+                     written; sent again after its lease)",
                 ),
                 &["outcome"],
             )
@@ -217,7 +219,8 @@ impl Metrics {
             endpoints_disabled: IntCounterVec::new(
                 Opts::new(
                     "oncepay_webhook_endpoints_disabled_total",
-                    "Webhook endpoints this process disabled, by reason: gone (410), failing (retry schedule spent)",
+                    "Webhook endpoints this process disabled, by reason: gone (410), failing (no attempt \
+                     succeeded for ONCEPAY_WEBHOOK_DISABLE_AFTER_SECS while attempts kept failing)",
                 ),
                 &["reason"],
             )
@@ -245,13 +248,13 @@ impl Metrics {
             .expect("valid metric"),
             disabled_now: IntGauge::new(
                 "oncepay_webhook_endpoints_disabled",
-                "Webhook endpoints disabled now (410 Gone or retry schedule spent), not deleted",
+                "Webhook endpoints disabled now (410 Gone, or failing for ONCEPAY_WEBHOOK_DISABLE_AFTER_SECS), not deleted",
             )
             .expect("valid metric"),
         };
         // Every label value exported from the start (at 0), so that alerts and dashboards see
         // the series before the first event.
-        for outcome in ["delivered", "retry", "given_up", "gone", "unrecorded"] {
+        for outcome in ["delivered", "retry", "given_up", "gone", "deferred", "unrecorded"] {
             webhooks.deliveries.with_label_values(&[outcome]);
         }
         for reason in ["gone", "failing"] {

@@ -30,6 +30,7 @@ pub enum Operation {
     RefundTopUp,
     CreateWebhookEndpoint,
     RotateWebhookSecret,
+    EnableWebhookEndpoint,
 }
 
 /// A deterministic failure (PostgreSQL `oncepay_decline`): stored with the key and replayed
@@ -48,6 +49,8 @@ pub enum Decline {
     CardDeclined,
     /// A top-up whose payment method the card processor refused as invalid.
     InvalidPaymentMethod,
+    /// A webhook endpoint past `ONCEPAY_WEBHOOK_MAX_ENDPOINTS`.
+    TooManyEndpoints,
 }
 
 /// What a claim found (PostgreSQL `oncepay_outcome`; in JSON by the same label).
@@ -177,9 +180,8 @@ const CREATE_WEBHOOK_ENDPOINT: Spec = Spec {
     path: routes::CREATE_WEBHOOK_ENDPOINT.path,
     aliases: &[],
     success_status: 201,
-    declines: &[],
-    summary:
-        "Registers a webhook endpoint; the answer shows its `whsec_` signing secret (a replay shows the same one).",
+    declines: &[Decline::TooManyEndpoints],
+    summary: "Registers a webhook endpoint; the answer shows its `whsec_` signing secret (a replay shows the same one, until the secret is rotated).",
     tag: "webhooks",
 };
 
@@ -195,8 +197,20 @@ const ROTATE_WEBHOOK_SECRET: Spec = Spec {
     tag: "webhooks",
 };
 
+const ENABLE_WEBHOOK_ENDPOINT: Spec = Spec {
+    operation: Operation::EnableWebhookEndpoint,
+    name: "enable_webhook_endpoint",
+    method: routes::ENABLE_WEBHOOK_ENDPOINT.method,
+    path: routes::ENABLE_WEBHOOK_ENDPOINT.path,
+    aliases: &[],
+    success_status: 200,
+    declines: &[Decline::NotFound],
+    summary: "Enables a disabled webhook endpoint: deliveries resume, the events kept while it was disabled first.",
+    tag: "webhooks",
+};
+
 impl Operation {
-    pub const ALL: [Self; 9] = [
+    pub const ALL: [Self; 10] = [
         Self::Pay,
         Self::Refund,
         Self::Deposit,
@@ -206,6 +220,7 @@ impl Operation {
         Self::RefundTopUp,
         Self::CreateWebhookEndpoint,
         Self::RotateWebhookSecret,
+        Self::EnableWebhookEndpoint,
     ];
 
     pub const fn spec(self) -> &'static Spec {
@@ -219,12 +234,13 @@ impl Operation {
             Self::RefundTopUp => &REFUND_TOP_UP,
             Self::CreateWebhookEndpoint => &CREATE_WEBHOOK_ENDPOINT,
             Self::RotateWebhookSecret => &ROTATE_WEBHOOK_SECRET,
+            Self::EnableWebhookEndpoint => &ENABLE_WEBHOOK_ENDPOINT,
         }
     }
 }
 
 impl Decline {
-    pub const ALL: [Self; 7] = [
+    pub const ALL: [Self; 8] = [
         Self::InsufficientFunds,
         Self::AccountNotFound,
         Self::NotFound,
@@ -232,6 +248,7 @@ impl Decline {
         Self::AccountExists,
         Self::CardDeclined,
         Self::InvalidPaymentMethod,
+        Self::TooManyEndpoints,
     ];
 
     /// The problem `code` (its label is also the PostgreSQL enum label).
@@ -244,6 +261,7 @@ impl Decline {
             Self::AccountExists => ProblemCode::AccountExists,
             Self::CardDeclined => ProblemCode::CardDeclined,
             Self::InvalidPaymentMethod => ProblemCode::InvalidPaymentMethod,
+            Self::TooManyEndpoints => ProblemCode::TooManyEndpoints,
         }
     }
 
@@ -261,6 +279,7 @@ impl Decline {
             Self::AccountExists => "Account exists",
             Self::CardDeclined => "Card declined",
             Self::InvalidPaymentMethod => "Invalid payment method",
+            Self::TooManyEndpoints => "Too many webhook endpoints",
         }
     }
 
@@ -274,6 +293,9 @@ impl Decline {
             Self::CardDeclined => "the card processor declined the charge; nothing was charged",
             Self::InvalidPaymentMethod => {
                 "the card processor refused the payment method as invalid; nothing was charged"
+            }
+            Self::TooManyEndpoints => {
+                "the tenant has as many webhook endpoints as the server allows (ONCEPAY_WEBHOOK_MAX_ENDPOINTS); delete one first"
             }
         }
     }

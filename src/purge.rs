@@ -29,17 +29,18 @@ pub async fn purge(db: &Db, retention: Duration, batch: i64) -> Result<u64, DbEr
 /// The webhooks' bounded growth: deliveries finished (delivered, given up, cancelled) longer
 /// than `retention` ago are deleted with their attempts, then events left with no delivery,
 /// and events older than `retention` that no endpoint took when they were fanned out;
-/// and a delivery still pending for an endpoint deleted or disabled meanwhile (written by a
-/// fan-out that raced the deletion) is cancelled. Batches as for the keys; returns the
-/// events deleted.
+/// and a delivery still pending or held for an endpoint deleted meanwhile (written by a
+/// fan-out that raced the deletion) is cancelled. (A disabled endpoint's deliveries are held,
+/// not cancelled: they are finished, as far as this is concerned, when they were held, and go
+/// after the retention like the others.) Batches as for the keys; returns the events deleted.
 pub async fn purge_webhooks(db: &Db, retention: Duration, batch: i64) -> Result<u64, DbError> {
     let retention_secs = retention.as_secs_f64();
     db.run(async |c| {
         sqlx::query!(
             r#"UPDATE webhook_deliveries d SET state = 'cancelled', finished_at = now(), leased_until = NULL
                  FROM webhook_endpoints e
-                WHERE d.state = 'pending' AND e.tenant_id = d.tenant_id AND e.endpoint_id = d.endpoint_id
-                  AND (e.disabled_at IS NOT NULL OR e.deleted_at IS NOT NULL)"#
+                WHERE d.state IN ('pending', 'held') AND e.tenant_id = d.tenant_id AND e.endpoint_id = d.endpoint_id
+                  AND e.deleted_at IS NOT NULL"#
         )
         .execute(c)
         .await

@@ -56,6 +56,8 @@ problem_codes! {
     RequestInProgress = "request_in_progress", 409;
     AccountExists = "account_exists", 409;
     AlreadyRefunded = "already_refunded", 409;
+    /// The tenant has `ONCEPAY_WEBHOOK_MAX_ENDPOINTS` webhook endpoints already: delete one first.
+    TooManyEndpoints = "too_many_endpoints", 409;
     /// The body (or the request head) did not arrive in time; nothing was processed.
     RequestTimeout = "request_timeout", 408;
     BodyTooLarge = "body_too_large", 413;
@@ -143,11 +145,16 @@ mod tests {
         assert_eq!(by_status(404), ["account_not_found", "not_found"]);
         assert_eq!(
             by_status(409),
-            ["account_exists", "already_refunded", "request_in_progress"]
+            [
+                "account_exists",
+                "already_refunded",
+                "request_in_progress",
+                "too_many_endpoints"
+            ]
         );
         assert_eq!(by_status(422), ["idempotency_key_expired", "idempotency_key_reused"]);
         assert_eq!(by_status(431), ["headers_too_large"], "the dispatcher's own refusal");
-        assert_eq!(ProblemCode::ALL.len(), 24);
+        assert_eq!(ProblemCode::ALL.len(), 25);
         let distinct: std::collections::HashSet<_> = ProblemCode::ALL.iter().map(|c| c.as_str()).collect();
         assert_eq!(distinct.len(), ProblemCode::ALL.len(), "no code twice");
     }

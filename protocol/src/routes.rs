@@ -92,13 +92,17 @@ pub const ROTATE_WEBHOOK_SECRET: Route = Route {
     method: "POST",
     path: "/webhook-endpoints/{id}/rotate-secret",
 };
+pub const ENABLE_WEBHOOK_ENDPOINT: Route = Route {
+    method: "POST",
+    path: "/webhook-endpoints/{id}/enable",
+};
 pub const GET_EVENT: Route = Route {
     method: "GET",
     path: "/events/{id}",
 };
 
 /// Every route a tenant calls with its API key.
-pub const TENANT_ROUTES: [Route; 17] = [
+pub const TENANT_ROUTES: [Route; 18] = [
     CREATE_PAYMENT,
     PAY_ALIAS,
     GET_PAYMENT,
@@ -115,6 +119,7 @@ pub const TENANT_ROUTES: [Route; 17] = [
     LIST_WEBHOOK_ENDPOINTS,
     DELETE_WEBHOOK_ENDPOINT,
     ROTATE_WEBHOOK_SECRET,
+    ENABLE_WEBHOOK_ENDPOINT,
     GET_EVENT,
 ];
 

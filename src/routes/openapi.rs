@@ -94,6 +94,7 @@ impl Modify for Operations {
         document_operation::<transfers::CreateTransfer>(openapi);
         document_operation::<webhooks::CreateWebhookEndpoint>(openapi);
         document_operation::<webhooks::RotateWebhookSecret>(openapi);
+        document_operation::<webhooks::EnableWebhookEndpoint>(openapi);
     }
 }
 
@@ -288,6 +289,7 @@ mod tests {
                 "POST /top-ups/{id}/refund",
                 "POST /transfers",
                 "POST /webhook-endpoints",
+                "POST /webhook-endpoints/{id}/enable",
                 "POST /webhook-endpoints/{id}/rotate-secret",
             ]
         );

@@ -34,10 +34,20 @@ pub trait Endpoint: 'static {
     type Out: Serialize + ToSchema;
     /// Whether an empty body means `{}`.
     const EMPTY_BODY: EmptyBody = EmptyBody::Refused;
+    /// Whether this process's replay cache may answer the operation's replays. Not when a
+    /// replay's answer depends on what happened since (an endpoint's secret, rotated): every
+    /// replica must answer such a replay alike, from the database.
+    const CACHES_REPLAYS: bool = true;
 
     /// Builds the effect from the path and the body, and gives the value of the canonical
     /// path's `{id}`, if it has one.
     fn effect(req: &HttpRequest, body: Self::In) -> Result<(Self::Effect, Option<String>), ApiError>;
+
+    /// Checks the effect against the world outside the request before anything is claimed
+    /// (a webhook URL's addresses): a refusal is a 400 like the body's own.
+    fn verify(_req: &HttpRequest, _effect: &Self::Effect) -> impl Future<Output = Result<(), ApiError>> {
+        std::future::ready(Ok(()))
+    }
 
     /// Rebuilds the answer from the row the SQL function returned.
     fn render(row: <Self::Effect as Effect>::Row) -> Result<Self::Out, ApiError>;
@@ -85,6 +95,7 @@ async fn handle<E: Endpoint>(
     let key = idempotency::key_or_policy(key, tenant.policy)?;
     let (body, input) = parse_body::<E::In>(&bytes, E::EMPTY_BODY)?;
     let (effect, id) = E::effect(&req, input)?;
+    E::verify(&req, &effect).await?;
 
     let path = id.map_or_else(|| spec.path.to_owned(), |id| spec.path_with(&id));
     let fingerprint = idempotency::fingerprint(spec.method, &path, &body);
@@ -92,7 +103,7 @@ async fn handle<E: Endpoint>(
     if claim.is_none() {
         tracing::warn!(tenant = %tenant.id, path, "keyless request processed without idempotency protection (policy allow)");
     }
-    if let Some(claim) = &claim {
+    if let Some(claim) = claim.as_ref().filter(|_| E::CACHES_REPLAYS) {
         if let Some(answer) = cached(&state, &tenant, claim) {
             return answer;
         }
@@ -102,6 +113,7 @@ async fn handle<E: Endpoint>(
     let outcome = E::execute(&state, tenant.id, args, effect).await?;
     let expires_at = outcome.expires_at;
     let (answer, finished) = respond::<E>(spec, outcome, claim.is_some())?;
+    let finished = finished.filter(|_| E::CACHES_REPLAYS);
     if let (Some(claim), Some(expires_at), Some(value)) = (&claim, expires_at, finished) {
         let finished = Finished {
             fingerprint: claim.fingerprint,

@@ -1,5 +1,6 @@
-//! `POST /webhook-endpoints` (an idempotent operation), `GET /webhook-endpoints`,
-//! `DELETE /webhook-endpoints/{id}`, `GET /events/{id}` (contract section 4c).
+//! `POST /webhook-endpoints`, `POST /webhook-endpoints/{id}/rotate-secret` and
+//! `POST /webhook-endpoints/{id}/enable` (idempotent operations), `GET /webhook-endpoints`,
+//! `DELETE /webhook-endpoints/{id}`, `GET /events/{id}` (contract sections 4c, 4d).
 
 use actix_web::{web, HttpRequest, HttpResponse};
 use chrono::{DateTime, Utc};
@@ -14,11 +15,12 @@ use crate::domain::{EndpointId, EventId};
 use crate::error::ApiError;
 use crate::state::AppState;
 use crate::webhooks::endpoints::{self, EVENT_TYPES};
-use crate::webhooks::{target, CreateEndpoint, EndpointRow, RotateSecret};
+use crate::webhooks::{target, CreateEndpoint, EnableEndpoint, EndpointRow, RotateSecret};
 
 pub fn configure(cfg: &mut web::ServiceConfig) {
     route::<CreateWebhookEndpoint>(cfg);
     route::<RotateWebhookSecret>(cfg);
+    route::<EnableWebhookEndpoint>(cfg);
     cfg.route(routes::LIST_WEBHOOK_ENDPOINTS.path, web::get().to(list));
     cfg.route(routes::DELETE_WEBHOOK_ENDPOINT.path, web::delete().to(delete));
     cfg.route(routes::GET_EVENT.path, web::get().to(show_event));
@@ -36,14 +38,16 @@ pub struct WebhookEndpointIn {
     pub events: Option<Vec<String>>,
 }
 
-/// A new endpoint, with its signing secret (shown here only; a replay shows the same).
+/// A new endpoint, with its signing secret (shown here only; a replay shows the same one,
+/// or `null` once the secret was rotated).
 #[derive(Serialize, ToSchema)]
 pub struct WebhookEndpointOut {
     id: EndpointId,
     url: String,
     events: Vec<String>,
-    /// `whsec_` + base64 of the HMAC key (Standard Webhooks).
-    secret: String,
+    /// `whsec_` + base64 of the HMAC key (Standard Webhooks); `null` on a replay after a
+    /// rotation (a replay never shows a secret its first answer did not).
+    secret: Option<String>,
     created_at: DateTime<Utc>,
 }
 
@@ -60,8 +64,8 @@ pub struct RotateSecretIn {
 #[derive(Serialize, ToSchema)]
 pub struct RotatedSecretOut {
     id: EndpointId,
-    /// The new `whsec_` secret.
-    secret: String,
+    /// The new `whsec_` secret; `null` on a replay once it was rotated again.
+    secret: Option<String>,
     /// Until when the previous secret signs too.
     previous_secret_expires_at: Option<DateTime<Utc>>,
 }
@@ -73,7 +77,9 @@ struct WebhookEndpointListed {
     url: String,
     events: Vec<String>,
     created_at: DateTime<Utc>,
-    /// `enabled`, or `disabled` (410 Gone, or the retry schedule failed throughout).
+    /// `enabled`, or `disabled` (410 Gone, or no attempt succeeded for
+    /// `ONCEPAY_WEBHOOK_DISABLE_AFTER_SECS` while attempts kept failing; its events are kept
+    /// until it is enabled again).
     status: &'static str,
     disabled_at: Option<DateTime<Utc>>,
     /// `gone` or `failing`.
@@ -90,6 +96,17 @@ struct EventOut {
     data: serde_json::Value,
 }
 
+/// An endpoint enabled: as listed, as of that request (a replay answers the same).
+#[derive(Serialize, ToSchema)]
+pub struct EnabledEndpointOut {
+    id: EndpointId,
+    url: String,
+    events: Vec<String>,
+    created_at: DateTime<Utc>,
+    /// `enabled`.
+    status: &'static str,
+}
+
 fn events_or_all(events: Option<Vec<String>>) -> Vec<String> {
     events.unwrap_or_else(|| EVENT_TYPES.iter().map(|&t| t.to_owned()).collect())
 }
@@ -100,6 +117,7 @@ impl Endpoint for CreateWebhookEndpoint {
     type Effect = CreateEndpoint;
     type In = WebhookEndpointIn;
     type Out = WebhookEndpointOut;
+    const CACHES_REPLAYS: bool = false;
 
     fn effect(req: &HttpRequest, body: WebhookEndpointIn) -> Result<(CreateEndpoint, Option<String>), ApiError> {
         let state = req
@@ -119,10 +137,6 @@ impl Endpoint for CreateWebhookEndpoint {
                 )));
             }
         }
-        // The host's addresses, looked up now (a blocking lookup: registrations are rare);
-        // deliveries check them again on every connection.
-        target::check_blocking(&url, state.settings.webhooks.allow_private)
-            .map_err(|e| ApiError::InvalidRequest(e.to_string()))?;
         let sealer = state.webhook_secrets.clone();
         let mut events = body.events;
         if let Some(events) = &mut events {
@@ -134,9 +148,23 @@ impl Endpoint for CreateWebhookEndpoint {
                 url: url.to_string(),
                 events,
                 sealer,
+                max_endpoints: state.settings.webhooks.max_endpoints,
             },
             None,
         ))
+    }
+
+    /// The host's addresses, looked up now (asynchronously and within
+    /// [`target::LOOKUP_TIMEOUT`]: a name whose nameserver never answers holds no worker);
+    /// deliveries check them again on every connection.
+    async fn verify(req: &HttpRequest, effect: &CreateEndpoint) -> Result<(), ApiError> {
+        let state = req
+            .app_data::<web::Data<AppState>>()
+            .ok_or_else(|| ApiError::Internal(anyhow::anyhow!("no application state")))?;
+        let url = target::parse(&effect.url).map_err(|e| ApiError::InvalidRequest(e.to_string()))?;
+        target::check(&url, state.settings.webhooks.allow_private)
+            .await
+            .map_err(|e| ApiError::InvalidRequest(e.to_string()))
     }
 
     fn render(row: EndpointRow) -> Result<WebhookEndpointOut, ApiError> {
@@ -157,6 +185,7 @@ impl Endpoint for RotateWebhookSecret {
     type In = RotateSecretIn;
     type Out = RotatedSecretOut;
     const EMPTY_BODY: EmptyBody = EmptyBody::MeansEmptyObject;
+    const CACHES_REPLAYS: bool = false;
 
     fn effect(req: &HttpRequest, body: RotateSecretIn) -> Result<(RotateSecret, Option<String>), ApiError> {
         let state = req
@@ -192,6 +221,39 @@ impl Endpoint for RotateWebhookSecret {
         })
     }
 }
+
+pub struct EnableWebhookEndpoint;
+
+impl Endpoint for EnableWebhookEndpoint {
+    type Effect = EnableEndpoint;
+    type In = EnableEndpointIn;
+    type Out = EnabledEndpointOut;
+    const EMPTY_BODY: EmptyBody = EmptyBody::MeansEmptyObject;
+
+    fn effect(req: &HttpRequest, _body: EnableEndpointIn) -> Result<(EnableEndpoint, Option<String>), ApiError> {
+        let endpoint = req
+            .match_info()
+            .get("id")
+            .and_then(EndpointId::parse)
+            .ok_or(ApiError::NotFound)?;
+        Ok((EnableEndpoint { endpoint }, Some(endpoint.to_string())))
+    }
+
+    fn render(row: EndpointRow) -> Result<EnabledEndpointOut, ApiError> {
+        Ok(EnabledEndpointOut {
+            id: row.id,
+            url: row.url,
+            events: events_or_all(row.events),
+            created_at: row.created_at,
+            status: "enabled",
+        })
+    }
+}
+
+/// Body of `POST /webhook-endpoints/{id}/enable`: `{}` or empty.
+#[derive(Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct EnableEndpointIn {}
 
 /// The tenant's webhook endpoints (deleted ones left out), never their secrets.
 #[utoipa::path(

@@ -9,15 +9,25 @@
 //! endpoint over all replicas, the next event of a resource only after the previous one was
 //! delivered or given up. The claim leases the row (its next attempt moves past the HTTP
 //! timeout), then the attempt runs with no connection or lock held, then its result is
-//! recorded (`oncepay_webhook_record_many`, every attempt that ended since the worker's last
-//! round trip at once, migrations/V11): a 2xx is a delivery; 410 Gone disables the endpoint;
-//! anything else (another status, a timeout, a connection refused or cut before the answer)
-//! is retried after the next wait of `ONCEPAY_WEBHOOK_RETRY_SCHEDULE` (±10 % jitter; at
-//! least `Retry-After` on 429 and 503), and after the last the delivery is given up and the
-//! endpoint disabled. A replica that dies mid-attempt leaves its lease to run out; another
-//! replica then sends the same event again, with the same `webhook-id`: delivery is at least
-//! once, and receivers deduplicate by that id (docs/webhooks.md).
+//! recorded ([`record_results`], every attempt that ended since the worker's last round trip
+//! at once, migrations/V22): a 2xx is a delivery (the status decides: the body is read only up
+//! to the head kept, within [`HEAD_READ`]); 410 Gone disables the endpoint; anything else
+//! (another status, a timeout, a connection refused or cut before the answer) is retried after
+//! the next wait of `ONCEPAY_WEBHOOK_RETRY_SCHEDULE` (±10 % jitter; at least `Retry-After` on
+//! 429 and 503), and after the last that message alone is given up. The endpoint is disabled
+//! only when none of its attempts succeeded for `ONCEPAY_WEBHOOK_DISABLE_AFTER_SECS` while they
+//! kept failing; its events are then kept until it is enabled again. What fails on this
+//! replica's side (a secret it cannot decrypt) is deferred, not counted against the receiver.
+//! A replica that dies mid-attempt leaves its lease to run out; another replica then sends the
+//! same event again, with the same `webhook-id`: delivery is at least once, and receivers
+//! deduplicate by that id (docs/webhooks.md).
+//!
+//! Fair shares: a worker gives each tenant with attempts in flight at most
+//! `ONCEPAY_WEBHOOK_CONCURRENCY / (tenants in flight + 1)` of its slots, so that one tenant's
+//! slow endpoints never hold every slot while another tenant's deliveries wait: there is
+//! always a share free for a tenant that has none in flight.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -35,6 +45,12 @@ use crate::db::{Db, DbError};
 
 /// Bytes of an answer kept with its attempt.
 const RESPONSE_HEAD_BYTES: usize = 256;
+/// The longest an attempt reads an answer's body, once its status has arrived: a receiver
+/// that sends its status and then stalls has answered.
+pub const HEAD_READ: Duration = Duration::from_secs(1);
+/// When a delivery this replica could not attempt (a secret it cannot decrypt) is due again:
+/// another replica may take it meanwhile.
+const DEFER: Duration = Duration::from_secs(5);
 /// Most deliveries one claim takes.
 const CLAIM_MAX: usize = 64;
 /// A lease outlives the attempt's timeout by this much (the result's recording included).
@@ -89,21 +105,65 @@ struct Claimed {
 enum Verdict {
     Delivered,
     Gone,
-    Failed { retry_after: Option<Duration> },
+    Failed {
+        retry_after: Option<Duration>,
+    },
+    /// This replica could not make the attempt (its own failure, not the receiver's).
+    Deferred,
 }
 
-/// An attempt that ended, to be recorded.
-struct Ended {
-    claimed: Claimed,
-    attempt: Attempt,
-    /// `delivered`, `retry` (at `next`), `given_up`, `gone`.
-    outcome: &'static str,
-    next: Option<DateTime<Utc>>,
-    /// Past this its lease may have run out: the result is dropped if still unrecorded.
-    record_by: Instant,
+/// What a recorded attempt does to its delivery (`oncepay_webhook_record_results`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// A 2xx.
+    Delivered,
+    /// Failed; attempted again at this time.
+    Retry(DateTime<Utc>),
+    /// Failed, the schedule spent: this message is given up.
+    GivenUp,
+    /// 410 Gone: the endpoint is disabled.
+    Gone,
+    /// Not attempted by this replica: due again at this time, the attempt given back.
+    Deferred(DateTime<Utc>),
 }
 
-/// The attempt as recorded.
+impl Outcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Delivered => "delivered",
+            Self::Retry(_) => "retry",
+            Self::GivenUp => "given_up",
+            Self::Gone => "gone",
+            Self::Deferred(_) => "deferred",
+        }
+    }
+
+    fn next_attempt_at(self) -> Option<DateTime<Utc>> {
+        match self {
+            Self::Retry(at) | Self::Deferred(at) => Some(at),
+            _ => None,
+        }
+    }
+}
+
+/// One attempt, as recorded.
+#[derive(Clone, Debug)]
+pub struct AttemptResult {
+    pub tenant: Uuid,
+    pub event: Uuid,
+    pub endpoint: Uuid,
+    /// Its number (1-based), as the claim counted it.
+    pub attempt: i32,
+    pub started_at: DateTime<Utc>,
+    pub latency: Duration,
+    pub status: Option<u16>,
+    /// The answer's first bytes, as [`readable_head`] writes them.
+    pub head: Option<String>,
+    pub error: Option<String>,
+    pub outcome: Outcome,
+}
+
+/// An attempt as made.
 struct Attempt {
     started_at: DateTime<Utc>,
     latency: Duration,
@@ -111,6 +171,13 @@ struct Attempt {
     head: Option<String>,
     error: Option<String>,
     verdict: Verdict,
+}
+
+/// An attempt that ended, to be recorded.
+struct Ended {
+    result: AttemptResult,
+    /// Past this its lease may have run out: the result is dropped if still unrecorded.
+    record_by: Instant,
 }
 
 pub struct Deliverer {
@@ -128,6 +195,8 @@ impl Deliverer {
             .dns_resolver(Arc::new(target::GuardedResolver {
                 allow_private: settings.allow_private,
             }))
+            // A proxy would resolve the name itself, past the resolver's guard.
+            .no_proxy()
             .timeout(settings.timeout)
             .connect_timeout(settings.timeout)
             .redirect(reqwest::redirect::Policy::none())
@@ -163,9 +232,11 @@ impl Deliverer {
         let gauges = tokio::spawn(self.clone().refresh_gauges());
         let _stop_gauges = AbortOnDrop(gauges);
         let mut ended = Vec::new();
+        let mut shares = Shares::default();
         let mut fanned_out: Option<Instant> = None;
         loop {
             while let Ok(e) = ended_rx.try_recv() {
+                shares.ended(e.result.tenant);
                 ended.push(e);
             }
             if !ended.is_empty() && !self.record(&mut ended).await {
@@ -179,13 +250,17 @@ impl Deliverer {
                 if fan_out {
                     fanned_out = Some(Instant::now());
                 }
-                match self.claim(free, fan_out).await {
+                match self
+                    .claim(free, fan_out, &shares.rooms(self.settings.concurrency))
+                    .await
+                {
                     Ok(claimed) => {
                         more_due = claimed.len() == free;
                         for c in claimed {
                             let Ok(permit) = slots.clone().acquire_owned().await else {
                                 return;
                             };
+                            shares.started(c.tenant);
                             let (this, tx) = (self.clone(), ended_tx.clone());
                             tokio::spawn(async move {
                                 let e = this.deliver(c).await;
@@ -204,6 +279,7 @@ impl Deliverer {
             }
             if !more_due {
                 if let Ok(Some(e)) = tokio::time::timeout(self.settings.poll, ended_rx.recv()).await {
+                    shares.ended(e.result.tenant);
                     ended.push(e);
                     // Attempts still in flight tend to end together: a moment's wait lets one
                     // round trip record and replace several (measured: ~6 per round trip
@@ -216,10 +292,11 @@ impl Deliverer {
         }
     }
 
-    /// Claims up to `n` due deliveries, first writing those of newly committed events if
-    /// `fan_out`.
-    async fn claim(&self, n: usize, fan_out: bool) -> Result<Vec<Claimed>, DbError> {
-        let lease = self.settings.timeout + LEASE_MARGIN;
+    /// Claims up to `n` due deliveries, each tenant within its room, first writing those of
+    /// newly committed events if `fan_out`.
+    async fn claim(&self, n: usize, fan_out: bool, rooms: &Rooms) -> Result<Vec<Claimed>, DbError> {
+        // The lease covers the attempt, its head's read and the recording.
+        let lease = self.settings.timeout + HEAD_READ + LEASE_MARGIN;
         let lease_ms = i32::try_from(lease.as_millis()).unwrap_or(i32::MAX);
         let per_endpoint = i32::try_from(self.settings.endpoint_concurrency).unwrap_or(i32::MAX);
         let limit = i32::try_from(n).unwrap_or(i32::MAX);
@@ -231,11 +308,14 @@ impl Deliverer {
                               attempt AS "attempt!", url AS "url!", secret_encrypted AS "secret_encrypted!",
                               previous_secret_encrypted, event_type AS "event_type!", data AS "data!",
                               created_at AS "created_at!"
-                         FROM oncepay_webhook_claim($1, $2, $3, $4)"#,
+                         FROM oncepay_webhook_claim($1, $2, $3, $4, $5, $6, $7)"#,
                     limit,
                     per_endpoint,
                     lease_ms,
                     fan_out,
+                    &rooms.tenants,
+                    &rooms.rooms,
+                    rooms.others,
                 )
                 .fetch_all(c)
                 .await
@@ -262,59 +342,76 @@ impl Deliverer {
     async fn deliver(&self, c: Claimed) -> Ended {
         let attempt = self.attempt(&c).await;
         self.counters.attempt_duration.observe(attempt.latency.as_secs_f64());
-        let (outcome, next) = match &attempt.verdict {
-            Verdict::Delivered => ("delivered", None),
-            Verdict::Gone => ("gone", None),
+        let after = |wait: Duration| Utc::now() + chrono::Duration::from_std(wait).unwrap_or(chrono::Duration::MAX);
+        let outcome = match &attempt.verdict {
+            Verdict::Delivered => Outcome::Delivered,
+            Verdict::Gone => Outcome::Gone,
+            Verdict::Deferred => Outcome::Deferred(after(DEFER)),
             Verdict::Failed { retry_after } => {
                 match next_wait(&self.settings.retry_schedule, c.attempt, *retry_after) {
-                    Some(wait) => (
-                        "retry",
-                        Some(Utc::now() + chrono::Duration::from_std(wait).unwrap_or(chrono::Duration::MAX)),
-                    ),
-                    None => ("given_up", None),
+                    Some(wait) => Outcome::Retry(after(wait)),
+                    None => Outcome::GivenUp,
                 }
             }
         };
         tracing::info!(
-            event = %c.event, endpoint = %c.endpoint, attempt = c.attempt, outcome,
+            event = %c.event, endpoint = %c.endpoint, attempt = c.attempt, outcome = outcome.as_str(),
             status = attempt.status, error = attempt.error.as_deref(),
             latency_ms = attempt.latency.as_millis() as u64, "webhook attempt"
         );
         Ended {
             record_by: Instant::now() + LEASE_MARGIN,
-            claimed: c,
-            attempt,
-            outcome,
-            next,
+            result: AttemptResult {
+                tenant: c.tenant,
+                event: c.event,
+                endpoint: c.endpoint,
+                attempt: c.attempt,
+                started_at: attempt.started_at,
+                latency: attempt.latency,
+                status: attempt.status,
+                head: attempt.head,
+                error: attempt.error,
+                outcome,
+            },
         }
     }
 
     async fn attempt(&self, c: &Claimed) -> Attempt {
         let started_at = Utc::now();
         let clock = Instant::now();
-        let failed = |error: String| Attempt {
+        let failed = |error: String, verdict: Verdict| Attempt {
             started_at,
             latency: clock.elapsed(),
             status: None,
             head: None,
             error: Some(error),
-            verdict: Verdict::Failed { retry_after: None },
+            verdict,
         };
         let keys = match self.keys(c) {
             Ok(keys) => keys,
-            Err(err) => return failed(err.to_string()),
+            Err(err) => {
+                // This replica's own failure (its ONCEPAY_WEBHOOK_SECRET_KEY is not the one the
+                // secret was sealed with, or it has none): nothing was sent, nothing counts
+                // against the receiver; a replica with the right key takes it.
+                tracing::error!(endpoint = %c.endpoint, tenant = %c.tenant, error = %err,
+                    "this replica cannot sign for a webhook endpoint (check ONCEPAY_WEBHOOK_SECRET_KEY); delivery deferred");
+                return failed(err.to_string(), Verdict::Deferred);
+            }
         };
         let url = match target::parse(&c.url) {
             Ok(url) => url,
-            Err(err) => return failed(err.to_string()),
+            Err(err) => return failed(err.to_string(), Verdict::Failed { retry_after: None }),
         };
         // A literal address is not resolved, so the resolver's guard does not see it.
         if let Some(ip) = url
             .host_str()
             .and_then(|h| h.trim_start_matches('[').trim_end_matches(']').parse().ok())
         {
-            if !self.settings.allow_private && !target::is_public(ip) {
-                return failed(target::Refused::Private(ip).to_string());
+            if !self.settings.allow_private && !target::is_global(ip) {
+                return failed(
+                    target::Refused::Private(ip).to_string(),
+                    Verdict::Failed { retry_after: None },
+                );
             }
         }
         let id = c.event.to_string();
@@ -329,11 +426,22 @@ impl Deliverer {
             .header("webhook-timestamp", timestamp.to_string())
             .header("webhook-signature", signature)
             .body(body);
-        let sent = tokio::time::timeout(self.settings.timeout, async {
-            let mut response = request.send().await?;
-            let status = response.status();
-            let headers = response.headers().clone();
-            let mut head = Vec::new();
+        // The status decides; the body is read only for the head kept, and only briefly: a
+        // receiver that answered 2xx and then stalls (or sends a body without end) has answered.
+        let sent = tokio::time::timeout(self.settings.timeout, request.send()).await;
+        let mut response = match sent {
+            Err(_) => {
+                return failed(
+                    format!("no answer within {} ms", self.settings.timeout.as_millis()),
+                    Verdict::Failed { retry_after: None },
+                )
+            }
+            Ok(Err(err)) => return failed(error_chain(&err), Verdict::Failed { retry_after: None }),
+            Ok(Ok(response)) => response,
+        };
+        let status = response.status();
+        let mut head = Vec::new();
+        let _ = tokio::time::timeout(HEAD_READ, async {
             while head.len() < RESPONSE_HEAD_BYTES {
                 match response.chunk().await {
                     Ok(Some(chunk)) => head.extend_from_slice(&chunk),
@@ -341,34 +449,26 @@ impl Deliverer {
                     Ok(None) | Err(_) => break,
                 }
             }
-            head.truncate(RESPONSE_HEAD_BYTES);
-            Ok::<_, reqwest::Error>((status, headers, head))
         })
         .await;
-        let latency = clock.elapsed();
-        match sent {
-            Err(_) => failed(format!("no answer within {} ms", self.settings.timeout.as_millis())),
-            Ok(Err(err)) => failed(error_chain(&err)),
-            Ok(Ok((status, headers, head))) => {
-                let verdict = if status.is_success() {
-                    Verdict::Delivered
-                } else if status.as_u16() == 410 {
-                    Verdict::Gone
-                } else {
-                    let retry_after = matches!(status.as_u16(), 429 | 503)
-                        .then(|| retry_after(&headers))
-                        .flatten();
-                    Verdict::Failed { retry_after }
-                };
-                Attempt {
-                    started_at,
-                    latency,
-                    status: Some(status.as_u16()),
-                    head: Some(String::from_utf8_lossy(&head).into_owned()),
-                    error: None,
-                    verdict,
-                }
-            }
+        head.truncate(RESPONSE_HEAD_BYTES);
+        let verdict = if status.is_success() {
+            Verdict::Delivered
+        } else if status.as_u16() == 410 {
+            Verdict::Gone
+        } else {
+            let retry_after = matches!(status.as_u16(), 429 | 503)
+                .then(|| retry_after(response.headers()))
+                .flatten();
+            Verdict::Failed { retry_after }
+        };
+        Attempt {
+            started_at,
+            latency: clock.elapsed(),
+            status: Some(status.as_u16()),
+            head: Some(readable_head(&head)),
+            error: None,
+            verdict,
         }
     }
 
@@ -384,70 +484,24 @@ impl Deliverer {
         Ok(keys)
     }
 
-    /// Records the ended attempts in one statement and empties `ended`; `false` if the
-    /// database could not be reached, with the attempts still to be recorded left in
-    /// `ended` (for about as long as their leases last: after that another replica may
-    /// already have sent the event again, so the stale result is dropped and counted).
+    /// Records the ended attempts and empties `ended`; `false` if the database could not be
+    /// reached, with the attempts still to be recorded left in `ended` (for about as long as
+    /// their leases last: after that another replica may already have sent the event again,
+    /// so the stale result is dropped and counted).
     async fn record(&self, ended: &mut Vec<Ended>) -> bool {
-        let mut tenants = Vec::with_capacity(ended.len());
-        let mut events = Vec::with_capacity(ended.len());
-        let mut endpoints = Vec::with_capacity(ended.len());
-        let mut attempts = Vec::with_capacity(ended.len());
-        let mut started = Vec::with_capacity(ended.len());
-        let mut latencies = Vec::with_capacity(ended.len());
-        let mut statuses = Vec::with_capacity(ended.len());
-        let mut heads = Vec::with_capacity(ended.len());
-        let mut errors = Vec::with_capacity(ended.len());
-        let mut outcomes = Vec::with_capacity(ended.len());
-        let mut nexts = Vec::with_capacity(ended.len());
-        for e in ended.iter() {
-            tenants.push(e.claimed.tenant);
-            events.push(e.claimed.event);
-            endpoints.push(e.claimed.endpoint);
-            attempts.push(e.claimed.attempt);
-            started.push(e.attempt.started_at);
-            latencies.push(i32::try_from(e.attempt.latency.as_millis()).unwrap_or(i32::MAX));
-            statuses.push(e.attempt.status.map(|s| s as i16));
-            heads.push(e.attempt.head.clone());
-            errors.push(e.attempt.error.clone());
-            outcomes.push(e.outcome.to_owned());
-            nexts.push(e.next);
-        }
-        let result = self
-            .db
-            .run(async |conn| {
-                sqlx::query!(
-                    r#"SELECT event_id AS "event_id!", endpoint_id AS "endpoint_id!", applied AS "applied!"
-                         FROM oncepay_webhook_record_many($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)"#,
-                    &tenants,
-                    &events,
-                    &endpoints,
-                    &attempts,
-                    &started,
-                    &latencies,
-                    &statuses as &[Option<i16>],
-                    &heads as &[Option<String>],
-                    &errors as &[Option<String>],
-                    self.replica,
-                    &outcomes,
-                    &nexts as &[Option<DateTime<Utc>>],
-                )
-                .fetch_all(conn)
-                .await
-            })
-            .await;
-        match result {
-            Ok(rows) => {
-                for e in ended.drain(..) {
-                    self.counters.deliveries.with_label_values(&[e.outcome]).inc();
-                    let applied = rows
-                        .iter()
-                        .any(|r| r.applied && r.event_id == e.claimed.event && r.endpoint_id == e.claimed.endpoint);
-                    if applied && matches!(e.outcome, "gone" | "given_up") {
-                        let reason = if e.outcome == "gone" { "gone" } else { "failing" };
-                        self.counters.endpoints_disabled.with_label_values(&[reason]).inc();
-                        tracing::warn!(endpoint = %e.claimed.endpoint, tenant = %e.claimed.tenant, reason,
+        let results: Vec<AttemptResult> = ended.iter().map(|e| e.result.clone()).collect();
+        match record_results(&self.db, &self.replica, self.settings.disable_after, &results).await {
+            Ok(applied) => {
+                for (e, applied) in ended.drain(..).zip(applied) {
+                    let outcome = e.result.outcome.as_str();
+                    self.counters.deliveries.with_label_values(&[outcome]).inc();
+                    if applied == Some(true) && e.result.outcome == Outcome::Gone {
+                        self.counters.endpoints_disabled.with_label_values(&["gone"]).inc();
+                        tracing::warn!(endpoint = %e.result.endpoint, tenant = %e.result.tenant, reason = "gone",
                             "webhook endpoint disabled");
+                    }
+                    if applied.is_none() {
+                        self.counters.deliveries.with_label_values(&["unrecorded"]).inc();
                     }
                 }
                 true
@@ -523,6 +577,200 @@ impl Drop for AbortOnDrop {
     }
 }
 
+/// A worker's attempts in flight per tenant, and the room each tenant has in a claim.
+#[derive(Default)]
+struct Shares {
+    in_flight: HashMap<Uuid, usize>,
+}
+
+/// What a claim may take per tenant (`oncepay_webhook_claim`'s last three arguments).
+#[derive(Debug, PartialEq)]
+struct Rooms {
+    tenants: Vec<Uuid>,
+    rooms: Vec<i32>,
+    /// Any tenant without attempts in flight.
+    others: i32,
+}
+
+impl Shares {
+    fn started(&mut self, tenant: Uuid) {
+        *self.in_flight.entry(tenant).or_default() += 1;
+    }
+
+    fn ended(&mut self, tenant: Uuid) {
+        if let Some(n) = self.in_flight.get_mut(&tenant) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.in_flight.remove(&tenant);
+            }
+        }
+    }
+
+    /// With `k` tenants in flight, each gets `slots / (k + 1)` (at least one) less what it has
+    /// in flight, and a tenant with none in flight `slots / (k + 2)`, the share it would have
+    /// once in flight: whoever comes next finds a share free. (A tenant alone uses at most
+    /// half of the slots.)
+    fn rooms(&self, slots: usize) -> Rooms {
+        let active = self.in_flight.len();
+        let share = |tenants: usize| i32::try_from((slots / (tenants + 1)).max(1)).unwrap_or(i32::MAX);
+        let (tenants, rooms) = self
+            .in_flight
+            .iter()
+            .map(|(tenant, n)| {
+                let n = i32::try_from(*n).unwrap_or(i32::MAX);
+                (*tenant, share(active).saturating_sub(n).max(0))
+            })
+            .unzip();
+        Rooms {
+            tenants,
+            rooms,
+            others: share(active + 1),
+        }
+    }
+}
+
+/// Records attempts' results (`oncepay_webhook_record_results`), in one statement; gives per
+/// result whether it settled its delivery (`None`: it could not be recorded at all, and was
+/// dropped). If PostgreSQL refuses the statement for what the results carry, not for the
+/// state of the database, each result is recorded alone, and one that still cannot be is
+/// recorded without the receiver's answer (its head and error): one result never keeps
+/// another from being recorded. `Err` only for what may pass (the database unreachable, a
+/// transient failure): nothing is known recorded then, and the caller tries again (recording
+/// a result twice changes nothing more).
+pub async fn record_results(
+    db: &Db,
+    replica: &str,
+    disable_after: Duration,
+    results: &[AttemptResult],
+) -> Result<Vec<Option<bool>>, DbError> {
+    match record_statement(db, replica, disable_after, results).await {
+        Ok(applied) => return Ok(applied.into_iter().map(Some).collect()),
+        Err(DbError::Other(err)) if results.len() > 1 => {
+            tracing::warn!(error = %err, attempts = results.len(),
+                "webhook attempts refused as a batch; recording them one by one");
+        }
+        Err(DbError::Other(_)) => {}
+        Err(err) => return Err(err),
+    }
+    let mut applied = Vec::with_capacity(results.len());
+    for result in results {
+        let alone = std::slice::from_ref(result);
+        let one = match record_statement(db, replica, disable_after, alone).await {
+            Ok(one) => Some(one),
+            Err(DbError::Other(err)) => {
+                let mut bare = result.clone();
+                bare.head = None;
+                bare.error = Some("the receiver's answer could not be stored".to_owned());
+                match record_statement(db, replica, disable_after, std::slice::from_ref(&bare)).await {
+                    Ok(one) => {
+                        tracing::warn!(error = %err, event = %result.event, endpoint = %result.endpoint,
+                            "a webhook attempt was recorded without the receiver's answer");
+                        Some(one)
+                    }
+                    Err(DbError::Other(again)) => {
+                        tracing::error!(error = %again, event = %result.event, endpoint = %result.endpoint,
+                            "a webhook attempt could not be recorded; it will be sent again after its lease");
+                        None
+                    }
+                    Err(other) => return Err(other),
+                }
+            }
+            Err(other) => return Err(other),
+        };
+        applied.push(one.and_then(|one| one.first().copied()));
+    }
+    Ok(applied)
+}
+
+/// One statement recording `results`: per result, whether it settled its delivery.
+async fn record_statement(
+    db: &Db,
+    replica: &str,
+    disable_after: Duration,
+    results: &[AttemptResult],
+) -> Result<Vec<bool>, DbError> {
+    let mut tenants = Vec::with_capacity(results.len());
+    let mut events = Vec::with_capacity(results.len());
+    let mut endpoints = Vec::with_capacity(results.len());
+    let mut attempts = Vec::with_capacity(results.len());
+    let mut started = Vec::with_capacity(results.len());
+    let mut latencies = Vec::with_capacity(results.len());
+    let mut statuses = Vec::with_capacity(results.len());
+    let mut heads = Vec::with_capacity(results.len());
+    let mut errors = Vec::with_capacity(results.len());
+    let mut outcomes = Vec::with_capacity(results.len());
+    let mut nexts = Vec::with_capacity(results.len());
+    for r in results {
+        tenants.push(r.tenant);
+        events.push(r.event);
+        endpoints.push(r.endpoint);
+        attempts.push(r.attempt);
+        started.push(r.started_at);
+        latencies.push(i32::try_from(r.latency.as_millis()).unwrap_or(i32::MAX));
+        statuses.push(r.status.map(|s| i16::try_from(s).unwrap_or(i16::MAX)));
+        heads.push(r.head.clone());
+        errors.push(r.error.clone());
+        outcomes.push(r.outcome.as_str().to_owned());
+        nexts.push(r.outcome.next_attempt_at());
+    }
+    let disable_after = i32::try_from(disable_after.as_secs()).unwrap_or(i32::MAX);
+    let rows = db
+        .run(async |conn| {
+            sqlx::query!(
+                r#"SELECT event_id AS "event_id!", endpoint_id AS "endpoint_id!", applied AS "applied!"
+                     FROM oncepay_webhook_record_results($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)"#,
+                &tenants,
+                &events,
+                &endpoints,
+                &attempts,
+                &started,
+                &latencies,
+                &statuses as &[Option<i16>],
+                &heads as &[Option<String>],
+                &errors as &[Option<String>],
+                replica,
+                &outcomes,
+                &nexts as &[Option<DateTime<Utc>>],
+                disable_after,
+            )
+            .fetch_all(conn)
+            .await
+        })
+        .await?;
+    Ok(results
+        .iter()
+        .map(|r| {
+            rows.iter()
+                .any(|row| row.applied && row.event_id == r.event && row.endpoint_id == r.endpoint)
+        })
+        .collect())
+}
+
+/// The first bytes of an answer as text that holds any byte sequence, losing nothing: valid
+/// UTF-8 as it is, but a backslash doubled and a control character other than tab, CR and LF
+/// written `\u{..}` (PostgreSQL's text cannot hold U+0000); each byte of invalid UTF-8 (a
+/// binary body, a character cut at the limit) written `\xNN`.
+pub fn readable_head(bytes: &[u8]) -> String {
+    use std::fmt::Write as _;
+    let mut text = String::with_capacity(bytes.len());
+    for chunk in bytes.utf8_chunks() {
+        for ch in chunk.valid().chars() {
+            match ch {
+                '\\' => text.push_str("\\\\"),
+                '\t' | '\r' | '\n' => text.push(ch),
+                c if c.is_control() => {
+                    let _ = write!(text, "\\u{{{:x}}}", c as u32);
+                }
+                c => text.push(c),
+            }
+        }
+        for byte in chunk.invalid() {
+            let _ = write!(text, "\\x{byte:02x}");
+        }
+    }
+    text
+}
+
 /// The wait before attempt `attempt + 1`, after attempt `attempt` (1-based) failed: the
 /// schedule's entry with ±10 % jitter, and at least the receiver's `Retry-After`; `None`
 /// when the schedule is spent (the delivery is given up).
@@ -573,6 +821,64 @@ mod tests {
         }
         assert_eq!(next_wait(&schedule, 3, None), None);
         assert_eq!(next_wait(&schedule, 0, None), None);
+    }
+
+    #[test]
+    fn any_answer_becomes_text_without_a_nul_and_nothing_is_lost() {
+        assert_eq!(readable_head(b"ok"), "ok");
+        assert_eq!(readable_head(b"a\0b"), "a\\u{0}b");
+        assert_eq!(readable_head(b"\xff\xfe{}"), "\\xff\\xfe{}");
+        assert_eq!(
+            readable_head("caf\u{e9} \\ \u{1b}[0m\n".as_bytes()),
+            "caf\u{e9} \\\\ \\u{1b}[0m\n"
+        );
+        // A character cut at the limit.
+        assert_eq!(readable_head(&"\u{e9}".as_bytes()[..1]), "\\xc3");
+        for bytes in [&b"a\0b"[..], b"\xff\x00\xc3", b"\\x00"] {
+            assert!(!readable_head(bytes).contains('\0'));
+        }
+        // Distinct answers stay distinct: a literal `\x00` is not a NUL byte.
+        assert_ne!(readable_head(b"\\x00"), readable_head(b"\x00"));
+    }
+
+    #[test]
+    fn each_tenant_in_flight_gets_a_share_and_a_share_stays_free_for_another() {
+        let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
+        let mut shares = Shares::default();
+        // Nobody in flight: the first tenant may take half, the other half stays free.
+        assert_eq!(
+            shares.rooms(64),
+            Rooms {
+                tenants: vec![],
+                rooms: vec![],
+                others: 32
+            }
+        );
+        for _ in 0..40 {
+            shares.started(a);
+        }
+        // One tenant in flight, over its half: no room for it, a third for the next.
+        let rooms = shares.rooms(64);
+        assert_eq!(
+            (rooms.tenants.clone(), rooms.rooms.clone(), rooms.others),
+            (vec![a], vec![0], 21)
+        );
+        shares.started(b);
+        let rooms = shares.rooms(64);
+        let room_of = |t: Uuid| rooms.rooms[rooms.tenants.iter().position(|x| *x == t).unwrap()];
+        assert_eq!((room_of(a), room_of(b), rooms.others), (0, 20, 16));
+        for _ in 0..40 {
+            shares.ended(a);
+        }
+        shares.ended(b);
+        assert!(
+            shares.in_flight.is_empty(),
+            "no tenant left behind: {:?}",
+            shares.in_flight
+        );
+        // A single slot is still a share.
+        shares.started(a);
+        assert_eq!(shares.rooms(1).others, 1);
     }
 
     #[test]

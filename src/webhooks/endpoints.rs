@@ -1,5 +1,6 @@
-//! `POST /webhook-endpoints` as an idempotent operation (its key row, its replay: the same
-//! secret, decrypted again), and the reads behind `GET /webhook-endpoints`,
+//! `POST /webhook-endpoints`, its `rotate-secret` and `enable` as idempotent operations (their
+//! key rows, their replays: the secret the request made, decrypted again, while it is still
+//! the endpoint's), and the reads behind `GET /webhook-endpoints`,
 //! `DELETE /webhook-endpoints/{id}` and `GET /events/{id}`.
 
 use std::sync::Arc;
@@ -40,18 +41,28 @@ pub struct StoredEndpoint {
     pub disabled_at: Option<DateTime<Utc>>,
     pub disabled_reason: Option<String>,
     pub deleted_at: Option<DateTime<Utc>>,
+    /// Its place in the events' sequence: it receives the events after it (migrations/V22).
+    pub created_sequence: Option<i64>,
+    pub failing_since: Option<DateTime<Utc>>,
+    /// The key of the request whose answer showed the current secret.
+    pub secret_from_key: Option<String>,
 }
 
-/// An endpoint as its creation answers it: with its secret in clear.
+/// An endpoint as its creation, rotation or enabling answers it: with its secret in clear
+/// when the answer may show it.
 #[derive(Clone, Debug)]
 pub struct EndpointRow {
     pub id: EndpointId,
     pub url: String,
     pub events: Option<Vec<String>>,
-    pub secret: String,
+    /// The secret this request made, in clear; `None` on a replay once the secret was rotated
+    /// since (a replay never shows a secret other than its first answer's), and for `enable`.
+    pub secret: Option<String>,
     pub created_at: DateTime<Utc>,
     /// Until when the previous secret also signs (after a rotation).
     pub previous_secret_expires_at: Option<DateTime<Utc>>,
+    pub disabled_at: Option<DateTime<Utc>>,
+    pub disabled_reason: Option<String>,
 }
 
 /// Registers an endpoint: `url` already checked ([`super::target`]), `events` already
@@ -60,6 +71,8 @@ pub struct CreateEndpoint {
     pub url: String,
     pub events: Option<Vec<String>>,
     pub sealer: Arc<SecretBox>,
+    /// `ONCEPAY_WEBHOOK_MAX_ENDPOINTS`.
+    pub max_endpoints: u32,
 }
 
 impl Effect for CreateEndpoint {
@@ -73,33 +86,69 @@ impl Effect for CreateEndpoint {
         claim: &ClaimArgs,
     ) -> Result<Outcome<EndpointRow>, sqlx::Error> {
         let sealed = self.sealer.seal(tenant.get(), &SecretBox::generate());
+        let max = i32::try_from(self.max_endpoints).unwrap_or(i32::MAX);
         let r = sqlx::query!(
             r#"SELECT outcome AS "outcome!: ClaimOutcome", decline AS "decline: Decline", expires_at,
                       resource AS "resource: StoredEndpoint"
-               FROM oncepay_create_webhook_endpoint($1, $2, $3, $4, $5)"#,
+               FROM oncepay_create_webhook_endpoint($1, $2, $3, $4, $5, $6)"#,
             tenant.get(),
             claim as _,
             self.url,
             self.events.as_deref() as Option<&[String]>,
             sealed,
+            max,
         )
         .fetch_one(conn)
         .await?;
         let outcome = settle(r.outcome, r.decline, r.expires_at, r.resource)?;
-        opened(&self.sealer, tenant, outcome)
+        opened(tenant, claim, Secret::Made(&self.sealer), outcome)
     }
 }
 
-/// An outcome whose stored endpoint is shown with its secret decrypted.
+/// Whether an answer carries the endpoint's secret.
+#[derive(Clone, Copy)]
+enum Secret<'a> {
+    /// The request made it (a creation, a rotation): shown on its first answer, and on its
+    /// replays while it is still the endpoint's secret; decrypted with this box.
+    Made(&'a SecretBox),
+    /// Never (enabling).
+    Hidden,
+}
+
+/// An outcome whose stored endpoint is shown, with its secret decrypted where the answer
+/// shows it: a replay shows the secret only if the replayed request made the endpoint's
+/// current one (`secret_from_key`; for an endpoint of before migrations/V22, a creation's
+/// replay while it was never rotated), so that every replica answers a replay alike and none
+/// shows a secret that request never showed.
 fn opened(
-    sealer: &SecretBox,
     tenant: TenantId,
+    claim: &ClaimArgs,
+    secret: Secret<'_>,
     outcome: Outcome<StoredEndpoint>,
 ) -> Result<Outcome<EndpointRow>, sqlx::Error> {
-    let open = |stored: StoredEndpoint| -> Result<EndpointRow, sqlx::Error> {
-        let secret = sealer
-            .open(tenant.get(), &stored.secret_encrypted)
-            .map_err(|e| sqlx::Error::Decode(e.into()))?;
+    let open = |stored: StoredEndpoint, replayed: bool| -> Result<EndpointRow, sqlx::Error> {
+        let sealer = match secret {
+            Secret::Hidden => None,
+            Secret::Made(sealer) if !replayed => Some(sealer),
+            Secret::Made(sealer) => {
+                let still_its = match (&stored.secret_from_key, claim.key()) {
+                    (Some(made_by), Some(key)) => made_by == key,
+                    (None, Some(key)) => {
+                        stored.previous_secret_encrypted.is_none() && stored.idempotency_key.as_deref() == Some(key)
+                    }
+                    (_, None) => false,
+                };
+                still_its.then_some(sealer)
+            }
+        };
+        let secret = match sealer {
+            None => None,
+            Some(sealer) => Some(
+                sealer
+                    .open(tenant.get(), &stored.secret_encrypted)
+                    .map_err(|e| sqlx::Error::Decode(e.into()))?,
+            ),
+        };
         Ok(EndpointRow {
             id: EndpointId::from_uuid(stored.endpoint_id),
             url: stored.url,
@@ -107,11 +156,13 @@ fn opened(
             secret,
             created_at: stored.created_at,
             previous_secret_expires_at: stored.previous_secret_expires_at,
+            disabled_at: stored.disabled_at,
+            disabled_reason: stored.disabled_reason,
         })
     };
     let result = match outcome.result {
-        Ok(Reply::New(stored)) => Ok(Reply::New(open(stored)?)),
-        Ok(Reply::Replayed(stored)) => Ok(Reply::Replayed(open(stored)?)),
+        Ok(Reply::New(stored)) => Ok(Reply::New(open(stored, false)?)),
+        Ok(Reply::Replayed(stored)) => Ok(Reply::Replayed(open(stored, true)?)),
         Err(refusal) => Err(refusal),
     };
     Ok(Outcome {
@@ -122,7 +173,7 @@ fn opened(
 
 /// Rotates an endpoint's secret: a new one signs from now on, the previous one as well
 /// for `overlap` (receivers accept either of the two signatures meanwhile). A replay shows
-/// the endpoint's current secret (the same, unless it was rotated again since).
+/// the same secret while it is the endpoint's, none once it was rotated again.
 pub struct RotateSecret {
     pub endpoint: EndpointId,
     pub overlap: std::time::Duration,
@@ -154,7 +205,37 @@ impl Effect for RotateSecret {
         .fetch_one(conn)
         .await?;
         let outcome = settle(r.outcome, r.decline, r.expires_at, r.resource)?;
-        opened(&self.sealer, tenant, outcome)
+        opened(tenant, claim, Secret::Made(&self.sealer), outcome)
+    }
+}
+
+/// Enables an endpoint: it takes deliveries again, first the ones kept while it was disabled.
+pub struct EnableEndpoint {
+    pub endpoint: EndpointId,
+}
+
+impl Effect for EnableEndpoint {
+    const OPERATION: Operation = Operation::EnableWebhookEndpoint;
+    type Row = EndpointRow;
+
+    async fn run(
+        &self,
+        conn: &mut PgConnection,
+        tenant: TenantId,
+        claim: &ClaimArgs,
+    ) -> Result<Outcome<EndpointRow>, sqlx::Error> {
+        let r = sqlx::query!(
+            r#"SELECT outcome AS "outcome!: ClaimOutcome", decline AS "decline: Decline", expires_at,
+                      resource AS "resource: StoredEndpoint"
+               FROM oncepay_enable_webhook_endpoint($1, $2, $3)"#,
+            tenant.get(),
+            claim as _,
+            self.endpoint.get(),
+        )
+        .fetch_one(conn)
+        .await?;
+        let outcome = settle(r.outcome, r.decline, r.expires_at, r.resource)?;
+        opened(tenant, claim, Secret::Hidden, outcome)
     }
 }
 
@@ -193,8 +274,8 @@ pub async fn list(conn: &mut PgConnection, tenant: TenantId) -> Result<Vec<Liste
         .collect())
 }
 
-/// Deletes an endpoint (its pending deliveries are cancelled); `false` if the tenant has no
-/// such endpoint (or it was deleted already).
+/// Deletes an endpoint (its pending and held deliveries are cancelled); `false` if the tenant
+/// has no such endpoint (or it was deleted already).
 pub async fn delete(conn: &mut PgConnection, tenant: TenantId, endpoint: EndpointId) -> Result<bool, sqlx::Error> {
     sqlx::query_scalar!(
         r#"SELECT oncepay_webhook_disable($1, $2, 'deleted') AS "deleted!""#,

@@ -21,5 +21,5 @@ pub mod signing;
 pub mod target;
 
 pub use delivery::{Counters, Deliverer};
-pub use endpoints::{CreateEndpoint, EndpointRow, EventRow, RotateSecret};
+pub use endpoints::{CreateEndpoint, EnableEndpoint, EndpointRow, EventRow, RotateSecret};
 pub use secrets::SecretBox;

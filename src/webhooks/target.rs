@@ -1,16 +1,23 @@
 //! Which URLs may receive webhooks. A URL is `http` or `https` with a host; unless the
 //! operator allows private targets (`ONCEPAY_WEBHOOK_ALLOW_PRIVATE=1`), every address it
-//! resolves to must be public: no loopback, private (RFC 1918, fc00::/7), link-local
-//! (169.254/16 with the cloud metadata address, fe80::/10), shared (100.64/10), unspecified,
-//! multicast or broadcast address. Checked when the endpoint is registered, and again on
-//! every connection a delivery makes: the deliveries' HTTP client resolves through
-//! [`GuardedResolver`], which refuses such addresses, so a name that resolved to a public
-//! address at registration and to 127.0.0.1 later (DNS rebinding) reaches nothing.
+//! resolves to must be global unicast ([`is_global`]): no loopback, private, shared,
+//! link-local, site-local, documentation, benchmarking or other special-purpose address, and
+//! an IPv4 address spelled inside an IPv6 one (mapped, translated, NAT64, 6to4) is judged as
+//! the IPv4 address it is. Checked when the endpoint is registered (an asynchronous lookup
+//! bounded by [`LOOKUP_TIMEOUT`]), and again on every connection a delivery makes: the
+//! deliveries' HTTP client resolves through [`GuardedResolver`], which refuses such addresses,
+//! so a name that resolved to a public address at registration and to 127.0.0.1 later (DNS
+//! rebinding) reaches nothing; and it uses no proxy, which would resolve the name itself.
 
-use std::net::{IpAddr, SocketAddr};
+use std::future::Future;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::time::Duration;
 
 use reqwest::dns::{Addrs, Name, Resolve, Resolving};
 use reqwest::Url;
+
+/// The longest a registration waits for its URL's host to resolve.
+pub const LOOKUP_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Why a URL is refused (the detail of a 400).
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -19,10 +26,12 @@ pub enum Refused {
     Malformed,
     #[error("`url` must not carry a user name or password")]
     Credentials,
-    #[error("`url` resolves to a loopback, private or link-local address ({0}), which webhooks may not target")]
+    #[error("`url` resolves to an address that is not global unicast ({0}: loopback, private, link-local or another special-purpose range), which webhooks may not target")]
     Private(IpAddr),
     #[error("`url`'s host does not resolve")]
     Unresolved,
+    #[error("`url`'s host did not resolve within {} seconds", LOOKUP_TIMEOUT.as_secs())]
+    LookupTimedOut,
 }
 
 /// Parses and checks the form of a URL (not yet its addresses).
@@ -40,57 +49,128 @@ pub fn parse(raw: &str) -> Result<Url, Refused> {
     Ok(url)
 }
 
-/// Whether an address is one webhooks may target without `ONCEPAY_WEBHOOK_ALLOW_PRIVATE`.
-pub fn is_public(ip: IpAddr) -> bool {
+/// Whether an address is global unicast, the only kind webhooks may target without
+/// `ONCEPAY_WEBHOOK_ALLOW_PRIVATE` (IANA's special-purpose registries, RFC 6890 and its
+/// successors). IPv6 is allowed only inside 2000::/3, less its special ranges; an IPv4
+/// address inside an IPv6 one is unwrapped and judged as IPv4.
+pub fn is_global(ip: IpAddr) -> bool {
     match ip {
-        IpAddr::V4(v4) => {
-            let [a, b, ..] = v4.octets();
-            !(v4.is_loopback()
-                || v4.is_private()
-                || v4.is_link_local()
-                || v4.is_unspecified()
-                || v4.is_broadcast()
-                || v4.is_multicast()
-                || v4.is_documentation()
-                || a == 0
-                || (a == 100 && (64..128).contains(&b)) // shared address space (CGNAT)
-                || a >= 240)
-        }
-        IpAddr::V6(v6) => {
-            if let Some(v4) = v6.to_ipv4_mapped() {
-                return is_public(IpAddr::V4(v4));
-            }
-            let first = v6.segments()[0];
-            !(v6.is_loopback()
-                || v6.is_unspecified()
-                || v6.is_multicast()
-                || (first & 0xfe00) == 0xfc00 // unique local
-                || (first & 0xffc0) == 0xfe80) // link-local
-        }
+        IpAddr::V4(v4) => is_global_v4(v4),
+        IpAddr::V6(v6) => match embedded_v4(v6) {
+            Some(Embedded::V4(v4)) => is_global_v4(v4),
+            Some(Embedded::Refused) => false,
+            None => is_global_v6(v6),
+        },
     }
 }
 
-/// Checks every address the URL's host resolves to (a literal address without a lookup;
-/// a name with the system's resolver, blocking).
-pub fn check_blocking(url: &Url, allow_private: bool) -> Result<(), Refused> {
-    use std::net::ToSocketAddrs as _;
-    let host = url.host_str().ok_or(Refused::Malformed)?;
-    let host = host.trim_start_matches('[').trim_end_matches(']');
-    let port = url.port_or_known_default().unwrap_or(443);
-    let addrs: Vec<IpAddr> = match host.parse::<IpAddr>() {
-        Ok(ip) => vec![ip],
-        Err(_) => (host, port)
-            .to_socket_addrs()
-            .map_err(|_| Refused::Unresolved)?
-            .map(|a| a.ip())
-            .collect(),
+fn is_global_v4(v4: Ipv4Addr) -> bool {
+    let [a, b, c, _] = v4.octets();
+    !(a == 0 // "this network"
+        || a == 10 // private
+        || (a == 100 && (64..128).contains(&b)) // shared address space (CGNAT)
+        || a == 127 // loopback
+        || (a == 169 && b == 254) // link-local, the cloud metadata address among them
+        || (a == 172 && (16..32).contains(&b)) // private
+        || (a == 192 && b == 0 && c == 0) // IETF protocol assignments
+        || (a == 192 && b == 0 && c == 2) // documentation (TEST-NET-1)
+        || (a == 192 && b == 88 && c == 99) // 6to4 relay anycast
+        || (a == 192 && b == 168) // private
+        || (a == 198 && (18..20).contains(&b)) // benchmarking
+        || (a == 198 && b == 51 && c == 100) // documentation (TEST-NET-2)
+        || (a == 203 && b == 0 && c == 113) // documentation (TEST-NET-3)
+        || a >= 224) // multicast, reserved, broadcast
+}
+
+/// What an IPv6 address that carries an IPv4 one stands for.
+enum Embedded {
+    V4(Ipv4Addr),
+    /// A form that is not to be reached at all (IPv4-compatible, deprecated; local-use NAT64;
+    /// Teredo, whose IPv4 address is obfuscated).
+    Refused,
+}
+
+fn embedded_v4(v6: Ipv6Addr) -> Option<Embedded> {
+    let s = v6.segments();
+    let low = Ipv4Addr::new((s[6] >> 8) as u8, s[6] as u8, (s[7] >> 8) as u8, s[7] as u8);
+    match s {
+        // ::ffff:a.b.c.d, IPv4-mapped.
+        [0, 0, 0, 0, 0, 0xffff, _, _] => Some(Embedded::V4(low)),
+        // ::ffff:0:a.b.c.d, IPv4-translated (SIIT).
+        [0, 0, 0, 0, 0xffff, 0, _, _] => Some(Embedded::V4(low)),
+        // 64:ff9b::a.b.c.d, the well-known NAT64 prefix.
+        [0x64, 0xff9b, 0, 0, 0, 0, _, _] => Some(Embedded::V4(low)),
+        // 64:ff9b:1::/48, NAT64 for local use.
+        [0x64, 0xff9b, 1, ..] => Some(Embedded::Refused),
+        // 2002:AABB:CCDD::/48, 6to4.
+        [0x2002, hi, lo, ..] => Some(Embedded::V4(Ipv4Addr::new(
+            (hi >> 8) as u8,
+            hi as u8,
+            (lo >> 8) as u8,
+            lo as u8,
+        ))),
+        // 2001::/32, Teredo.
+        [0x2001, 0, ..] => Some(Embedded::Refused),
+        // ::a.b.c.d, IPv4-compatible (deprecated); :: and ::1 are judged below.
+        [0, 0, 0, 0, 0, 0, hi, _] if hi != 0 => Some(Embedded::Refused),
+        _ => None,
+    }
+}
+
+fn is_global_v6(v6: Ipv6Addr) -> bool {
+    let s = v6.segments();
+    // Global unicast is 2000::/3; everything else (::, ::1, 100::/64 discard, fc00::/7 unique
+    // local, fe80::/10 link-local, fec0::/10 site-local, ff00::/8 multicast) is not.
+    let special = match s[0] {
+        // 2001::/23, IETF protocol assignments; 2001:db8::/32, documentation.
+        0x2001 => s[1] < 0x0200 || s[1] == 0x0db8,
+        // 3fff::/20, documentation.
+        first => (first & 0xfff0) == 0x3ff0,
     };
+    (s[0] & 0xe000) == 0x2000 && !special
+}
+
+/// Checks every address the URL's host resolves to (a literal address without a lookup; a
+/// name through the system's resolver on tokio's blocking pool, never on the caller's
+/// thread, and within [`LOOKUP_TIMEOUT`]).
+pub async fn check(url: &Url, allow_private: bool) -> Result<(), Refused> {
+    let host = url.host_str().ok_or(Refused::Malformed)?;
+    let host = host.trim_start_matches('[').trim_end_matches(']').to_owned();
+    let port = url.port_or_known_default().unwrap_or(443);
+    let lookup = async move {
+        tokio::net::lookup_host((host.as_str(), port))
+            .await
+            .map(|addrs| addrs.map(|a| a.ip()).collect::<Vec<_>>())
+    };
+    let literal = url
+        .host_str()
+        .and_then(|h| h.trim_start_matches('[').trim_end_matches(']').parse().ok());
+    match literal {
+        Some(ip) => check_addresses(&[ip], allow_private),
+        None => check_lookup(lookup, LOOKUP_TIMEOUT, allow_private).await,
+    }
+}
+
+/// The addresses `lookup` gives, within `timeout`, checked.
+async fn check_lookup(
+    lookup: impl Future<Output = std::io::Result<Vec<IpAddr>>>,
+    timeout: Duration,
+    allow_private: bool,
+) -> Result<(), Refused> {
+    let addrs = tokio::time::timeout(timeout, lookup)
+        .await
+        .map_err(|_| Refused::LookupTimedOut)?
+        .map_err(|_| Refused::Unresolved)?;
+    check_addresses(&addrs, allow_private)
+}
+
+fn check_addresses(addrs: &[IpAddr], allow_private: bool) -> Result<(), Refused> {
     if addrs.is_empty() {
         return Err(Refused::Unresolved);
     }
     if !allow_private {
-        if let Some(ip) = addrs.into_iter().find(|ip| !is_public(*ip)) {
-            return Err(Refused::Private(ip));
+        if let Some(ip) = addrs.iter().find(|ip| !is_global(**ip)) {
+            return Err(Refused::Private(*ip));
         }
     }
     Ok(())
@@ -109,7 +189,7 @@ impl Resolve for GuardedResolver {
         Box::pin(async move {
             let addrs: Vec<SocketAddr> = tokio::net::lookup_host((name.as_str(), 0))
                 .await?
-                .filter(|a| allow_private || is_public(a.ip()))
+                .filter(|a| allow_private || is_global(a.ip()))
                 .collect();
             if addrs.is_empty() {
                 return Err(format!("{} resolves to no address webhooks may target", name.as_str()).into());
@@ -124,7 +204,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn private_loopback_and_link_local_addresses_are_not_public() {
+    fn only_global_unicast_addresses_are_global() {
         for ip in [
             "127.0.0.1",
             "10.1.2.3",
@@ -133,16 +213,54 @@ mod tests {
             "169.254.169.254",
             "100.64.0.1",
             "0.0.0.0",
+            "0.1.2.3",
+            "192.0.0.8",
+            "192.0.2.1",
+            "192.88.99.1",
+            "198.18.0.1",
+            "198.19.255.255",
+            "198.51.100.7",
+            "203.0.113.9",
+            "224.0.0.1",
+            "240.0.0.1",
+            "255.255.255.255",
+            "::",
             "::1",
             "fe80::1",
             "fd00::1",
+            "fec0::1",
+            "ff02::1",
+            "100::1",
+            "2001:db8::1",
+            "3fff::1",
+            "2001::1",
+            "2001:2::1",
+            // IPv4 inside IPv6: mapped, compatible, translated, NAT64, 6to4.
             "::ffff:127.0.0.1",
-            "255.255.255.255",
+            "::ffff:10.0.0.1",
+            "::127.0.0.1",
+            "::1.1.1.1",
+            "::ffff:0:7f00:1",
+            "64:ff9b::7f00:1",
+            "64:ff9b::a9fe:a9fe",
+            "64:ff9b:1::1.1.1.1",
+            "2002:7f00:1::1",
+            "2002:a00:1::1",
         ] {
-            assert!(!is_public(ip.parse().unwrap()), "{ip}");
+            assert!(!is_global(ip.parse().unwrap()), "{ip}");
         }
-        for ip in ["93.184.216.34", "1.1.1.1", "2606:4700::1111"] {
-            assert!(is_public(ip.parse().unwrap()), "{ip}");
+        for ip in [
+            "93.184.216.34",
+            "1.1.1.1",
+            "8.8.8.8",
+            "198.20.0.1",
+            "2606:4700::1111",
+            "2a00:1450:4001::1",
+            "::ffff:1.1.1.1",
+            "64:ff9b::101:101",
+            "2002:101:101::1",
+        ] {
+            assert!(is_global(ip.parse().unwrap()), "{ip}");
         }
     }
 
@@ -156,14 +274,39 @@ mod tests {
         assert_eq!(parse("https://u:p@example.com/").unwrap_err(), Refused::Credentials);
     }
 
-    #[test]
-    fn private_addresses_are_refused_unless_allowed() {
+    #[tokio::test]
+    async fn private_addresses_are_refused_unless_allowed() {
         let url = parse("http://127.0.0.1:9/x").unwrap();
-        assert!(matches!(check_blocking(&url, false), Err(Refused::Private(_))));
-        assert!(check_blocking(&url, true).is_ok());
-        let url = parse("http://[::1]:9/x").unwrap();
-        assert!(matches!(check_blocking(&url, false), Err(Refused::Private(_))));
+        assert!(matches!(check(&url, false).await, Err(Refused::Private(_))));
+        assert!(check(&url, true).await.is_ok());
+        for literal in [
+            "http://[::1]:9/x",
+            "http://[64:ff9b::7f00:1]/",
+            "http://[::ffff:0:7f00:1]/",
+        ] {
+            let url = parse(literal).unwrap();
+            assert!(
+                matches!(check(&url, false).await, Err(Refused::Private(_))),
+                "{literal}"
+            );
+        }
         let url = parse("http://localhost:9/x").unwrap();
-        assert!(matches!(check_blocking(&url, false), Err(Refused::Private(_))));
+        assert!(matches!(check(&url, false).await, Err(Refused::Private(_))));
+    }
+
+    #[tokio::test]
+    async fn a_lookup_that_never_answers_is_refused_after_the_timeout() {
+        let started = std::time::Instant::now();
+        let never = std::future::pending::<std::io::Result<Vec<IpAddr>>>();
+        let refused = check_lookup(never, Duration::from_millis(50), false).await;
+        assert_eq!(refused, Err(Refused::LookupTimedOut));
+        assert!(started.elapsed() < Duration::from_secs(5), "bounded by its timeout");
+        let found = async { Ok(vec!["1.1.1.1".parse().unwrap()]) };
+        assert_eq!(check_lookup(found, Duration::from_millis(50), false).await, Ok(()));
+        let failed = async { Err(std::io::Error::other("no such host")) };
+        assert_eq!(
+            check_lookup(failed, Duration::from_millis(50), false).await,
+            Err(Refused::Unresolved)
+        );
     }
 }

@@ -47,6 +47,7 @@ mod tls;
 mod top_ups;
 mod transfers;
 // Shared with the chaos tests, which use a part of it each.
+mod webhook_hardening;
 #[allow(dead_code)]
 mod webhook_receiver;
 mod webhooks;

@@ -23,6 +23,21 @@ pub enum Reply {
     /// Reads the whole request, then closes the connection without answering (the receiver
     /// may have processed it: the sender cannot know).
     Close,
+    /// A status with this body, whatever its bytes.
+    Body(u16, Vec<u8>),
+    /// A status and a head announcing a body of 1000 bytes, of which it sends 3 and then
+    /// nothing, the connection held open for 30 s.
+    Stall(u16),
+}
+
+impl Reply {
+    /// Whether the sender got a 2xx status (whatever followed it).
+    pub fn is_success(&self) -> bool {
+        match self {
+            Self::Status(s) | Self::RetryAfter(s, _) | Self::Body(s, _) | Self::Stall(s) => (200..300).contains(s),
+            Self::Close => false,
+        }
+    }
 }
 
 /// One message as received.
@@ -152,7 +167,7 @@ impl Receiver {
     pub fn acknowledged(&self) -> HashSet<String> {
         self.messages()
             .into_iter()
-            .filter(|m| matches!(m.reply, Reply::Status(s) if (200..300).contains(&s)))
+            .filter(|m| m.reply.is_success())
             .map(|m| m.id)
             .collect()
     }
@@ -246,7 +261,7 @@ impl Receiver {
                     .unwrap_or_else(|| panic!("{event_type} of {resource} never arrived"));
                 let ack = of_event
                     .iter()
-                    .find(|m| matches!(m.reply, Reply::Status(s) if (200..300).contains(&s)))
+                    .find(|m| m.reply.is_success())
                     .unwrap_or_else(|| panic!("{event_type} of {resource} never acknowledged"));
                 if let Some(previous) = previous_ack {
                     assert!(
@@ -392,19 +407,32 @@ async fn connection(mut stream: TcpStream, inner: Arc<Mutex<Inner>>) -> std::io:
             guard.messages.push(message);
             reply
         };
-        let (status, retry_after) = match reply {
+        let (status, retry_after, body) = match reply {
             Reply::Close => {
                 stream.shutdown().await?;
                 return Ok(());
             }
-            Reply::Status(status) => (status, None),
-            Reply::RetryAfter(status, secs) => (status, Some(secs)),
+            Reply::Stall(status) => {
+                let head =
+                    format!("HTTP/1.1 {status} X\r\ncontent-length: 1000\r\ncontent-type: text/plain\r\n\r\nabc");
+                stream.write_all(head.as_bytes()).await?;
+                tokio::time::sleep(Duration::from_secs(30)).await;
+                return Ok(());
+            }
+            Reply::Status(status) => (status, None, b"ok".to_vec()),
+            Reply::RetryAfter(status, secs) => (status, Some(secs), b"ok".to_vec()),
+            Reply::Body(status, body) => (status, None, body),
         };
-        let mut answer = format!("HTTP/1.1 {status} X\r\ncontent-length: 2\r\ncontent-type: text/plain\r\n");
+        let mut answer = format!(
+            "HTTP/1.1 {status} X\r\ncontent-length: {}\r\ncontent-type: text/plain\r\n",
+            body.len()
+        );
         if let Some(secs) = retry_after {
             answer.push_str(&format!("retry-after: {secs}\r\n"));
         }
-        answer.push_str("\r\nok");
-        stream.write_all(answer.as_bytes()).await?;
+        answer.push_str("\r\n");
+        let mut answer = answer.into_bytes();
+        answer.extend_from_slice(&body);
+        stream.write_all(&answer).await?;
     }
 }
