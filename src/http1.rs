@@ -46,17 +46,31 @@ const SHUTDOWN_TIMEOUT_SECS: u64 = 10;
 /// A connection whose client stops reading is closed once a write has made no progress for
 /// this long ([`StallTimeout`]): the dispatcher's timeouts do not apply while it writes.
 pub const WRITE_STALL_TIMEOUT: Duration = Duration::from_secs(30);
-/// Connections one worker serves at once; past it, new ones wait in the listen backlog. With
-/// `ONCEPAY_WORKERS` workers a process serves at most that many times this.
-pub const MAX_CONNECTIONS_PER_WORKER: usize = 4_096;
 
-/// Serves `app` on `listener` with `workers` threads; what `HttpServer::new(app).listen()`
+/// How many connections the server serves at once.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// Worker threads (`ONCEPAY_WORKERS`).
+    pub workers: usize,
+    /// Open connections of the process (`ONCEPAY_MAX_CONNECTIONS`). actix-server counts them
+    /// per worker: each worker takes up to this over `workers`, rounded up, and past it new
+    /// connections wait in the listen backlog.
+    pub max_connections: usize,
+}
+
+impl Limits {
+    fn per_worker(&self) -> usize {
+        self.max_connections.div_ceil(self.workers.max(1))
+    }
+}
+
+/// Serves `app` on `listener` within `limits`; what `HttpServer::new(app).listen()`
 /// does, with the dispatcher's own error answers made problem+json. With `tls`, each
 /// connection is a TLS one first (handshake within the client request timeout), and the
 /// rewriting sits between TLS and the dispatcher, so HTTPS answers the same problems.
 pub fn serve<F, I, S, B>(
     listener: TcpListener,
-    workers: usize,
+    limits: Limits,
     tls: Option<rustls::ServerConfig>,
     app: F,
 ) -> io::Result<Server>
@@ -79,8 +93,8 @@ where
     let builder = actix_server::Server::build();
     let shutdown = builder.graceful_shutdown_signal();
     Ok(builder
-        .workers(workers)
-        .max_concurrent_connections(MAX_CONNECTIONS_PER_WORKER)
+        .workers(limits.workers)
+        .max_concurrent_connections(limits.per_worker())
         .shutdown_timeout(SHUTDOWN_TIMEOUT_SECS)
         .listen("oncepay", listener, move || {
             let shutdown = shutdown.clone();
