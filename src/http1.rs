@@ -18,6 +18,12 @@
 //! body), at the start of a response (no body the application writes contains CR LF: JSON
 //! escapes it, the metrics text uses LF). The dispatcher closes the connection after each
 //! of them, so nothing follows the rewritten answer.
+//!
+//! Every connection is counted by one [`connections::Gate`] per process, and its stream is
+//! an [`IdleClose`]: past 80 % of `ONCEPAY_MAX_CONNECTIONS`, idle keep-alive connections
+//! close first (`connections`).
+
+mod connections;
 
 use std::fmt;
 use std::future::Future;
@@ -37,6 +43,9 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio_rustls::TlsAcceptor;
 use tokio_util::either::Either;
+
+pub use connections::ConnectionCounters;
+use connections::{Gate, IdleClose};
 
 /// Slow clients (slowloris) are dropped: the head within 5 s (else 408), then 1 s to close.
 const CLIENT_REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
@@ -71,6 +80,7 @@ impl Limits {
 pub fn serve<F, I, S, B>(
     listener: TcpListener,
     limits: Limits,
+    counters: ConnectionCounters,
     tls: Option<rustls::ServerConfig>,
     app: F,
 ) -> io::Result<Server>
@@ -90,6 +100,7 @@ where
         config.alpn_protocols = vec![b"http/1.1".to_vec()];
         TlsAcceptor::from(std::sync::Arc::new(config))
     });
+    let gate = Gate::new(limits.max_connections, limits.workers, counters);
     let builder = actix_server::Server::build();
     let shutdown = builder.graceful_shutdown_signal();
     Ok(builder
@@ -99,6 +110,8 @@ where
         .listen("oncepay", listener, move || {
             let shutdown = shutdown.clone();
             let tls = tls.clone();
+            let gate = gate.clone();
+            let wake = gate.worker_wake();
             let app = app().into_factory().map_err(|err| err.into().error_response());
             let h1 = HttpService::build()
                 .keep_alive(KEEP_ALIVE)
@@ -113,6 +126,8 @@ where
                 .h1(map_config(app, move |_| AppConfig::default()));
             fn_service(move |io: TcpStream| {
                 let tls = tls.clone();
+                let slot = gate.admit();
+                let wake = wake.clone();
                 async move {
                     let peer = io.peer_addr().ok();
                     let io = match tls {
@@ -126,7 +141,8 @@ where
                             Either::Right(stream)
                         }
                     };
-                    Ok((ProblemIo::new(StallTimeout::new(io, WRITE_STALL_TIMEOUT)), peer))
+                    let io = ProblemIo::new(StallTimeout::new(io, WRITE_STALL_TIMEOUT));
+                    Ok((IdleClose::new(io, slot, wake), peer))
                 }
             })
             .and_then(h1)

@@ -92,7 +92,8 @@ impl Application {
             webhook_secrets,
         });
         let app_state = state.clone();
-        let server = http1::serve(listener, limits, tls, move || {
+        let counters = state.metrics.connections.clone();
+        let server = http1::serve(listener, limits, counters, tls, move || {
             App::new()
                 .app_data(app_state.clone())
                 .wrap(middleware::from_fn(telemetry::request_log))
