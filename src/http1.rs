@@ -34,6 +34,7 @@ use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
 use actix_http::body::MessageBody;
+use actix_http::error::DispatchError;
 use actix_http::{HttpService, Request, Response};
 use actix_service::{fn_service, map_config, IntoServiceFactory, Service, ServiceFactory, ServiceFactoryExt};
 use actix_web::dev::{AppConfig, Server};
@@ -65,6 +66,9 @@ pub struct Limits {
     /// per worker: each worker takes up to this over `workers`, rounded up, and past it new
     /// connections wait in the listen backlog.
     pub max_connections: usize,
+    /// Open connections from one peer IP address (`ONCEPAY_MAX_CONNECTIONS_PER_PEER`); more
+    /// are refused at accept. 0: no cap.
+    pub max_connections_per_peer: usize,
 }
 
 impl Limits {
@@ -100,7 +104,7 @@ where
         config.alpn_protocols = vec![b"http/1.1".to_vec()];
         TlsAcceptor::from(std::sync::Arc::new(config))
     });
-    let gate = Gate::new(limits.max_connections, limits.workers, counters);
+    let gate = Gate::new(&limits, counters);
     let builder = actix_server::Server::build();
     let shutdown = builder.graceful_shutdown_signal();
     Ok(builder
@@ -126,10 +130,17 @@ where
                 .h1(map_config(app, move |_| AppConfig::default()));
             fn_service(move |io: TcpStream| {
                 let tls = tls.clone();
-                let slot = gate.admit();
+                let peer = io.peer_addr().ok();
+                let slot = gate.admit(peer.map(|peer| peer.ip()));
                 let wake = wake.clone();
                 async move {
-                    let peer = io.peer_addr().ok();
+                    let Some(slot) = slot else {
+                        // Past its address's cap: closed now, before TLS or any read, with a
+                        // reset rather than a FIN, so that a flood of them leaves no TIME_WAIT
+                        // here. The error ends the connection's service quietly.
+                        let _ = io.set_zero_linger();
+                        return Err(DispatchError::Io(io::ErrorKind::ConnectionRefused.into()));
+                    };
                     let io = match tls {
                         None => Either::Left(io),
                         Some(tls) => {
@@ -137,7 +148,7 @@ where
                             let stream = handshake
                                 .map_err(|_| io::Error::from(io::ErrorKind::TimedOut))
                                 .and_then(|accepted| accepted)
-                                .map_err(actix_http::error::DispatchError::Io)?;
+                                .map_err(DispatchError::Io)?;
                             Either::Right(stream)
                         }
                     };

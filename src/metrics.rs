@@ -281,7 +281,17 @@ impl Metrics {
                  ONCEPAY_MAX_CONNECTIONS",
             )
             .expect("valid metric"),
+            refused: IntCounterVec::new(
+                Opts::new(
+                    "oncepay_connections_refused_total",
+                    "Connections refused at accept, by reason: per_peer (the peer address had \
+                     ONCEPAY_MAX_CONNECTIONS_PER_PEER open already)",
+                ),
+                &["reason"],
+            )
+            .expect("valid metric"),
         };
+        connections.refused.with_label_values(&["per_peer"]);
         let ready = IntGauge::new(
             "oncepay_ready",
             "1 when the database answered the scrape's probe (as /readyz), else 0",
@@ -332,6 +342,7 @@ impl Metrics {
             Box::new(connections.open.clone()),
             Box::new(connections.max.clone()),
             Box::new(connections.idle_closed.clone()),
+            Box::new(connections.refused.clone()),
             Box::new(ready.clone()),
             Box::new(oldest_key_age.clone()),
             Box::new(retention.clone()),

@@ -46,6 +46,7 @@ impl Application {
         let limits = http1::Limits {
             workers: settings.workers,
             max_connections: settings.max_connections,
+            max_connections_per_peer: settings.max_connections_per_peer,
         };
         let replays = ReplayCache::new(settings.replay_cache_entries);
         let metrics = Metrics::new();

@@ -19,20 +19,28 @@
 //!   [`SHORT_KEEP_ALIVE`] instead of 30 s.
 //! - A connection that is not idle is never closed here: its head or body still arriving,
 //!   its request being handled, or fresh (its head has 5 s, as always).
+//! - With `ONCEPAY_MAX_CONNECTIONS_PER_PEER`, the gate also counts connections by peer IP
+//!   address and refuses one past the cap at accept, before TLS or any read: it is reset
+//!   (no answer, no `TIME_WAIT` left here) and counts for nothing else. The count of an
+//!   address is removed with its last connection, so the map holds at most one entry per open
+//!   connection, and is locked only when the cap is on, once at accept and once at close.
 //!
 //! What a request pays: a flag tested per read and write, and when its answer is first
 //! written two atomic loads and a registration with its worker's [`Notify`] (one per worker,
 //! so the lock it takes is never another worker's), undone by its next request's first read.
 
+use std::collections::hash_map::Entry;
+use std::collections::HashMap;
 use std::future::Future;
 use std::io;
+use std::net::IpAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use prometheus::{IntCounter, IntGauge};
+use prometheus::{IntCounter, IntCounterVec, IntGauge};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::futures::OwnedNotified;
 use tokio::sync::Notify;
@@ -53,6 +61,9 @@ pub struct ConnectionCounters {
     pub max: IntGauge,
     /// `oncepay_connections_idle_closed_total`: idle connections closed under pressure.
     pub idle_closed: IntCounter,
+    /// `oncepay_connections_refused_total{reason}`: `per_peer`, past
+    /// `ONCEPAY_MAX_CONNECTIONS_PER_PEER`.
+    pub refused: IntCounterVec,
 }
 
 /// The process's open connections and its pressure; shared by every worker.
@@ -66,19 +77,28 @@ pub struct Gate {
     /// One wake-up per worker, handed out in turn as the workers start.
     wakes: Box<[Arc<Notify>]>,
     next_wake: AtomicUsize,
+    /// Connections of one peer address at most; 0: no cap, and `peers` stays empty.
+    per_peer: usize,
+    /// Open connections by peer address, each at least 1.
+    peers: Mutex<HashMap<IpAddr, usize>>,
+    refused_per_peer: IntCounter,
     counters: ConnectionCounters,
 }
 
 impl Gate {
-    pub fn new(max_connections: usize, workers: usize, counters: ConnectionCounters) -> Arc<Self> {
+    pub fn new(limits: &super::Limits, counters: ConnectionCounters) -> Arc<Self> {
+        let max_connections = limits.max_connections;
         counters.max.set(i64::try_from(max_connections).unwrap_or(i64::MAX));
         Arc::new(Self {
             open: AtomicUsize::new(0),
             // floor(4/5 of it), without overflow.
             calm_up_to: max_connections - max_connections.div_ceil(5),
             generation: AtomicU64::new(0),
-            wakes: (0..workers.max(1)).map(|_| Arc::new(Notify::new())).collect(),
+            wakes: (0..limits.workers.max(1)).map(|_| Arc::new(Notify::new())).collect(),
             next_wake: AtomicUsize::new(0),
+            per_peer: limits.max_connections_per_peer,
+            peers: Mutex::new(HashMap::new()),
+            refused_per_peer: counters.refused.with_label_values(&["per_peer"]),
             counters,
         })
     }
@@ -90,9 +110,22 @@ impl Gate {
         self.wakes[turn % self.wakes.len()].clone()
     }
 
-    /// Counts a connection just accepted, for as long as its [`Slot`] lives. One that takes
-    /// the process past 80 % wakes the idle connections, which close.
-    pub fn admit(self: &Arc<Self>) -> Slot {
+    /// Counts a connection just accepted from `peer`, for as long as its [`Slot`] lives; `None`
+    /// when its address has its cap of connections already (it counts for nothing then, and
+    /// so cannot close others' idle connections). One that takes the process past 80 % wakes
+    /// the idle connections, which close.
+    pub fn admit(self: &Arc<Self>, peer: Option<IpAddr>) -> Option<Slot> {
+        // An IPv4 client of a listener bound to an IPv6 address is seen as ::ffff:a.b.c.d.
+        let peer = peer.filter(|_| self.per_peer > 0).map(|ip| ip.to_canonical());
+        if let Some(ip) = peer {
+            let mut peers = self.peers();
+            let open = peers.entry(ip).or_insert(0);
+            if *open >= self.per_peer {
+                self.refused_per_peer.inc();
+                return None;
+            }
+            *open += 1;
+        }
         let open = self.open.fetch_add(1, Ordering::Relaxed) + 1;
         self.counters.open.inc();
         if open > self.calm_up_to {
@@ -103,7 +136,16 @@ impl Gate {
                 wake.notify_waiters();
             }
         }
-        Slot { gate: self.clone() }
+        Some(Slot {
+            gate: self.clone(),
+            peer,
+        })
+    }
+
+    /// The map stays consistent whatever panicked while holding it: each change is one
+    /// integer written.
+    fn peers(&self) -> MutexGuard<'_, HashMap<IpAddr, usize>> {
+        self.peers.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     fn under_pressure(&self) -> bool {
@@ -119,12 +161,22 @@ impl Gate {
 /// becomes one: a TLS handshake that failed).
 pub struct Slot {
     gate: Arc<Gate>,
+    /// Its address, when connections are counted by address.
+    peer: Option<IpAddr>,
 }
 
 impl Drop for Slot {
     fn drop(&mut self) {
         self.gate.open.fetch_sub(1, Ordering::Relaxed);
         self.gate.counters.open.dec();
+        if let Some(ip) = self.peer {
+            if let Entry::Occupied(mut open) = self.gate.peers().entry(ip) {
+                *open.get_mut() -= 1;
+                if *open.get() == 0 {
+                    open.remove();
+                }
+            }
+        }
     }
 }
 
@@ -301,7 +353,17 @@ mod tests {
             open: IntGauge::new("open", "open").unwrap(),
             max: IntGauge::new("max", "max").unwrap(),
             idle_closed: IntCounter::new("idle_closed", "idle closed").unwrap(),
+            refused: IntCounterVec::new(prometheus::Opts::new("refused", "refused"), &["reason"]).unwrap(),
         }
+    }
+
+    fn gate(max_connections: usize, max_connections_per_peer: usize, counters: &ConnectionCounters) -> Arc<Gate> {
+        let limits = crate::http1::Limits {
+            workers: 1,
+            max_connections,
+            max_connections_per_peer,
+        };
+        Gate::new(&limits, counters.clone())
     }
 
     /// A connection served as `serve` serves one (30 s keep-alive, half-closed allowed), over
@@ -322,7 +384,7 @@ mod tests {
             .new_service(())
             .await
             .unwrap();
-        let io = IdleClose::new(server, gate.admit(), gate.worker_wake());
+        let io = IdleClose::new(server, gate.admit(None).unwrap(), gate.worker_wake());
         tokio::task::spawn_local(async move { h1.call((io, None)).await });
         client
     }
@@ -358,7 +420,7 @@ mod tests {
     #[test]
     fn pressure_is_past_80_percent_of_the_limit() {
         for (limit, calm_up_to) in [(40, 32), (10, 8), (7, 5), (1, 0), (usize::MAX, usize::MAX / 5 * 4)] {
-            assert_eq!(Gate::new(limit, 1, counters()).calm_up_to, calm_up_to, "{limit}");
+            assert_eq!(gate(limit, 0, &counters()).calm_up_to, calm_up_to, "{limit}");
         }
     }
 
@@ -379,12 +441,47 @@ mod tests {
     #[test]
     fn slots_count_open_connections_until_dropped() {
         let counters = counters();
-        let gate = Gate::new(10, 2, counters.clone());
-        let slots: Vec<Slot> = (0..3).map(|_| gate.admit()).collect();
+        let gate = gate(10, 0, &counters);
+        let slots: Vec<Slot> = (0..3).map(|_| gate.admit(None).unwrap()).collect();
         assert_eq!((gate.open.load(Ordering::Relaxed), counters.open.get()), (3, 3));
         assert_eq!(counters.max.get(), 10);
         drop(slots);
         assert_eq!((gate.open.load(Ordering::Relaxed), counters.open.get()), (0, 0));
+    }
+
+    #[test]
+    fn an_address_past_its_cap_is_refused_and_its_count_leaves_with_its_last_connection() {
+        let counters = counters();
+        let gate = gate(100, 2, &counters);
+        let a: IpAddr = "192.0.2.1".parse().unwrap();
+        let a_mapped: IpAddr = "::ffff:192.0.2.1".parse().unwrap();
+        let b: IpAddr = "2001:db8::1".parse().unwrap();
+
+        let mut first = Some(gate.admit(Some(a)).unwrap());
+        let _second = gate.admit(Some(a_mapped)).unwrap();
+        assert!(gate.admit(Some(a)).is_none());
+        assert!(
+            gate.admit(Some(a_mapped)).is_none(),
+            "the same address, seen through IPv6"
+        );
+        let _other = gate.admit(Some(b)).unwrap();
+        let _unknown = gate.admit(None).expect("no address known: not capped");
+
+        assert_eq!(counters.refused.with_label_values(&["per_peer"]).get(), 2);
+        assert_eq!(gate.open.load(Ordering::Relaxed), 4, "refused ones count for nothing");
+        first.take();
+        let _again = gate.admit(Some(a)).unwrap();
+        drop((_second, _again, _other));
+        assert!(gate.peers().is_empty(), "{:?}", gate.peers());
+    }
+
+    #[test]
+    fn without_a_cap_addresses_are_not_counted() {
+        let gate = gate(100, 0, &counters());
+        let a: IpAddr = "192.0.2.1".parse().unwrap();
+        let slots: Vec<Slot> = (0..50).map(|_| gate.admit(Some(a)).unwrap()).collect();
+        assert!(gate.peers().is_empty());
+        drop(slots);
     }
 
     /// Pressure comes while the connection writes its answer: it has written part of it, and
@@ -396,14 +493,14 @@ mod tests {
             .run_until(async {
                 let counters = counters();
                 // Pressure past one open connection.
-                let gate = Gate::new(2, 1, counters.clone());
+                let gate = gate(2, 0, &counters);
                 let mut client = connection(&gate).await;
                 client.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").await.unwrap();
                 let mut first = [0u8; 12];
                 client.read_exact(&mut first).await.unwrap();
                 assert_eq!(&first, b"HTTP/1.1 200");
 
-                let _second = gate.admit();
+                let _second = gate.admit(None);
 
                 let rest = read_to_end(&mut client).await;
                 let all = first.len() + rest;
@@ -420,8 +517,8 @@ mod tests {
         LocalSet::new()
             .run_until(async {
                 let counters = counters();
-                let gate = Gate::new(2, 1, counters.clone());
-                let _other = gate.admit();
+                let gate = gate(2, 0, &counters);
+                let _other = gate.admit(None);
                 let mut client = connection(&gate).await;
 
                 client.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").await.unwrap();
@@ -440,7 +537,7 @@ mod tests {
         LocalSet::new()
             .run_until(async {
                 let counters = counters();
-                let gate = Gate::new(2, 1, counters.clone());
+                let gate = gate(2, 0, &counters);
                 let mut client = connection(&gate).await;
                 client.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").await.unwrap();
                 read_answer(&mut client).await;
@@ -449,7 +546,7 @@ mod tests {
                 assert!(still_open.is_err(), "closed without pressure: {still_open:?}");
                 assert_eq!(counters.idle_closed.get(), 0);
 
-                let _second = gate.admit();
+                let _second = gate.admit(None);
 
                 assert_eq!(read_to_end(&mut client).await, 0);
                 assert_eq!(counters.idle_closed.get(), 1);

@@ -1,6 +1,8 @@
 //! One client cannot hold every connection of a replica: past 80 % of
 //! `ONCEPAY_MAX_CONNECTIONS` the idle keep-alive connections are closed first, never a
-//! request under way (`src/http1/connections.rs`). Raw TCP to the real server.
+//! request under way, and `ONCEPAY_MAX_CONNECTIONS_PER_PEER` refuses one address's
+//! connections past its cap at accept (`src/http1/connections.rs`). Raw TCP to the real
+//! server.
 
 use std::time::Duration;
 
@@ -9,7 +11,7 @@ use tokio::net::TcpStream;
 use tokio::task::JoinSet;
 use tokio::time::timeout;
 
-use crate::helpers::{new_key, TestApp};
+use crate::helpers::{metric_value, new_key, TestApp};
 
 const HEALTH: &[u8] = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n";
 const CONTINUE: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\n";
@@ -191,4 +193,59 @@ async fn past_80_percent_idle_connections_close_and_requests_under_way_are_answe
             "{answer:?}"
         );
     }
+}
+
+/// `GET /healthz` on a new connection: `None` when the connection is refused, reset or closed
+/// (a reset can come before `connect` returns).
+async fn health_on_a_new_connection(app: &TestApp) -> Option<String> {
+    let address = app.address.trim_start_matches("http://");
+    let mut stream = timeout(BOUND, TcpStream::connect(address))
+        .await
+        .expect("connected or refused within the bound")
+        .ok()?;
+    exchange(&mut stream, HEALTH).await
+}
+
+/// With a cap of 3 from one address (the tests connect from 127.0.0.1), the fourth
+/// connection is closed unanswered while the three go on; once one of them closes, a new one
+/// is taken.
+#[tokio::test]
+async fn a_connection_past_its_addresss_cap_is_closed_unanswered_and_the_others_go_on() {
+    const CAP: usize = 3;
+    let app = TestApp::builder()
+        .settings(|s| s.max_connections_per_peer = CAP)
+        .spawn()
+        .await;
+    let mut held = Vec::new();
+    for _ in 0..CAP {
+        held.push(idle_connection(&app).await);
+    }
+
+    let answer = health_on_a_new_connection(&app).await;
+
+    assert_eq!(answer, None, "the connection past the cap was answered");
+    for stream in &mut held {
+        let answer = exchange(stream, HEALTH).await;
+        assert!(
+            matches!(&answer, Some(a) if a.starts_with("HTTP/1.1 200 ")),
+            "{answer:?}"
+        );
+    }
+    let refused = r#"oncepay_connections_refused_total{reason="per_peer"}"#;
+    assert_eq!(metric_value(&app.metrics().await, refused), 1.0);
+
+    drop(held.pop());
+    // The server frees the slot when it reads the close, a moment later.
+    let mut answered = false;
+    for _ in 0..50 {
+        if health_on_a_new_connection(&app)
+            .await
+            .is_some_and(|a| a.starts_with("HTTP/1.1 200 "))
+        {
+            answered = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(answered, "no new connection was taken after one closed");
 }
