@@ -25,9 +25,10 @@
 //!   address is removed with its last connection, so the map holds at most one entry per open
 //!   connection, and is locked only when the cap is on, once at accept and once at close.
 //!
-//! What a request pays: a flag tested per read and write, and when its answer is first
-//! written two atomic loads and a registration with its worker's [`Notify`] (one per worker,
-//! so the lock it takes is never another worker's), undone by its next request's first read.
+//! What a request pays, no allocation among it: a flag tested per read and write, the end of
+//! each write compared with `100 Continue` until its answer is written, then two atomic loads
+//! and a registration with its worker's [`Notify`] (one per worker, so the lock it takes is
+//! never another worker's), undone by its next request's first read.
 
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;
