@@ -42,6 +42,14 @@ pub struct Settings {
     pub purge_batch_size: i64,
     /// HTTP worker threads; defaults to the number of cores.
     pub workers: usize,
+    /// Open connections of the API listener per process (`ONCEPAY_MAX_CONNECTIONS`, default
+    /// [`CONNECTIONS_PER_WORKER`] per worker); past 80 % of it idle keep-alive connections are
+    /// closed first (src/http1/connections.rs), at it new ones wait in the listen backlog.
+    pub max_connections: usize,
+    /// Open connections from one peer IP address per process (`ONCEPAY_MAX_CONNECTIONS_PER_PEER`);
+    /// more are refused at accept. 0, the default, turns the cap off: behind a balancer every
+    /// client shares the balancer's address.
+    pub max_connections_per_peer: usize,
     pub log_json: bool,
     /// Finished results kept in memory to answer replays (`ONCEPAY_REPLAY_CACHE_ENTRIES`);
     /// 0 turns the cache off.
@@ -180,6 +188,7 @@ impl Settings {
     /// Like [`Settings::from_env`] with the database given; tests use it.
     pub fn from_env_with_database(database_url: String) -> anyhow::Result<Self> {
         let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+        let workers = number("ONCEPAY_WORKERS", cores)?;
         let settings = Self {
             database_url,
             bind: var("ONCEPAY_BIND").unwrap_or_else(|| "127.0.0.1:8130".to_owned()),
@@ -210,7 +219,12 @@ impl Settings {
                 secs => Some(Duration::from_secs(secs)),
             },
             purge_batch_size: number("ONCEPAY_PURGE_BATCH_SIZE", 5_000)?,
-            workers: number("ONCEPAY_WORKERS", cores)?,
+            workers,
+            max_connections: number(
+                "ONCEPAY_MAX_CONNECTIONS",
+                workers.saturating_mul(CONNECTIONS_PER_WORKER),
+            )?,
+            max_connections_per_peer: number("ONCEPAY_MAX_CONNECTIONS_PER_PEER", 0)?,
             log_json: var("ONCEPAY_LOG_FORMAT").is_some_and(|f| f.eq_ignore_ascii_case("json")),
             // About 0.5 KB an entry: 100,000 entries hold a day of keys at ~1 key/s per
             // replica, or the last few minutes of a busy one, in ~50 MB.
@@ -253,6 +267,9 @@ impl Settings {
         }
         if self.db_pool_size == 0 || self.workers == 0 || self.max_body_bytes == 0 || self.purge_batch_size <= 0 {
             bail!("pool size, workers, body limit and purge batch size must be positive");
+        }
+        if self.max_connections == 0 {
+            bail!("ONCEPAY_MAX_CONNECTIONS must be at least 1 (open connections per process)");
         }
         if self.webhooks.timeout.is_zero() || self.webhooks.endpoint_concurrency == 0 || self.webhooks.poll.is_zero() {
             bail!("ONCEPAY_WEBHOOK_TIMEOUT_MS, ONCEPAY_WEBHOOK_ENDPOINT_CONCURRENCY and ONCEPAY_WEBHOOK_POLL_MS must be positive");
@@ -325,6 +342,8 @@ impl std::fmt::Debug for Settings {
             purge_interval,
             purge_batch_size,
             workers,
+            max_connections,
+            max_connections_per_peer,
             log_json,
             replay_cache_entries,
             tls_cert,
@@ -354,6 +373,8 @@ impl std::fmt::Debug for Settings {
             .field("purge_interval", purge_interval)
             .field("purge_batch_size", purge_batch_size)
             .field("workers", workers)
+            .field("max_connections", max_connections)
+            .field("max_connections_per_peer", max_connections_per_peer)
             .field("log_json", log_json)
             .field("replay_cache_entries", replay_cache_entries)
             .field("tls_cert", tls_cert)
@@ -411,6 +432,10 @@ fn number<T: std::str::FromStr>(name: &str, default: T) -> anyhow::Result<T> {
     }
 }
 
+/// Connections one worker serves by default: `ONCEPAY_MAX_CONNECTIONS` is this times
+/// `ONCEPAY_WORKERS` unless set (the fixed limit per worker before it was a setting).
+pub const CONNECTIONS_PER_WORKER: usize = 4_096;
+
 /// The shortest admin token `serve` accepts: a guessable operator credential opens every
 /// tenant's settings and the purge.
 pub const MIN_ADMIN_TOKEN_CHARS: usize = 32;
@@ -436,6 +461,21 @@ mod tests {
         assert!(err.contains("ONCEPAY_ADMIN_TOKEN") && err.contains("31"), "{err}");
         assert!(with(&"x".repeat(32)).validate().is_ok());
         assert!(base.validate().is_ok(), "unset: the admin API is off, nothing to check");
+    }
+
+    #[test]
+    fn the_connection_limit_defaults_to_4096_per_worker_and_zero_is_refused_naming_it() {
+        let base = settings("postgres://oncepay@127.0.0.1:25130/oncepay", None);
+        if std::env::var_os("ONCEPAY_MAX_CONNECTIONS").is_none() {
+            assert_eq!(base.max_connections, base.workers * CONNECTIONS_PER_WORKER);
+        }
+        let with = |max_connections: usize| Settings {
+            max_connections,
+            ..base.clone()
+        };
+        assert!(with(1).validate().is_ok());
+        let err = with(0).validate().unwrap_err().to_string();
+        assert!(err.contains("ONCEPAY_MAX_CONNECTIONS"), "{err}");
     }
 
     #[test]

@@ -18,6 +18,12 @@
 //! body), at the start of a response (no body the application writes contains CR LF: JSON
 //! escapes it, the metrics text uses LF). The dispatcher closes the connection after each
 //! of them, so nothing follows the rewritten answer.
+//!
+//! Every connection is counted by one [`connections::Gate`] per process, and its stream is
+//! an [`IdleClose`]: past 80 % of `ONCEPAY_MAX_CONNECTIONS`, idle keep-alive connections
+//! close first (`connections`).
+
+mod connections;
 
 use std::fmt;
 use std::future::Future;
@@ -28,6 +34,7 @@ use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
 use actix_http::body::MessageBody;
+use actix_http::error::DispatchError;
 use actix_http::{HttpService, Request, Response};
 use actix_service::{fn_service, map_config, IntoServiceFactory, Service, ServiceFactory, ServiceFactoryExt};
 use actix_web::dev::{AppConfig, Server};
@@ -38,6 +45,9 @@ use tokio::net::TcpStream;
 use tokio_rustls::TlsAcceptor;
 use tokio_util::either::Either;
 
+pub use connections::ConnectionCounters;
+use connections::{Gate, IdleClose};
+
 /// Slow clients (slowloris) are dropped: the head within 5 s (else 408), then 1 s to close.
 const CLIENT_REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 const CLIENT_DISCONNECT_TIMEOUT: Duration = Duration::from_secs(1);
@@ -46,17 +56,35 @@ const SHUTDOWN_TIMEOUT_SECS: u64 = 10;
 /// A connection whose client stops reading is closed once a write has made no progress for
 /// this long ([`StallTimeout`]): the dispatcher's timeouts do not apply while it writes.
 pub const WRITE_STALL_TIMEOUT: Duration = Duration::from_secs(30);
-/// Connections one worker serves at once; past it, new ones wait in the listen backlog. With
-/// `ONCEPAY_WORKERS` workers a process serves at most that many times this.
-pub const MAX_CONNECTIONS_PER_WORKER: usize = 4_096;
 
-/// Serves `app` on `listener` with `workers` threads; what `HttpServer::new(app).listen()`
+/// How many connections the server serves at once.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// Worker threads (`ONCEPAY_WORKERS`).
+    pub workers: usize,
+    /// Open connections of the process (`ONCEPAY_MAX_CONNECTIONS`). actix-server counts them
+    /// per worker: each worker takes up to this over `workers`, rounded up, and past it new
+    /// connections wait in the listen backlog.
+    pub max_connections: usize,
+    /// Open connections from one peer IP address (`ONCEPAY_MAX_CONNECTIONS_PER_PEER`); more
+    /// are refused at accept. 0: no cap.
+    pub max_connections_per_peer: usize,
+}
+
+impl Limits {
+    fn per_worker(&self) -> usize {
+        self.max_connections.div_ceil(self.workers.max(1))
+    }
+}
+
+/// Serves `app` on `listener` within `limits`; what `HttpServer::new(app).listen()`
 /// does, with the dispatcher's own error answers made problem+json. With `tls`, each
 /// connection is a TLS one first (handshake within the client request timeout), and the
 /// rewriting sits between TLS and the dispatcher, so HTTPS answers the same problems.
 pub fn serve<F, I, S, B>(
     listener: TcpListener,
-    workers: usize,
+    limits: Limits,
+    counters: ConnectionCounters,
     tls: Option<rustls::ServerConfig>,
     app: F,
 ) -> io::Result<Server>
@@ -76,15 +104,18 @@ where
         config.alpn_protocols = vec![b"http/1.1".to_vec()];
         TlsAcceptor::from(std::sync::Arc::new(config))
     });
+    let gate = Gate::new(&limits, counters);
     let builder = actix_server::Server::build();
     let shutdown = builder.graceful_shutdown_signal();
     Ok(builder
-        .workers(workers)
-        .max_concurrent_connections(MAX_CONNECTIONS_PER_WORKER)
+        .workers(limits.workers)
+        .max_concurrent_connections(limits.per_worker())
         .shutdown_timeout(SHUTDOWN_TIMEOUT_SECS)
         .listen("oncepay", listener, move || {
             let shutdown = shutdown.clone();
             let tls = tls.clone();
+            let gate = gate.clone();
+            let wake = gate.worker_wake();
             let app = app().into_factory().map_err(|err| err.into().error_response());
             let h1 = HttpService::build()
                 .keep_alive(KEEP_ALIVE)
@@ -99,8 +130,17 @@ where
                 .h1(map_config(app, move |_| AppConfig::default()));
             fn_service(move |io: TcpStream| {
                 let tls = tls.clone();
+                let peer = io.peer_addr().ok();
+                let slot = gate.admit(peer.map(|peer| peer.ip()));
+                let wake = wake.clone();
                 async move {
-                    let peer = io.peer_addr().ok();
+                    let Some(slot) = slot else {
+                        // Past its address's cap: closed now, before TLS or any read, with a
+                        // reset rather than a FIN, so that a flood of them leaves no TIME_WAIT
+                        // here. The error ends the connection's service quietly.
+                        let _ = io.set_zero_linger();
+                        return Err(DispatchError::Io(io::ErrorKind::ConnectionRefused.into()));
+                    };
                     let io = match tls {
                         None => Either::Left(io),
                         Some(tls) => {
@@ -108,11 +148,12 @@ where
                             let stream = handshake
                                 .map_err(|_| io::Error::from(io::ErrorKind::TimedOut))
                                 .and_then(|accepted| accepted)
-                                .map_err(actix_http::error::DispatchError::Io)?;
+                                .map_err(DispatchError::Io)?;
                             Either::Right(stream)
                         }
                     };
-                    Ok((ProblemIo::new(StallTimeout::new(io, WRITE_STALL_TIMEOUT)), peer))
+                    let io = ProblemIo::new(StallTimeout::new(io, WRITE_STALL_TIMEOUT));
+                    Ok((IdleClose::new(io, slot, wake), peer))
                 }
             })
             .and_then(h1)

@@ -48,6 +48,9 @@ pub struct Metrics {
     pub completer: crate::topup::CompleterCounters,
     /// The webhook workers' counters and the backlog gauges (`crate::webhooks::delivery`).
     pub webhooks: crate::webhooks::Counters,
+    /// The API listener's connections: open, the limit, idle ones closed under pressure
+    /// (`crate::http1`).
+    pub connections: crate::http1::ConnectionCounters,
     /// 1 when the database answered this scrape's probe (what `/readyz` checks), else 0.
     ready: IntGauge,
     /// Age of the oldest idempotency-key row, next to the retention it must stay under: a
@@ -263,6 +266,35 @@ impl Metrics {
         for age in ["lt_1m", "1m_to_1h", "gt_1h"] {
             webhooks.pending.with_label_values(&[age]);
         }
+        let connections = crate::http1::ConnectionCounters {
+            open: IntGauge::new(
+                "oncepay_connections_open",
+                "Connections open on the API listener of this process",
+            )
+            .expect("valid metric"),
+            max: IntGauge::new(
+                "oncepay_connections_max",
+                "Open connections this process serves at most (ONCEPAY_MAX_CONNECTIONS); past 80 % of it \
+                 idle keep-alive connections are closed first",
+            )
+            .expect("valid metric"),
+            idle_closed: IntCounter::new(
+                "oncepay_connections_idle_closed_total",
+                "Idle keep-alive connections closed because open connections passed 80 % of \
+                 ONCEPAY_MAX_CONNECTIONS",
+            )
+            .expect("valid metric"),
+            refused: IntCounterVec::new(
+                Opts::new(
+                    "oncepay_connections_refused_total",
+                    "Connections refused at accept, by reason: per_peer (the peer address had \
+                     ONCEPAY_MAX_CONNECTIONS_PER_PEER open already)",
+                ),
+                &["reason"],
+            )
+            .expect("valid metric"),
+        };
+        connections.refused.with_label_values(&["per_peer"]);
         let ready = IntGauge::new(
             "oncepay_ready",
             "1 when the database answered the scrape's probe (as /readyz), else 0",
@@ -310,6 +342,10 @@ impl Metrics {
             Box::new(webhooks.pending.clone()),
             Box::new(webhooks.oldest_pending.clone()),
             Box::new(webhooks.disabled_now.clone()),
+            Box::new(connections.open.clone()),
+            Box::new(connections.max.clone()),
+            Box::new(connections.idle_closed.clone()),
+            Box::new(connections.refused.clone()),
             Box::new(ready.clone()),
             Box::new(oldest_key_age.clone()),
             Box::new(retention.clone()),
@@ -335,6 +371,7 @@ impl Metrics {
             processor,
             completer,
             webhooks,
+            connections,
             ready,
             oldest_key_age,
             retention,

@@ -43,7 +43,11 @@ impl Application {
             _ => None,
         };
         let port = listener.local_addr()?.port();
-        let workers = settings.workers;
+        let limits = http1::Limits {
+            workers: settings.workers,
+            max_connections: settings.max_connections,
+            max_connections_per_peer: settings.max_connections_per_peer,
+        };
         let replays = ReplayCache::new(settings.replay_cache_entries);
         let metrics = Metrics::new();
         metrics.register_db(&db);
@@ -89,7 +93,8 @@ impl Application {
             webhook_secrets,
         });
         let app_state = state.clone();
-        let server = http1::serve(listener, workers, tls, move || {
+        let counters = state.metrics.connections.clone();
+        let server = http1::serve(listener, limits, counters, tls, move || {
             App::new()
                 .app_data(app_state.clone())
                 .wrap(middleware::from_fn(telemetry::request_log))

@@ -16,6 +16,7 @@ mod client_limits;
 mod client_transfers;
 mod commands;
 mod concurrency;
+mod connections;
 mod dashboards;
 mod errors;
 mod failover;
