@@ -55,7 +55,7 @@ ONCEPAY_PROCESSOR_URL="http://127.0.0.1:$((port + 2))" ONCEPAY_PROCESSOR_API_KEY
 server=$!
 trap 'kill "$server" 2>/dev/null; wait "$server" 2>/dev/null || true; scripts/localstripe.sh stop "$stripe_dir"' EXIT
 for _ in $(seq 100); do
-  curl -fsS "$base/healthz" >/dev/null 2>&1 && break
+  curl -fsS "$base/readyz" >/dev/null 2>&1 && break
   kill -0 "$server" 2>/dev/null || { cat "$log"; echo "the server did not start" >&2; exit 1; }
   sleep 0.1
 done

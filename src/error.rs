@@ -65,6 +65,9 @@ pub enum ApiError {
     Overloaded,
     #[error("a temporary failure interrupted the request; retry with the same Idempotency-Key: if it was committed the retry replays it, otherwise the retry processes it")]
     Unavailable,
+    /// `serve` has not reached its database yet (start-up): nothing was looked at or run.
+    #[error("the service is starting and has not reached its database yet; nothing was processed: retry after the Retry-After delay")]
+    Starting,
     #[error("internal error")]
     Internal(#[source] anyhow::Error),
 }
@@ -91,7 +94,7 @@ impl ApiError {
             Self::KeyExpired => ProblemCode::IdempotencyKeyExpired,
             Self::InProgress => ProblemCode::RequestInProgress,
             Self::Overloaded => ProblemCode::Overloaded,
-            Self::Unavailable => ProblemCode::TemporarilyUnavailable,
+            Self::Unavailable | Self::Starting => ProblemCode::TemporarilyUnavailable,
             Self::Internal(_) => ProblemCode::InternalError,
         }
     }
@@ -116,7 +119,7 @@ impl ApiError {
             Self::KeyExpired => "Idempotency key expired",
             Self::InProgress => "Request in progress",
             Self::Overloaded => "Overloaded",
-            Self::Unavailable => "Temporarily unavailable",
+            Self::Unavailable | Self::Starting => "Temporarily unavailable",
             Self::Internal(_) => "Internal error",
         }
     }
@@ -133,7 +136,7 @@ impl ApiError {
             Self::KeyReused => "key_reused",
             Self::KeyExpired => "expired",
             Self::InProgress => "in_progress",
-            Self::Overloaded | Self::Unavailable => "transient_error",
+            Self::Overloaded | Self::Unavailable | Self::Starting => "transient_error",
             Self::NotFound | Self::AccountNotFound => "not_found",
             Self::Internal(_) => "internal_error",
             Self::BodyTooLarge { .. }
@@ -148,7 +151,7 @@ impl ApiError {
     fn retry_after(&self) -> bool {
         matches!(
             self,
-            Self::InProgress | Self::Overloaded | Self::Unavailable | Self::ProcessorUnknown
+            Self::InProgress | Self::Overloaded | Self::Unavailable | Self::Starting | Self::ProcessorUnknown
         )
     }
 }

@@ -31,7 +31,8 @@ enum Command {
 /// The commands that work on the database (they need DATABASE_URL).
 #[derive(Subcommand)]
 enum ServerCommand {
-    /// Run the HTTP API (refuses to start on a schema that is behind).
+    /// Run the HTTP API (waits for the database, answering 503 meanwhile; stops on a schema
+    /// that is behind).
     Serve,
     /// Apply the embedded migrations to DATABASE_URL (safe to run twice or concurrently).
     Migrate,
@@ -137,7 +138,7 @@ async fn run(command: ServerCommand) -> anyhow::Result<()> {
     telemetry::init(settings.log_json);
     match command {
         ServerCommand::Serve => {
-            let app = Application::build(settings.clone()).await?;
+            let app = Application::build(settings.clone())?;
             tracing::info!(bind = %settings.bind, port = app.port(), https = settings.tls_cert.is_some(), "oncepay serving");
             app.run_until_stopped().await?;
         }

@@ -297,11 +297,10 @@ impl Metrics {
         connections.refused.with_label_values(&["per_peer"]);
         let ready = IntGauge::new(
             "oncepay_ready",
-            "1 when the database answered the scrape's probe (as /readyz), else 0",
+            "1 when the database answered the scrape's probe (as /readyz), else 0 (also while serve \
+             has not reached it since it started)",
         )
         .expect("valid metric");
-        // The server starts only after the database answered its schema check.
-        ready.set(1);
         let oldest_key_age = Gauge::new(
             "oncepay_idempotency_key_oldest_age_seconds",
             "Age of the oldest idempotency-key row (0 when there is none)",
@@ -385,15 +384,27 @@ impl Metrics {
             .expect("a process registers its pool once");
     }
 
+    /// `serve`'s start-up check reached the database: `oncepay_ready` is 1 until a scrape's
+    /// probe finds otherwise (a scrape while the pool is busy keeps it).
+    pub fn record_database_reached(&self) {
+        self.ready.set(1);
+    }
+
     /// Counts one purge run and the keys it deleted.
     pub fn record_purge(&self, deleted: u64) {
         self.purged_keys.inc_by(deleted);
         self.purge_runs.inc();
     }
 
-    /// The text exposition, with the pool and database gauges read at scrape time.
-    pub async fn render(&self, db: &Db, retention: Duration) -> String {
-        self.probe_database(db).await;
+    /// The text exposition, with the pool and database gauges read at scrape time. Before
+    /// `serve` has reached the database (`started` false) nothing is asked of it: the scrape
+    /// answers at once, with `oncepay_ready` 0.
+    pub async fn render(&self, db: &Db, retention: Duration, started: bool) -> String {
+        if started {
+            self.probe_database(db).await;
+        } else {
+            self.ready.set(0);
+        }
         let pool = db.status();
         self.retention.set(retention.as_secs_f64());
         let gauge = |label: &str, n: usize| {

@@ -1,4 +1,12 @@
 //! Builds the HTTP server from settings: only assembly here, routes configure themselves.
+//!
+//! `serve` binds and answers before it has reached the database: the database is reached and
+//! its schema checked in the background, retried with backoff for as long as it takes
+//! (`db::wait_for_schema`). Until then the probes answer (`/healthz` 200, `/readyz` 503) and
+//! every other call is 503 (`AppState::check_ready`), and the workers that need the database
+//! have not started. A database or a pooler still away at start therefore never ends the
+//! process (an exit would become a crash loop under Kubernetes or systemd during every
+//! failover); a schema behind the binary does, with its one line naming `oncepay migrate`.
 
 use std::net::TcpListener;
 use std::sync::Arc;
@@ -6,6 +14,7 @@ use std::sync::Arc;
 use actix_web::dev::Server;
 use actix_web::{middleware, web, App, HttpServer};
 use anyhow::Context;
+use tokio::task::{AbortHandle, JoinError};
 
 use crate::auth::TenantCache;
 use crate::batch::{Batcher, Limits};
@@ -13,7 +22,7 @@ use crate::config::Settings;
 use crate::db;
 use crate::idempotency::cache::ReplayCache;
 use crate::metrics::Metrics;
-use crate::state::AppState;
+use crate::state::{AppState, Readiness};
 use crate::topup::processor::ProcessorClient;
 use crate::topup::{completer, TopUps};
 use crate::webhooks::{Deliverer, SecretBox};
@@ -26,14 +35,16 @@ pub struct Application {
     operations_port: u16,
     operations: Server,
     state: web::Data<AppState>,
+    /// The webhook deliverer, started once the database is ready (`None`: concurrency 0).
+    deliverer: Option<Arc<Deliverer>>,
 }
 
 impl Application {
-    /// Connects, checks the schema and binds `settings.bind` and `settings.metrics_bind`
-    /// (port 0 picks a free port).
-    pub async fn build(settings: Settings) -> anyhow::Result<Self> {
+    /// Binds `settings.bind` and `settings.metrics_bind` (port 0 picks a free port), without
+    /// a connection to the database yet: [`Application::run_until_stopped`] makes it. Called
+    /// inside a Tokio runtime (the payments' batcher starts its task here).
+    pub fn build(settings: Settings) -> anyhow::Result<Self> {
         let db = db::Db::new(&settings)?;
-        db::check_schema(&db).await?;
         let listener = TcpListener::bind(&settings.bind).with_context(|| format!("cannot bind {}", settings.bind))?;
         let operations_listener = TcpListener::bind(&settings.metrics_bind)
             .with_context(|| format!("cannot bind {} (ONCEPAY_METRICS_BIND)", settings.metrics_bind))?;
@@ -82,6 +93,16 @@ impl Application {
                  unencrypted, so a dump of it could sign messages (docs/security.md)"
             );
         }
+        // Every replica delivers webhooks, unless its concurrency is 0.
+        let deliverer = match settings.webhooks.concurrency {
+            1.. => Some(Arc::new(Deliverer::new(
+                db.clone(),
+                webhook_secrets.clone(),
+                settings.webhooks.clone(),
+                metrics.webhooks.clone(),
+            )?)),
+            _ => None,
+        };
         let state = web::Data::new(AppState {
             top_ups,
             db,
@@ -91,6 +112,7 @@ impl Application {
             replays,
             payments,
             webhook_secrets,
+            ready: Readiness::default(),
         });
         let app_state = state.clone();
         let counters = state.metrics.connections.clone();
@@ -118,6 +140,7 @@ impl Application {
             operations_port,
             operations,
             state,
+            deliverer,
         })
     }
 
@@ -130,58 +153,78 @@ impl Application {
         self.operations_port
     }
 
-    /// Runs until the server stops (SIGINT/SIGTERM: graceful shutdown).
-    pub async fn run_until_stopped(self) -> std::io::Result<()> {
-        let purger = self.state.settings.purge_interval.map(|every| {
-            let state = self.state.clone();
-            let schedule = purge::Schedule {
-                db: state.db.clone(),
-                retention: state.settings.retention,
-                batch: state.settings.purge_batch_size,
-                every,
-            };
-            tokio::spawn(async move { purge::schedule(schedule, |deleted| state.metrics.record_purge(deleted)).await })
-        });
-        let completer = self.state.top_ups.clone().map(|top_ups| {
-            let after = self.state.settings.completer_after;
-            let counters = self.state.metrics.completer.clone();
-            tokio::spawn(completer::run(top_ups, after, counters))
-        });
-        // Every replica delivers webhooks, unless its concurrency is 0.
-        let deliverer = match self.state.settings.webhooks.concurrency {
-            1.. => {
-                let deliverer = Deliverer::new(
-                    self.state.db.clone(),
-                    self.state.webhook_secrets.clone(),
-                    self.state.settings.webhooks.clone(),
-                    self.state.metrics.webhooks.clone(),
-                )
-                .map_err(std::io::Error::other)?;
-                Some(tokio::spawn(Arc::new(deliverer).run()))
-            }
-            _ => None,
-        };
+    /// Runs until the server stops (SIGINT/SIGTERM: graceful shutdown), or until the
+    /// database it reached turns out to be behind the binary (`Err`, after a graceful stop).
+    /// The listeners answer from the start; the database is reached meanwhile, retried for
+    /// as long as it takes, and the workers that need it start once its schema passed.
+    pub async fn run_until_stopped(self) -> anyhow::Result<()> {
         // The operations listener lives as long as the API: it stops when the API stops.
         let operations = self.operations.handle();
         let operations_task = tokio::spawn(self.operations);
-        let result = self.server.await;
+        let api = self.server.handle();
+        let mut api_task = tokio::spawn(self.server);
+        let mut workers = Vec::new();
+        let outcome = tokio::select! {
+            // Stopped (a signal) before the database was reached: nothing else started.
+            joined = &mut api_task => served(joined),
+            checked = db::wait_for_schema(&self.state.db) => match checked {
+                Ok(()) => {
+                    workers = start_workers(&self.state, self.deliverer);
+                    self.state.metrics.record_database_reached();
+                    self.state.ready.set();
+                    served((&mut api_task).await)
+                }
+                // What no wait mends (a schema behind the binary): stop, and say why.
+                Err(refused) => {
+                    api.stop(true).await;
+                    let _ = api_task.await;
+                    Err(refused.into())
+                }
+            },
+        };
         operations.stop(true).await;
         let _ = operations_task.await;
-        if let Some(purger) = purger {
-            purger.abort();
-        }
-        if let Some(completer) = completer {
-            completer.abort();
-        }
-        if let Some(deliverer) = deliverer {
-            deliverer.abort();
+        for worker in workers {
+            worker.abort();
         }
         self.state.db.close().await;
-        result
+        outcome
     }
 
     /// The running server's state, for tests that need the database or the metrics.
     pub fn state(&self) -> Arc<AppState> {
         self.state.clone().into_inner()
     }
+}
+
+/// What the API server's task ended with: the server's own result, or the task's panic.
+fn served(joined: Result<std::io::Result<()>, JoinError>) -> anyhow::Result<()> {
+    Ok(joined.context("the API server's task failed")??)
+}
+
+/// Starts the background work that needs the database: the purge schedule, the top-up
+/// completer, the webhook deliverer. Their handles, to stop them with the server.
+fn start_workers(state: &web::Data<AppState>, deliverer: Option<Arc<Deliverer>>) -> Vec<AbortHandle> {
+    let mut workers = Vec::new();
+    if let Some(every) = state.settings.purge_interval {
+        let state = state.clone();
+        let schedule = purge::Schedule {
+            db: state.db.clone(),
+            retention: state.settings.retention,
+            batch: state.settings.purge_batch_size,
+            every,
+        };
+        let purger =
+            tokio::spawn(async move { purge::schedule(schedule, |deleted| state.metrics.record_purge(deleted)).await });
+        workers.push(purger.abort_handle());
+    }
+    if let Some(top_ups) = state.top_ups.clone() {
+        let after = state.settings.completer_after;
+        let counters = state.metrics.completer.clone();
+        workers.push(tokio::spawn(completer::run(top_ups, after, counters)).abort_handle());
+    }
+    if let Some(deliverer) = deliverer {
+        workers.push(tokio::spawn(deliverer.run()).abort_handle());
+    }
+    workers
 }

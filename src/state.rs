@@ -1,21 +1,26 @@
-//! What every handler shares: the pool, the settings, the tenant cache and the metrics.
+//! What every handler shares: the pool, the settings, the tenant cache and the metrics, and
+//! whether the database was reached at start-up (until then every call but the probes is 503).
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use actix_web::http::StatusCode;
 use actix_web::web::Bytes;
+use actix_web::HttpRequest;
 use prometheus::IntGauge;
 
-use crate::auth::TenantCache;
+use crate::auth::{self, TenantCache};
 use crate::batch::Batcher;
 use crate::config::Settings;
 use crate::db::{Conn, Db, DbError};
 use crate::domain::TenantId;
+use crate::error::ApiError;
 use crate::idempotency::cache::ReplayCache;
 use crate::idempotency::Windows;
 use crate::ledger::{ClaimArgs, Effect, Outcome, Pay, PaymentRow};
 use crate::metrics::Metrics;
 use crate::operation::Decline;
+use crate::tenants::Tenant;
 use crate::webhooks::SecretBox;
 
 pub struct AppState {
@@ -33,6 +38,24 @@ pub struct AppState {
     /// How the webhook secrets are stored (encrypted under `ONCEPAY_WEBHOOK_SECRET_KEY`, or
     /// as they are without it).
     pub webhook_secrets: Arc<SecretBox>,
+    /// Set once `serve` has reached the database and found its schema current.
+    pub ready: Readiness,
+}
+
+/// Whether `serve` has reached its database and checked the schema (`db::wait_for_schema`).
+/// It starts false and is set once; it never goes back (a database lost later is the
+/// calls' 503s and `/readyz`'s business, as before).
+#[derive(Debug, Default)]
+pub struct Readiness(AtomicBool);
+
+impl Readiness {
+    pub fn is_set(&self) -> bool {
+        self.0.load(Ordering::Acquire)
+    }
+
+    pub fn set(&self) {
+        self.0.store(true, Ordering::Release);
+    }
 }
 
 /// A finished result as the replay cache keeps it: the answer, as the database's replay
@@ -48,6 +71,35 @@ pub enum CachedAnswer {
 }
 
 impl AppState {
+    /// Whether the start-up check of the database passed.
+    pub fn is_ready(&self) -> bool {
+        self.ready.is_set()
+    }
+
+    /// 503 until the start-up check of the database passed: a call before it could not
+    /// check its key, nor run on a schema not known to be current.
+    pub fn check_ready(&self) -> Result<(), ApiError> {
+        if self.is_ready() {
+            Ok(())
+        } else {
+            Err(ApiError::Starting)
+        }
+    }
+
+    /// The request's tenant ([`auth::tenant`]), once the database is ready. Every tenant
+    /// call starts here.
+    pub async fn tenant(&self, req: &HttpRequest) -> Result<Tenant, ApiError> {
+        self.check_ready()?;
+        auth::tenant(req, &self.db, &self.tenants).await
+    }
+
+    /// The admin token ([`auth::admin`]), once the database is ready. Every admin call
+    /// starts here.
+    pub fn admin(&self, req: &HttpRequest) -> Result<(), ApiError> {
+        self.check_ready()?;
+        auth::admin(req, self.settings.admin_token.as_deref())
+    }
+
     /// A pooled connection, counted in `oncepay_db_pool_waiting` while it is awaited (also
     /// when the waiting handler is cancelled: the count is held by a guard).
     pub async fn conn(&self) -> Result<Conn, DbError> {

@@ -119,6 +119,19 @@ pub(super) fn is_node_failure(err: &sqlx::Error) -> bool {
         || (matches!(code.as_str(), "XX000" | "55000") && message(err).contains("recovery"))
 }
 
+/// The TLS handshake with the database failed (rustls refused it: a certificate that does not
+/// verify, no common protocol) or could not start (`sslmode` asks for TLS the server does not
+/// offer, an `sslrootcert` that cannot be read). A connection cut during the handshake is not
+/// one: it is a plain I/O error.
+pub(super) fn is_tls_refusal(err: &sqlx::Error) -> bool {
+    match err {
+        sqlx::Error::Tls(_) => true,
+        // sqlx reports rustls' refusal as the I/O error that carries it.
+        sqlx::Error::Io(io) => io.get_ref().is_some_and(|inner| inner.is::<rustls::Error>()),
+        _ => false,
+    }
+}
+
 /// Connection-level failures, after which the connection is closed rather than reused.
 pub(super) fn is_connection_broken(err: &sqlx::Error) -> bool {
     matches!(err, sqlx::Error::Io(_) | sqlx::Error::Protocol(_) | sqlx::Error::Tls(_)) || is_node_failure(err)

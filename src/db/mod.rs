@@ -21,9 +21,11 @@ use crate::config::{Pooler, Settings};
 pub use conn::Conn;
 pub use error::DbError;
 pub use pool::PoolStatus;
-pub use schema::{check_schema, embedded_migration_count, expected_schema_version, migrate};
+pub use schema::{
+    check_schema, embedded_migration_count, expected_schema_version, migrate, wait_for_schema, SchemaError,
+};
 
-use pool::{acquire, pool, Pool};
+use pool::{acquire, acquire_unlogged, pool, Pool};
 
 /// Application name of the service's connections (visible in `pg_stat_activity`).
 pub const APPLICATION_NAME: &str = "oncepay";
@@ -175,6 +177,16 @@ impl Db {
     /// A pooled connection (see [`acquire`] for the errors).
     pub async fn conn(&self) -> Result<Conn, DbError> {
         Ok(Conn::new(acquire(&self.pool).await?, Arc::clone(&self.session)))
+    }
+
+    /// [`Db::conn`] without the pool's warning when no connection can be opened: for the
+    /// schema check, whose callers report the failure themselves (once per attempt while
+    /// `serve` waits for the database, or as the command's one error line).
+    async fn conn_unlogged(&self) -> Result<Conn, DbError> {
+        Ok(Conn::new(
+            acquire_unlogged(&self.pool).await?,
+            Arc::clone(&self.session),
+        ))
     }
 
     /// One call on a connection of its own: see [`Conn::run`].

@@ -88,8 +88,17 @@ pub struct PoolStatus {
 }
 
 /// Takes a connection from the pool: [`DbError::Saturated`] when every connection stayed
-/// busy, [`DbError::Transient`] when none can be opened (database down).
+/// busy, [`DbError::Transient`] when none can be opened (database down), logged.
 pub(super) async fn acquire(pool: &Pool) -> Result<Object<Connector>, DbError> {
+    acquire_unlogged(pool).await.inspect_err(|err| {
+        if let DbError::Transient(err) = err {
+            tracing::warn!(error = %err, "no database connection");
+        }
+    })
+}
+
+/// [`acquire`] without its warning, for a caller that reports the failure itself.
+pub(super) async fn acquire_unlogged(pool: &Pool) -> Result<Object<Connector>, DbError> {
     let err = match pool.get().await {
         Ok(conn) => return Ok(conn),
         // Waiting for a permit: every connection is checked out.
@@ -101,6 +110,5 @@ pub(super) async fn acquire(pool: &Pool) -> Result<Object<Connector>, DbError> {
             unreachable!("the pool has a runtime and no hooks")
         }
     };
-    tracing::warn!(error = %err, "no database connection");
     Err(DbError::Transient(err))
 }

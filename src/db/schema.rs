@@ -1,9 +1,13 @@
 //! The schema: the migrations embedded from `migrations/`, and the check `serve` makes that
-//! the database is not behind this build.
+//! the database is not behind this build (retried until the database answers:
+//! [`wait_for_schema`]).
 
 use std::str::FromStr;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
 
 use anyhow::Context;
+use backon::{ExponentialBuilder, Retryable};
 use refinery::{AsyncMigrate, Migration};
 use refinery_core::traits::r#async::{AsyncQuery, AsyncTransaction};
 use sqlx::postgres::PgConnectOptions;
@@ -11,7 +15,7 @@ use sqlx::{Connection, Executor, PgConnection, Row};
 use time::format_description::well_known::Rfc3339;
 use time::OffsetDateTime;
 
-use super::error::sqlstate;
+use super::error::{is_tls_refusal, sqlstate};
 use super::{Db, DbError};
 
 mod embedded {
@@ -104,31 +108,109 @@ pub fn embedded_migration_count() -> usize {
     embedded::migrations::runner().get_migrations().len()
 }
 
+/// Why the schema could not be checked, or what was wrong with it. Each is one line: the
+/// cause is in the text, not a `source` that `{:#}` would print a second time.
+#[derive(Debug, thiserror::Error)]
+pub enum SchemaError {
+    /// No connection, or none that answered: the database is down or starting up, out of
+    /// connections, refusing the login (a wrong password, PgBouncer's `server_login_retry`).
+    #[error("cannot reach the database at DATABASE_URL: {0}")]
+    Unreachable(sqlx::Error),
+    /// The TLS handshake failed or could not start: a certificate that does not verify, or
+    /// `sslmode` asking for TLS that the server does not offer.
+    #[error("cannot reach the database at DATABASE_URL: {0}")]
+    TlsRefused(sqlx::Error),
+    /// The database answered, with an error (a missing grant, say).
+    #[error("cannot read the schema version from DATABASE_URL: {0}")]
+    Unreadable(DbError),
+    /// Migrations this build needs have not run.
+    #[error(
+        "the database schema is behind (at version {}, this build needs {expected}): run `oncepay migrate` first",
+        .applied.map_or_else(|| "none".to_owned(), |v| v.to_string())
+    )]
+    Behind { applied: Option<i32>, expected: i32 },
+}
+
+impl SchemaError {
+    /// Whether waiting may help, with nothing changed in this process: everything but a
+    /// schema behind (only `oncepay migrate` mends it) and a TLS refusal (this process's own
+    /// `sslmode` and `sslrootcert`). A refused password is retried: it is mended on the
+    /// database's side (`ALTER ROLE`, a rotated secret that reaches the database after the
+    /// replica started, a pooler's auth file reloaded).
+    pub fn is_retried(&self) -> bool {
+        matches!(self, Self::Unreachable(_) | Self::Unreadable(_))
+    }
+}
+
 /// Fails with a one-line message naming `oncepay migrate` if the schema is behind.
-pub async fn check_schema(db: &Db) -> anyhow::Result<()> {
-    let read = db
-        .run(async |c| {
-            sqlx::query_scalar("SELECT max(version) FROM refinery_schema_history")
-                .fetch_one(c)
-                .await
-        })
-        .await;
+pub async fn check_schema(db: &Db) -> Result<(), SchemaError> {
+    let read = match db.conn_unlogged().await {
+        Ok(mut conn) => {
+            conn.run(async |c| {
+                sqlx::query_scalar("SELECT max(version) FROM refinery_schema_history")
+                    .fetch_one(c)
+                    .await
+            })
+            .await
+        }
+        Err(err) => Err(err),
+    };
     let applied: Option<i32> = match read {
         Ok(version) => version,
         Err(DbError::Other(err)) if sqlstate(&err).as_deref() == Some("42P01") => None, // never migrated
-        // One line, whatever the cause (a certificate that does not verify, a refused
-        // connection): the sqlx error says what went wrong.
-        Err(DbError::Transient(err) | DbError::Unknown(err)) => {
-            anyhow::bail!("cannot reach the database at DATABASE_URL: {err}")
+        Err(DbError::Transient(err) | DbError::Unknown(err)) if is_tls_refusal(&err) => {
+            return Err(SchemaError::TlsRefused(err))
         }
-        Err(err) => anyhow::bail!("cannot read the schema version from DATABASE_URL: {err}"),
+        Err(DbError::Transient(err) | DbError::Unknown(err)) => return Err(SchemaError::Unreachable(err)),
+        Err(DbError::Saturated) => return Err(SchemaError::Unreachable(sqlx::Error::PoolTimedOut)),
+        Err(err) => return Err(SchemaError::Unreadable(err)),
     };
     let expected = expected_schema_version();
     match applied {
         Some(v) if v >= expected => Ok(()),
-        applied => anyhow::bail!(
-            "the database schema is behind (at version {}, this build needs {expected}): run `oncepay migrate` first",
-            applied.map_or_else(|| "none".to_owned(), |v| v.to_string())
-        ),
+        applied => Err(SchemaError::Behind { applied, expected }),
     }
+}
+
+/// The wait before the first retry of [`wait_for_schema`]; each next one is twice as long,
+/// up to [`RETRY_WAIT_CAP`].
+const FIRST_RETRY_WAIT: Duration = Duration::from_millis(100);
+
+/// The longest wait between two attempts of [`wait_for_schema`], before the jitter, which
+/// adds up to as much again: at most 5 s between attempts, so that a database that comes
+/// back is in use within seconds, and one attempt every few seconds costs it nothing.
+const RETRY_WAIT_CAP: Duration = Duration::from_millis(2_500);
+
+/// [`check_schema`] until it passes, for as long as it takes, with exponential backoff and
+/// jitter (replicas restarted together do not knock on a recovering database in step); every
+/// failed attempt logged once, at warn. Returns only once the schema passed, or with an error
+/// that no wait mends ([`SchemaError::is_retried`]).
+pub async fn wait_for_schema(db: &Db) -> Result<(), SchemaError> {
+    let attempts = AtomicU32::new(0);
+    let backoff = ExponentialBuilder::new()
+        .with_min_delay(FIRST_RETRY_WAIT)
+        .with_max_delay(RETRY_WAIT_CAP)
+        .with_jitter()
+        .without_max_times();
+    (|| {
+        attempts.fetch_add(1, Ordering::Relaxed);
+        check_schema(db)
+    })
+    .retry(backoff)
+    .sleep(tokio::time::sleep)
+    .when(SchemaError::is_retried)
+    .notify(|err, wait| {
+        tracing::warn!(
+            attempt = attempts.load(Ordering::Relaxed),
+            retry_in_ms = u64::try_from(wait.as_millis()).unwrap_or(u64::MAX),
+            error = %err,
+            "the database is not ready; serving 503 until it is"
+        );
+    })
+    .await?;
+    tracing::info!(
+        attempts = attempts.load(Ordering::Relaxed),
+        "database reached, schema checked: ready"
+    );
+    Ok(())
 }

@@ -135,7 +135,7 @@ impl Endpoint for CreateDeposit {
     )
 )]
 pub(super) async fn show(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
-    let tenant = crate::auth::tenant(&req, &state.db, &state.tenants).await?;
+    let tenant = state.tenant(&req).await?;
     let id = path_account(&req)?;
     let mut conn = state.conn().await?;
     let balance = conn

@@ -14,7 +14,7 @@ use super::schemas::{
 use crate::domain::{MissingKeyPolicy, OpeningBalance, TenantId};
 use crate::error::ApiError;
 use crate::state::AppState;
-use crate::{auth, purge, tenants};
+use crate::{purge, tenants};
 
 pub fn configure(cfg: &mut web::ServiceConfig) {
     cfg.route("/admin/tenants", web::post().to(create_tenant))
@@ -50,7 +50,7 @@ fn tenant_of(req: &HttpRequest) -> Result<TenantId, ApiError> {
     )
 )]
 pub(super) async fn create_api_key(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
-    auth::admin(&req, state.settings.admin_token.as_deref())?;
+    state.admin(&req)?;
     let tenant = tenant_of(&req)?;
     let created = tenants::create_key(&state.db, tenant)
         .await?
@@ -72,7 +72,7 @@ pub(super) async fn create_api_key(req: HttpRequest, state: web::Data<AppState>)
     )
 )]
 pub(super) async fn list_api_keys(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
-    auth::admin(&req, state.settings.admin_token.as_deref())?;
+    state.admin(&req)?;
     let tenant = tenant_of(&req)?;
     let keys = tenants::list_keys(&state.db, tenant).await?.ok_or(ApiError::NotFound)?;
     Ok(HttpResponse::Ok().json(keys))
@@ -94,7 +94,7 @@ pub(super) async fn list_api_keys(req: HttpRequest, state: web::Data<AppState>) 
     )
 )]
 pub(super) async fn revoke_api_key(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
-    auth::admin(&req, state.settings.admin_token.as_deref())?;
+    state.admin(&req)?;
     let tenant = tenant_of(&req)?;
     let key_id = req
         .match_info()
@@ -142,7 +142,7 @@ async fn admin_body<T: DeserializeOwned>(
     payload: web::Payload,
     state: &AppState,
 ) -> Result<T, ApiError> {
-    auth::admin(req, state.settings.admin_token.as_deref())?;
+    state.admin(req)?;
     let bytes = read_body(req, payload, state.settings.max_body_bytes).await?;
     parse_body(&bytes, EmptyBody::Refused).map(|(_, body)| body)
 }
@@ -225,7 +225,7 @@ struct PurgedOut {
     )
 )]
 pub(super) async fn run_purge(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
-    auth::admin(&req, state.settings.admin_token.as_deref())?;
+    state.admin(&req)?;
     let deleted = purge::purge(&state.db, state.settings.retention, state.settings.purge_batch_size).await?;
     state.metrics.record_purge(deleted);
     Ok(HttpResponse::Ok().json(PurgedOut { deleted }))

@@ -39,13 +39,15 @@ const WRITABLE: &str = "SELECT NOT pg_is_in_recovery() AND current_setting('tran
 
 /// Readiness: 200 when a writable primary answers, else 503. A database that answers but is
 /// a standby or read-only (as during a failover) is not ready, and the connection that
-/// reached it is dropped, so the next one (through a proxy) finds the new primary.
+/// reached it is dropped, so the next one (through a proxy) finds the new primary. Before
+/// `serve` has reached its database and checked the schema it is 503 without a query.
 #[utoipa::path(get, path = "/readyz", tag = "operations", operation_id = "readyz",
     responses(
         (status = 200, description = "Ready.", body = StatusOut),
         (status = 503, response = Unavailable),
     ))]
 pub(super) async fn readyz(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+    state.check_ready()?;
     let mut conn = state.conn().await.map_err(|_| ApiError::Unavailable)?;
     let writable = conn
         .run(async |c| sqlx::query_scalar::<_, bool>(WRITABLE).fetch_one(c).await)
@@ -62,5 +64,10 @@ pub(super) async fn readyz(state: web::Data<AppState>) -> Result<HttpResponse, A
 pub(super) async fn metrics(state: web::Data<AppState>) -> HttpResponse {
     HttpResponse::Ok()
         .content_type("text/plain; version=0.0.4; charset=utf-8")
-        .body(state.metrics.render(&state.db, state.settings.retention).await)
+        .body(
+            state
+                .metrics
+                .render(&state.db, state.settings.retention, state.is_ready())
+                .await,
+        )
 }

@@ -168,7 +168,7 @@ fn payment_id(req: &HttpRequest) -> Result<PaymentId, ApiError> {
     )
 )]
 pub(super) async fn show(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
-    let tenant = crate::auth::tenant(&req, &state.db, &state.tenants).await?;
+    let tenant = state.tenant(&req).await?;
     let id = payment_id(&req)?;
     let mut conn = state.conn().await?;
     let p = conn

@@ -89,7 +89,7 @@ async fn handle<E: Endpoint>(
     state: web::Data<AppState>,
 ) -> Result<HttpResponse, ApiError> {
     let spec = spec::<E>();
-    let tenant = crate::auth::tenant(&req, &state.db, &state.tenants).await?;
+    let tenant = state.tenant(&req).await?;
     let bytes = read_body(&req, payload, state.settings.max_body_bytes).await?;
     let key = IdempotencyKey::from_headers(req.headers()).map_err(ApiError::InvalidIdempotencyKey)?;
     let key = idempotency::key_or_policy(key, tenant.policy)?;

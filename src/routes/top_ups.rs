@@ -108,7 +108,7 @@ async fn intake<T: serde::de::DeserializeOwned>(
     empty: EmptyBody,
 ) -> Result<(crate::tenants::Tenant, T, ClaimArgs, bool), ApiError> {
     let spec = operation.spec();
-    let tenant = crate::auth::tenant(req, &state.db, &state.tenants).await?;
+    let tenant = state.tenant(req).await?;
     let bytes = read_body(req, payload, state.settings.max_body_bytes).await?;
     let key = IdempotencyKey::from_headers(req.headers()).map_err(ApiError::InvalidIdempotencyKey)?;
     let key = idempotency::key_or_policy(key, tenant.policy)?;
@@ -269,7 +269,7 @@ pub(super) async fn refund(
     )
 )]
 pub(super) async fn show(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
-    let tenant = crate::auth::tenant(&req, &state.db, &state.tenants).await?;
+    let tenant = state.tenant(&req).await?;
     let id = TopUpId::parse(req.match_info().get("id").unwrap_or_default()).ok_or(ApiError::NotFound)?;
     let mut conn = state.conn().await?;
     let row = conn

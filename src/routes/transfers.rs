@@ -92,7 +92,7 @@ impl Endpoint for CreateTransfer {
     )
 )]
 pub(super) async fn show(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
-    let tenant = crate::auth::tenant(&req, &state.db, &state.tenants).await?;
+    let tenant = state.tenant(&req).await?;
     let id = req
         .match_info()
         .get("id")

@@ -264,7 +264,7 @@ pub struct EnableEndpointIn {}
     )
 )]
 pub(super) async fn list(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
-    let tenant = crate::auth::tenant(&req, &state.db, &state.tenants).await?;
+    let tenant = state.tenant(&req).await?;
     let mut conn = state.conn().await?;
     let rows = conn.run(async |c| endpoints::list(c, tenant.id).await).await?;
     let listed: Vec<_> = rows
@@ -293,7 +293,7 @@ pub(super) async fn list(req: HttpRequest, state: web::Data<AppState>) -> Result
     )
 )]
 pub(super) async fn delete(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
-    let tenant = crate::auth::tenant(&req, &state.db, &state.tenants).await?;
+    let tenant = state.tenant(&req).await?;
     let id = req
         .match_info()
         .get("id")
@@ -318,7 +318,7 @@ pub(super) async fn delete(req: HttpRequest, state: web::Data<AppState>) -> Resu
     )
 )]
 pub(super) async fn show_event(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
-    let tenant = crate::auth::tenant(&req, &state.db, &state.tenants).await?;
+    let tenant = state.tenant(&req).await?;
     let id = req
         .match_info()
         .get("id")

@@ -111,7 +111,7 @@ async fn readiness_is_0_when_the_database_does_not_answer() {
     let db = oncepay::db::Db::new(&settings).unwrap();
     let metrics = oncepay::metrics::Metrics::new();
 
-    let text = metrics.render(&db, settings.retention).await;
+    let text = metrics.render(&db, settings.retention, true).await;
 
     assert_eq!(sample(&text, "oncepay_ready"), 0.0);
     assert_eq!(sample(&text, "oncepay_idempotency_key_oldest_age_seconds"), 0.0);

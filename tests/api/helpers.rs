@@ -13,10 +13,13 @@ use reqwest::{Method, Response};
 use serde_json::Value;
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{Connection, Executor, PgPool};
+use tokio::task::JoinHandle;
 use uuid::Uuid;
 
 pub const ADMIN_TOKEN: &str = "test-admin-token-of-at-least-32-characters";
 pub const MAIN_BALANCE: i64 = 10_000;
+/// How long a server started on a reachable database may take to be ready.
+pub const READY_WITHIN: Duration = Duration::from_secs(30);
 
 static TRACING: Once = Once::new();
 
@@ -97,7 +100,7 @@ pub struct TestApp {
     pub api_key: String,
 }
 
-async fn migrate_once() {
+pub async fn migrate_once() {
     static MIGRATED: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
     MIGRATED
         .get_or_init(|| async {
@@ -141,33 +144,52 @@ impl TestAppBuilder {
         self
     }
 
-    /// Builds and starts the server, as `oncepay serve` does; `Err` where `serve` would refuse.
+    /// Builds and starts the server, as `oncepay serve` does, and returns once it is ready;
+    /// `Err` where `serve` would refuse to start or stop (a schema behind the binary).
     pub async fn try_spawn(self) -> anyhow::Result<TestApp> {
+        let tenant = self.tenant.clone();
+        let (app, mut serving) = self.start().await?;
+        app.wait_for_readiness(&mut serving).await?;
+        Ok(app.serving(tenant).await)
+    }
+
+    /// Builds and starts the server and returns at once, ready or not: for the tests of
+    /// start-up while the database is away. The tenant must be given (`with_tenant`): there
+    /// may be no database yet to make one on.
+    pub async fn spawn_unready(self) -> TestApp {
+        let tenant = self
+            .tenant
+            .clone()
+            .expect("spawn_unready serves a tenant the test made");
+        let (app, _serving) = self.start().await.expect("the app binds");
+        app.serving(Some(tenant)).await
+    }
+
+    /// Builds the server and runs it in a task of its own, which returns what
+    /// `run_until_stopped` does.
+    async fn start(self) -> anyhow::Result<(TestApp, JoinHandle<anyhow::Result<()>>)> {
         TRACING.call_once(|| {
             if std::env::var("TEST_LOG").is_ok() {
                 oncepay::telemetry::init(false);
             }
         });
         migrate_once().await;
-        let app = Application::build(self.settings).await?;
+        let app = Application::build(self.settings)?;
         let address = format!("http://127.0.0.1:{}", app.port());
         let operations_address = format!("http://127.0.0.1:{}", app.operations_port());
         let state = app.state();
-        tokio::spawn(app.run_until_stopped());
+        let serving = tokio::spawn(app.run_until_stopped());
         let pool = admin_pool(&state);
-        let (tenant_id, api_key) = match self.tenant {
-            Some(tenant) => tenant,
-            None => new_tenant(&pool, MissingKeyPolicy::Reject).await,
-        };
-        Ok(TestApp {
+        let app = TestApp {
             address,
             operations_address,
             client: client(),
             pool,
             state,
-            tenant_id,
-            api_key,
-        })
+            tenant_id: Uuid::nil(),
+            api_key: String::new(),
+        };
+        Ok((app, serving))
     }
 
     pub async fn spawn(self) -> TestApp {
@@ -189,6 +211,37 @@ impl TestAppBuilder {
         }
         apps.insert(0, first);
         apps
+    }
+}
+
+impl TestApp {
+    /// This server, serving `tenant` or a fresh one (policy `reject`, main balance 10000).
+    async fn serving(mut self, tenant: Option<(Uuid, String)>) -> Self {
+        (self.tenant_id, self.api_key) = match tenant {
+            Some(tenant) => tenant,
+            None => new_tenant(&self.pool, MissingKeyPolicy::Reject).await,
+        };
+        self
+    }
+
+    /// Waits until the server has reached its database and checked the schema, within
+    /// [`READY_WITHIN`]; `Err` with what stopped it if it stopped first (`serving` is its task).
+    async fn wait_for_readiness(&self, serving: &mut JoinHandle<anyhow::Result<()>>) -> anyhow::Result<()> {
+        let deadline = tokio::time::Instant::now() + READY_WITHIN;
+        while !self.state.is_ready() {
+            anyhow::ensure!(
+                tokio::time::Instant::now() < deadline,
+                "the server was not ready within {READY_WITHIN:?}"
+            );
+            tokio::select! {
+                stopped = &mut *serving => {
+                    stopped??;
+                    anyhow::bail!("the server stopped before it was ready");
+                }
+                () = tokio::time::sleep(Duration::from_millis(5)) => {}
+            }
+        }
+        Ok(())
     }
 }
 

@@ -70,8 +70,8 @@ async fn health_and_readiness_answer() {
 
 #[tokio::test]
 async fn readiness_is_503_when_the_database_is_unreachable() {
-    // `serve` checks the schema at start, so the server is built while the database answers
-    // (through a relay) and the relay is cut afterwards.
+    // The database lost after start (one not reached yet: tests/api/startup.rs): the server
+    // reaches it through a relay, which is cut once it is ready.
     let mut url = reqwest::Url::parse(&database_url()).expect("DATABASE_URL is a URL");
     let upstream = format!("{}:{}", url.host_str().unwrap(), url.port().unwrap_or(5432));
     let relay = TcpRelay::start(upstream).await;

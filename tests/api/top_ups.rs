@@ -566,6 +566,8 @@ impl ServerProcess {
         .expect("the oncepay process serves within 30 s");
         // Keep reading its log, so that it never blocks on a full pipe.
         tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        let port = u16::try_from(port).unwrap();
+        crate::commands::wait_until_ready(&reqwest::Client::new(), port).await;
         Self {
             child,
             url: format!("http://127.0.0.1:{port}"),

@@ -555,13 +555,16 @@ async fn deliveries_take_no_proxy_from_the_environment() {
             .json(&json!({ "url": receiver.url() }))
             .send()
             .await;
-        if let Ok(response) = sent {
-            created = Some(response.json::<serde_json::Value>().await.unwrap());
-            break;
+        // 503 until it has reached its database.
+        if let Ok(response) = sent.as_ref().map(|r| r.status()) {
+            if response == 201 {
+                created = Some(sent.unwrap().json::<serde_json::Value>().await.unwrap());
+                break;
+            }
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let created = created.expect("the server answered within 10 s");
+    let created = created.expect("the server created the endpoint within 10 s");
     receiver.set_secret(created["secret"].as_str().unwrap());
     let paid = client
         .post(format!("{base}/payments"))

@@ -1,0 +1,288 @@
+//! `serve` started while its database is away (contract section 2): it binds and answers at
+//! once, `/healthz` 200, `/readyz` and every other call 503 with `Retry-After`, retries with
+//! backoff for as long as it takes, and serves once the database answers. Only a schema behind
+//! the binary stops it. The database is reached through a peer the test switches
+//! (`db_peer`): first it closes every connection (PostgreSQL down) or refuses the login as
+//! PgBouncer does after a failed server login, then it relays to the test cluster.
+
+use std::time::Duration;
+
+use oncepay::domain::MissingKeyPolicy;
+use oncepay::startup::Application;
+use reqwest::Method;
+use serde_json::json;
+use sqlx::postgres::PgPoolOptions;
+
+use crate::db_peer::{DatabasePeer, Mode};
+use crate::helpers::{
+    database_url, documented_endpoints, drop_database, empty_database, fill, metric_value, migrate_once, new_key,
+    new_tenant, test_settings, Answer, TestApp, ADMIN_TOKEN, MAIN_BALANCE,
+};
+
+/// How long a server whose database came back may take to be ready: its longest wait
+/// between two attempts, and the attempt.
+const READY_AFTER_THE_DATABASE: Duration = Duration::from_secs(20);
+
+/// A tenant made on the test database directly (the server may not reach it yet).
+async fn tenant_of_the_test_database() -> (uuid::Uuid, String) {
+    migrate_once().await;
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&database_url())
+        .await
+        .unwrap();
+    let tenant = new_tenant(&pool, MissingKeyPolicy::Reject).await;
+    pool.close().await;
+    tenant
+}
+
+/// A server on `url` (through the peer) that does not wait to be ready.
+async fn spawn_on(url: String, tenant: (uuid::Uuid, String)) -> TestApp {
+    TestApp::builder()
+        .settings(|s| {
+            s.database_url = url;
+            s.db_acquire_timeout = Duration::from_millis(500);
+        })
+        .with_tenant(tenant.0, tenant.1)
+        .spawn_unready()
+        .await
+}
+
+async fn get(app: &TestApp, url: String) -> Answer {
+    Answer::from(app.client.get(url).send().await.expect("the server answers")).await
+}
+
+/// Asserts the answer of a server that has not reached its database: 503, to retry.
+#[track_caller]
+fn assert_not_ready(answer: &Answer, what: &str) {
+    assert_eq!(answer.status, 503, "{what}: {}", answer.body);
+    answer.assert_problem(503, "temporarily_unavailable");
+    assert_eq!(answer.header("retry-after"), Some("1"), "{what}");
+}
+
+/// Polls `/readyz` until it answers 200, at most [`READY_AFTER_THE_DATABASE`].
+async fn wait_until_ready(app: &TestApp) {
+    let mut last = None;
+    let ready = tokio::time::timeout(READY_AFTER_THE_DATABASE, async {
+        loop {
+            let answer = get(app, app.url("/readyz")).await;
+            if answer.status == 200 {
+                return;
+            }
+            last = Some(answer.body);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    assert!(
+        ready.is_ok(),
+        "not ready {READY_AFTER_THE_DATABASE:?} after the database came back: {last:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_server_started_while_its_database_is_down_answers_503_then_serves_once_it_connects() {
+    let tenant = tenant_of_the_test_database().await;
+    let peer = DatabasePeer::start(Mode::Closes).await;
+    let app = spawn_on(peer.url_to(&database_url()), tenant.clone()).await;
+
+    // Alive on both listeners, not ready, and the payment refused with a 503 to retry.
+    for base in [&app.address, &app.operations_address] {
+        assert_eq!(get(&app, format!("{base}/healthz")).await.status, 200, "{base}");
+        assert_not_ready(&get(&app, format!("{base}/readyz")).await, "/readyz");
+    }
+    let key = new_key();
+    assert_not_ready(&app.pay(Some(&key), 100).await, "POST /payments");
+    let metrics = app.metrics().await;
+    assert_eq!(metric_value(&metrics, "oncepay_ready"), 0.0, "{metrics}");
+    // It keeps trying, with backoff (the first waits are 100 to 200 ms, then longer).
+    peer.wait_for_attempts(3, Duration::from_secs(10)).await;
+    assert_eq!(get(&app, app.url("/healthz")).await.status, 200, "still running");
+
+    peer.switch(Mode::Relays);
+    wait_until_ready(&app).await;
+
+    let paid = app.pay(Some(&key), 100).await;
+    assert_eq!((paid.status, paid.replayed()), (201, false), "{}", paid.body);
+    let pool = sqlx::PgPool::connect(&database_url()).await.unwrap();
+    let balance: i64 = sqlx::query_scalar("SELECT balance FROM accounts WHERE tenant_id = $1 AND account_id = 'main'")
+        .bind(tenant.0)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(balance, MAIN_BALANCE - 100, "charged once");
+    assert_eq!(metric_value(&app.metrics().await, "oncepay_ready"), 1.0);
+}
+
+#[tokio::test]
+async fn before_its_database_answers_every_endpoint_but_the_probes_and_the_document_is_503() {
+    let tenant = tenant_of_the_test_database().await;
+    let peer = DatabasePeer::start(Mode::Closes).await;
+    let app = spawn_on(peer.url_to(&database_url()), tenant.clone()).await;
+
+    for (method, template) in documented_endpoints() {
+        if matches!(template.as_str(), "/healthz" | "/openapi.json" | "/metrics") {
+            continue;
+        }
+        let path = fill(
+            &template,
+            if template.starts_with("/accounts/") {
+                "main".to_owned()
+            } else if template.starts_with("/admin/tenants/") {
+                tenant.0.to_string()
+            } else {
+                uuid::Uuid::new_v4().to_string()
+            }
+            .as_str(),
+        );
+        let token = if path.starts_with("/admin") {
+            ADMIN_TOKEN
+        } else {
+            &tenant.1
+        };
+        let mut request = app.client.request(method.clone(), app.url(&path)).bearer_auth(token);
+        if method == Method::POST || method == Method::PATCH {
+            request = request
+                .header("Idempotency-Key", new_key())
+                .json(&json!({ "amount": 1 }));
+        }
+        let answer = Answer::from(request.send().await.unwrap()).await;
+        assert_not_ready(&answer, &format!("{method} {path}"));
+    }
+    assert_eq!(get(&app, app.url("/openapi.json")).await.status, 200);
+    assert_eq!(get(&app, app.url("/healthz")).await.status, 200);
+}
+
+#[tokio::test]
+async fn a_server_whose_pooler_refuses_logins_keeps_retrying_and_serves_once_let_in() {
+    let tenant = tenant_of_the_test_database().await;
+    let peer = DatabasePeer::start(Mode::RefusesLogins).await;
+    let app = spawn_on(peer.url_to(&database_url()), tenant).await;
+
+    peer.wait_for_attempts(3, Duration::from_secs(10)).await;
+    assert_eq!(get(&app, app.url("/healthz")).await.status, 200, "still running");
+    assert_not_ready(&get(&app, app.url("/readyz")).await, "/readyz");
+    assert_not_ready(&app.pay(Some(&new_key()), 5).await, "POST /payments");
+
+    peer.switch(Mode::Relays);
+    wait_until_ready(&app).await;
+
+    let paid = app.pay(Some(&new_key()), 5).await;
+    assert_eq!(paid.status, 201, "{}", paid.body);
+}
+
+#[tokio::test]
+async fn serve_stops_with_the_line_naming_migrate_when_the_database_it_reaches_is_behind() {
+    let url = empty_database("startbehind").await;
+    let peer = DatabasePeer::start(Mode::Closes).await;
+    let mut settings = test_settings();
+    settings.database_url = peer.url_to(&url);
+    let app = Application::build(settings).expect("serve binds without its database");
+    let health = format!("http://127.0.0.1:{}/healthz", app.port());
+    let serving = tokio::spawn(app.run_until_stopped());
+    peer.wait_for_attempts(2, Duration::from_secs(10)).await;
+    assert_eq!(reqwest::get(&health).await.unwrap().status(), 200, "running meanwhile");
+
+    peer.switch(Mode::Relays);
+    let stopped = tokio::time::timeout(READY_AFTER_THE_DATABASE, serving)
+        .await
+        .expect("serve stops once it reads the schema's version")
+        .unwrap();
+
+    let message = format!("{:#}", stopped.expect_err("a schema behind stops serve"));
+    assert!(message.contains("oncepay migrate"), "{message}");
+    assert!(!message.contains('\n'), "one line: {message}");
+    assert!(reqwest::get(&health).await.is_err(), "the listener is closed");
+    drop(peer);
+    drop_database(&url).await;
+}
+
+#[tokio::test]
+async fn the_serve_command_outlives_a_database_that_is_down_logs_each_attempt_and_stops_on_sigterm() {
+    use tokio::io::AsyncBufReadExt;
+    let peer = DatabasePeer::start(Mode::Closes).await;
+    let mut server = tokio::process::Command::new(env!("CARGO_BIN_EXE_oncepay"))
+        .arg("serve")
+        .env("DATABASE_URL", peer.url_to(&database_url()))
+        .env("ONCEPAY_BIND", "127.0.0.1:0")
+        .env("ONCEPAY_METRICS_BIND", "127.0.0.1:0")
+        .env("ONCEPAY_LOG_FORMAT", "json")
+        .env("RUST_LOG", "info")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = tokio::io::BufReader::new(server.stderr.take().unwrap()).lines();
+    let mut logs = Vec::new();
+    let port = tokio::time::timeout(Duration::from_secs(30), async {
+        while let Some(line) = lines.next_line().await.unwrap() {
+            let log: serde_json::Value = serde_json::from_str(&line).unwrap_or_default();
+            logs.push(log.clone());
+            if log["message"] == "oncepay serving" {
+                return log["port"].as_u64().unwrap();
+            }
+        }
+        panic!("serve exited before serving: {logs:?}");
+    })
+    .await
+    .expect("serve binds within 30 s");
+    let logged = tokio::spawn(async move {
+        while let Ok(Some(line)) = lines.next_line().await {
+            logs.push(serde_json::from_str(&line).unwrap_or_default());
+        }
+        logs
+    });
+
+    peer.wait_for_attempts(4, Duration::from_secs(10)).await;
+    let client = reqwest::Client::new();
+    let base = format!("http://127.0.0.1:{port}");
+    assert_eq!(
+        client.get(format!("{base}/healthz")).send().await.unwrap().status(),
+        200
+    );
+    assert_eq!(client.get(format!("{base}/readyz")).send().await.unwrap().status(), 503);
+    assert!(server.try_wait().unwrap().is_none(), "serve still runs");
+
+    let pid = server.id().unwrap().to_string();
+    let signalled = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap();
+    assert!(signalled.success());
+    let status = tokio::time::timeout(Duration::from_secs(20), server.wait())
+        .await
+        .expect("serve stops within 20 s of SIGTERM")
+        .unwrap();
+    assert_eq!(status.code(), Some(0), "a clean stop");
+
+    let logs = logged.await.unwrap();
+    // Of the database, one warning per attempt (the pool's own about the connection is not
+    // repeated); others (an unset webhook secret key) are not this test's.
+    let warnings: Vec<&serde_json::Value> = logs
+        .iter()
+        .filter(|l| l["level"] == "WARN" && l["target"].as_str().unwrap().starts_with("oncepay::db"))
+        .collect();
+    let attempts: Vec<&serde_json::Value> = warnings
+        .iter()
+        .copied()
+        .filter(|l| l["message"] == "the database is not ready; serving 503 until it is")
+        .collect();
+    assert!(attempts.len() >= 3, "one line per failed attempt: {logs:?}");
+    assert_eq!(
+        attempts.len(),
+        warnings.len(),
+        "nothing else of the database: {warnings:?}"
+    );
+    for (n, line) in attempts.iter().enumerate() {
+        assert_eq!(line["attempt"], n + 1, "{line}");
+        assert!(line["retry_in_ms"].as_u64().unwrap() <= 5_000, "{line}");
+        assert!(
+            line["error"]
+                .as_str()
+                .unwrap()
+                .starts_with("cannot reach the database at DATABASE_URL: "),
+            "{line}"
+        );
+    }
+}
