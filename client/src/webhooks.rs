@@ -191,8 +191,9 @@ pub struct WebhookEndpoint {
     pub id: uuid::Uuid,
     pub url: String,
     pub events: Vec<String>,
-    /// `whsec_...`: what [`verify`] takes.
-    pub secret: String,
+    /// `whsec_...`: what [`verify`] takes. `None` only on a replay (a retry with the same key)
+    /// after the secret was rotated: a replay never shows a secret its first answer did not.
+    pub secret: Option<String>,
     pub created_at: chrono::DateTime<chrono::Utc>,
 }
 
@@ -206,16 +207,29 @@ pub struct ListedEndpoint {
     /// `enabled` or `disabled`.
     pub status: String,
     pub disabled_at: Option<chrono::DateTime<chrono::Utc>>,
-    /// `gone` (the receiver answered 410) or `failing` (the retry schedule failed throughout).
+    /// `gone` (the receiver answered 410) or `failing` (no attempt succeeded for the server's
+    /// `ONCEPAY_WEBHOOK_DISABLE_AFTER_SECS` while attempts kept failing).
     pub disabled_reason: Option<String>,
+}
+
+/// `POST /webhook-endpoints/{id}/enable`: 200, the endpoint as of that request.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct EnabledEndpoint {
+    pub id: uuid::Uuid,
+    pub url: String,
+    pub events: Vec<String>,
+    pub created_at: chrono::DateTime<chrono::Utc>,
+    /// `enabled`.
+    pub status: String,
 }
 
 /// `POST /webhook-endpoints/{id}/rotate-secret`: 200.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct RotatedSecret {
     pub id: uuid::Uuid,
-    /// The new secret; the previous one signs too until `previous_secret_expires_at`.
-    pub secret: String,
+    /// The new secret; the previous one signs too until `previous_secret_expires_at`. `None`
+    /// only on a replay once the secret was rotated again.
+    pub secret: Option<String>,
     pub previous_secret_expires_at: Option<chrono::DateTime<chrono::Utc>>,
 }
 
@@ -265,6 +279,22 @@ impl crate::Client {
         let call = self.post_call(
             &crate::protocol::routes::ROTATE_WEBHOOK_SECRET.segments(&id),
             &body,
+            key,
+        )?;
+        self.execute(call).await
+    }
+
+    /// Enables a disabled endpoint: deliveries resume, first the events kept while it was
+    /// disabled. 404 `not_found` for an unknown or deleted endpoint.
+    pub async fn enable_webhook_endpoint(
+        &self,
+        id: uuid::Uuid,
+        key: &crate::IdempotencyKey,
+    ) -> Result<crate::Reply<EnabledEndpoint>, crate::ClientError> {
+        let id = id.to_string();
+        let call = self.post_call(
+            &crate::protocol::routes::ENABLE_WEBHOOK_ENDPOINT.segments(&id),
+            &serde_json::json!({}),
             key,
         )?;
         self.execute(call).await

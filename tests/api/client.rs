@@ -327,7 +327,11 @@ async fn every_tenant_endpoint_has_a_typed_call() {
         )
         .await
         .unwrap();
-    assert!(endpoint.value.secret.starts_with("whsec_"));
+    assert!(endpoint
+        .value
+        .secret
+        .as_deref()
+        .is_some_and(|s| s.starts_with("whsec_")));
     let listed = client.webhook_endpoints().await.unwrap();
     assert_eq!(listed.value[0].id, endpoint.value.id);
     let rotated = client
@@ -335,6 +339,15 @@ async fn every_tenant_endpoint_has_a_typed_call() {
         .await
         .unwrap();
     assert_ne!(rotated.value.secret, endpoint.value.secret);
+    assert!(rotated.value.secret.is_some());
+    let enabled = client
+        .enable_webhook_endpoint(endpoint.value.id, &IdempotencyKey::generate())
+        .await
+        .unwrap();
+    assert_eq!(
+        (enabled.value.id, enabled.value.status.as_str()),
+        (endpoint.value.id, "enabled")
+    );
     client.pay(1, Some("u1"), &IdempotencyKey::generate()).await.unwrap();
     let event_id: uuid::Uuid = sqlx::query_scalar("SELECT event_id FROM webhook_events WHERE tenant_id = $1")
         .bind(app.tenant_id)

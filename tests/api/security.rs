@@ -162,7 +162,7 @@ async fn another_tenants_ids_answer_404_on_every_endpoint_and_change_nothing() {
                 "account_not_found",
             ),
             ("POST", "/accounts" | "/webhook-endpoints") => continue,
-            ("POST", t) if t.ends_with("/rotate-secret") => (Some(json!({})), "not_found"),
+            ("POST", t) if t.ends_with("/rotate-secret") || t.ends_with("/enable") => (Some(json!({})), "not_found"),
             ("POST", t) if t.ends_with("/refund") => (Some(json!({})), "not_found"),
             ("POST", t) if t.ends_with("/deposits") => (Some(json!({ "amount": 5 })), "account_not_found"),
             ("POST", t) if t.ends_with("/top-ups") => (

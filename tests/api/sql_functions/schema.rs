@@ -392,7 +392,8 @@ async fn the_operation_enum_lists_operation_all_in_order() {
             "top_up",
             "refund_top_up",
             "create_webhook_endpoint",
-            "rotate_webhook_secret"
+            "rotate_webhook_secret",
+            "enable_webhook_endpoint"
         ]
     );
 }

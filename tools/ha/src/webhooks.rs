@@ -73,7 +73,7 @@ impl Receiver {
             .create_webhook_endpoint(&self.url, None, &key)
             .await
             .context("registering the webhook endpoint")?;
-        *self.secret.lock().expect("not poisoned") = Some(endpoint.value.secret);
+        *self.secret.lock().expect("not poisoned") = endpoint.value.secret;
         Ok(())
     }
 
