@@ -103,6 +103,12 @@ bench_tenant "$url" "$bin" "$accounts" plain
 plain_api_key="$api_key"
 bench_tenant "$url" "$bin" "$accounts" hooked
 hooked_api_key="$api_key"
+# And two for the fair-shares steps (issue 35): one endpoint that answers at once, ten that
+# answer after 2 s.
+bench_tenant "$url" "$bin" "$accounts" fair
+fair_tenant="$tenant" fair_api_key="$api_key"
+bench_tenant "$url" "$bin" "$accounts" slowpoke
+slowpoke_tenant="$tenant" slowpoke_api_key="$api_key"
 tenant="$main_tenant" api_key="$main_api_key"
 export DATABASE_URL="$url"
 # No instance delivers webhooks but the deliverer that webhook_steps starts and stops (to the
@@ -170,6 +176,19 @@ curl -sf -X POST "${urls[0]}/webhook-endpoints" -H "Authorization: Bearer $hooke
   -H "Idempotency-Key: bench-endpoint" -H 'Content-Type: application/json' \
   -d "{\"url\": \"http://127.0.0.1:$sink_port/hooks\"}" >/dev/null \
   || { echo "bench: the webhook endpoint could not be registered" >&2; exit 1; }
+# The fair-shares steps' endpoints: the fair tenant's on the same sink, the slowpoke's ten on
+# a sink that answers after 2 s.
+slow_sink_port=$((port + 52))
+"$lg" sink --port "$slow_sink_port" --delay-ms 2000 2>>target/bench-server.log &
+pids+=("$!")
+endpoint() { # api_key idempotency_key sink_port
+  curl -sf -X POST "${urls[0]}/webhook-endpoints" -H "Authorization: Bearer $1" \
+    -H "Idempotency-Key: $2" -H 'Content-Type: application/json' \
+    -d "{\"url\": \"http://127.0.0.1:$3/hooks\", \"events\": [\"payment.succeeded\"]}" >/dev/null \
+    || { echo "bench: the webhook endpoint $2 could not be registered" >&2; exit 1; }
+}
+endpoint "$fair_api_key" fair-endpoint "$sink_port"
+for i in $(seq 10); do endpoint "$slowpoke_api_key" "slow-endpoint-$i" "$slow_sink_port"; done
 # Card top-ups (issue 24): a localstripe of its own and an instance whose processor it is.
 stripe_port=$((port + 60)) stripe_url="http://127.0.0.1:$((port + 60))" stripe_key=sk_test_oncepay
 stripe_pid="$(scripts/localstripe.sh start "$stripe_port" "$stripe_dir" 2>/dev/null)" \
@@ -456,6 +475,68 @@ done
 outbox_row
 webhook_delivery_report
 
+# Fair shares (issue 35): the delivery latency of the fair tenant's one endpoint alone, and
+# beside the slowpoke tenant, whose ten endpoints answer after 2 s and whose backlog alone
+# would take every slot of the deliverer (ten endpoints of 16 in flight each against 64
+# slots). A step: the slowpoke's backlog first (beside only: 3 s of payments at c=8,
+# unrecorded), the deliverer started (instance 9, the only one that delivers) and given a
+# second to fill its slots, then the fair tenant's payments at c=1 for the step's seconds
+# (unrecorded as a payments step), then every one of its events delivered. Latency: from the
+# event's time (its payment's) to its delivery's record (finished_at), p50 and p99 over the
+# step's events. Order alone, beside, beside, alone: drift cancels. Goal: p99 beside <= 2x
+# alone. After a step the slowpoke's backlog is cancelled, so nothing else pays for it.
+fair_step() { # mode
+  local t0 left
+  if [ "$1" = beside ]; then
+    "$lg" http --urls "$one" --api-key "$slowpoke_api_key" --scenario new --concurrency 8 --duration-secs 3 \
+      --accounts "$accounts" >/dev/null
+  fi
+  start 9 ONCEPAY_WEBHOOK_CONCURRENCY=64
+  deliverer_pid="${pids[-1]}"
+  sleep 1
+  t0="$(sql -c "SELECT now()")"
+  "$lg" http --urls "$one" --api-key "$fair_api_key" --scenario new --concurrency 1 --duration-secs "$secs" \
+    --accounts "$accounts" >/dev/null
+  for _i in $(seq 600); do
+    left="$(sql -c "SELECT (SELECT count(*) FROM webhook_deliveries WHERE tenant_id = '$fair_tenant' AND state = 'pending')
+                         + (SELECT count(*) FROM webhook_events WHERE tenant_id = '$fair_tenant' AND awaiting_fan_out)")"
+    [ "$left" = 0 ] && break
+    sleep 0.1
+  done
+  sql -F ' | ' -c "SELECT '$1', count(*), $left,
+                          round(1000 * percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM d.finished_at - ev.created_at))::numeric, 1),
+                          round(1000 * percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM d.finished_at - ev.created_at))::numeric, 1)
+                     FROM webhook_deliveries d JOIN webhook_events ev USING (tenant_id, event_id)
+                    WHERE d.tenant_id = '$fair_tenant' AND d.state = 'delivered' AND ev.created_at >= '$t0'" \
+    | sed 's/^/| /; s/$/ |/' >>"$out/fairness.rows"
+  kill "$deliverer_pid" 2>/dev/null || true
+  wait "$deliverer_pid" 2>/dev/null || true
+  unset 'pids[-1]'
+  sql -c "UPDATE webhook_deliveries SET state = 'cancelled', finished_at = now(), leased_until = NULL
+           WHERE tenant_id = '$slowpoke_tenant' AND state = 'pending'" \
+      -c "UPDATE webhook_events SET awaiting_fan_out = false WHERE tenant_id = '$slowpoke_tenant' AND awaiting_fan_out" >/dev/null
+}
+: >"$out/fairness.rows"
+say "fair shares: one fast endpoint alone and beside a tenant with ten slow ones"
+for mode in alone beside beside alone; do fair_step "$mode"; done
+{
+  echo
+  echo "## Fair shares (one fast endpoint, alone and beside a tenant with ten slow endpoints)"
+  echo
+  echo "The fair tenant pays at c=1 for ${secs} s; its endpoint answers at once. Beside: the slowpoke"
+  echo "tenant's backlog on ten endpoints that answer after 2 s, enough to hold every one of the"
+  echo "deliverer's 64 slots for the whole step. Latency from the event's time to its delivery's"
+  echo "record, in ms."
+  echo
+  echo "| step | events delivered | left pending | p50 ms | p99 ms |"
+  echo "| --- | --- | --- | --- | --- |"
+  cat "$out/fairness.rows"
+  echo
+  awk -F '|' '$2 ~ /alone/ { a += $6; na++ } $2 ~ /beside/ { b += $6; nb++ }
+    END { if (na && nb && a > 0) printf "p99 beside / alone: **%.2f** (mean of each pair; goal <= 2: %s)\n",
+            (b / nb) / (a / na), ((b / nb) / (a / na) <= 2 ? "met" : "not met") }' "$out/fairness.rows"
+} >"$out/fairness.md"
+
 # The largest table's new payments are compared with an empty table's measured next to them,
 # in the same round, rather than with the 0-row steps of minutes before: across minutes this
 # shared host drifts more than the table costs (the ratio read 0.76 from steps 10 minutes
@@ -517,7 +598,8 @@ growth "$big" beside
 
 say "report"
 "$tdir/release/oncepay-bench-report" --input "$results" --machine "$out/machine.txt" --out "$out" --font "$font"
-cat "$out/outbox.md" "$out/webhook-delivery.md" >>"$out/REPORT.md"
+cat "$out/outbox.md" "$out/webhook-delivery.md" "$out/fairness.md" >>"$out/REPORT.md"
 # The targets, as the report states them.
 sed -n '/^| target |/,/^$/p' "$out/REPORT.md" | grep -v '^| ---' >&2
+grep '^p99 beside / alone' "$out/fairness.md" >&2 || true
 say "done: $out/REPORT.md"
