@@ -15,7 +15,10 @@
 # outbox's own cost against `new` (issue 20; make bench measures the same in payments/s). Where
 # a side has `oncepay_pay_batch` (V20), `batch` and `hooked-batch` are the same payments eight
 # to a call of it, prepared as the server's batch statement (src/ledger/effects.rs), counted per
-# payment: what a payment costs under load, where the batcher groups them. The
+# payment: what a payment costs under load, where the batcher groups them. Where a side has
+# `oncepay_pay_many` (V13), `pooled-replay` is a replay as it reaches PostgreSQL through a
+# transaction-mode pooler: one item rendered into `SELECT oncepay_pay_many('<json>')`, a
+# simple-protocol statement of its own (src/ledger/effects.rs, `run_batch_rendered`). The
 # cluster is removed at the end, also on failure; SQL_CALLGRIND_OUT=dir keeps the callgrind files.
 set -euo pipefail
 top="$(cd "$(dirname "$0")/.." && pwd)"
@@ -50,6 +53,7 @@ tenant="'00000000-0000-0000-0000-000000000001'"
 hooked="'00000000-0000-0000-0000-000000000002'"
 has_webhooks() { [ "$(psql -d "$1" -tAc "SELECT to_regclass('webhook_endpoints') IS NOT NULL")" = t ]; }
 has_batch() { [ "$(psql -d "$1" -tAc "SELECT to_regproc('oncepay_pay_batch') IS NOT NULL")" = t ]; }
+has_many() { [ "$(psql -d "$1" -tAc "SELECT to_regproc('oncepay_pay_many') IS NOT NULL")" = t ]; }
 # The call of each generation of oncepay_pay, as a format string over (key, fingerprint, account).
 call_of() { # db -> the call template
   if [ "$(psql -d "$1" -tAc "SELECT pronargs FROM pg_proc WHERE proname = 'oncepay_pay'")" = 7 ]; then
@@ -94,9 +98,11 @@ load sqlcg_tree $(ls migrations/V*.sql | sort -V)
 declare -A calls=([sqlcg_base]="$(call_of sqlcg_base)" [sqlcg_tree]="$(call_of sqlcg_tree)")
 declare -A webhooks=()
 declare -A batches=()
+declare -A manys=()
 for db in sqlcg_base sqlcg_tree; do
   if has_webhooks "$db"; then webhooks[$db]=1; fi
   if has_batch "$db"; then batches[$db]=1; fi
+  if has_many "$db"; then manys[$db]=1; fi
 done
 stop
 
@@ -106,8 +112,20 @@ script() { # db kind n -> a single-user input of n payments
   local call="${calls[$1]}" who="$tenant"
   case "$2" in hooked | hooked-batch) call="${call//$tenant/$hooked}" who="$hooked" ;; esac
   python3 - "$1" "$2" "$3" "$call" "$who" "$batch_size" <<'EOF'
-import hashlib, sys
+import hashlib, json, sys
 db, kind, n, call, who, size = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5], int(sys.argv[6])
+if kind == "pooled-replay":
+    # As run_batch_rendered sends it: the items as JSON, a literal in a statement of its own.
+    for i in range(n):
+        j = 1 + i % 20000
+        claim = {"key": f"seed-{j}", "derived": False,
+                 "fingerprint": "\\x" + hashlib.sha256(str(j).encode()).hexdigest(),
+                 "operation": "pay", "method": "POST", "path": "/payments", "window_secs": 86400,
+                 "inflight_wait_ms": 5000, "success_status": 201,
+                 "decline_statuses": {"insufficient_funds": 402, "account_not_found": 404}}
+        items = json.dumps([{"tenant": who.strip("'"), "claim": claim, "account": str(j % 10000), "amount": 1}])
+        print("SELECT oncepay_pay_many('" + items.replace("'", "''") + "'::text::jsonb);")
+    sys.exit()
 if kind.endswith("batch"):
     print("PREPARE p(uuid[], oncepay_claim_args[], text[], bigint[]) AS SELECT item, outcome, decline, expires_at,"
           " resource FROM oncepay_pay_batch($1, $2, $3, $4) ORDER BY item;")
@@ -136,9 +154,10 @@ label() { if [ "$1" = sqlcg_base ]; then echo "$base"; else echo "this tree ($(g
 
 printf '%-28s %-12s %14s\n' "migrations" "call" "instructions"
 declare -A per_call=()
-for kind in new replay hooked batch hooked-batch; do
+for kind in new replay hooked batch hooked-batch pooled-replay; do
   for db in sqlcg_base sqlcg_tree; do
     if [ "$kind" = hooked ] && [ -z "${webhooks[$db]:-}" ]; then continue; fi
+    if [ "$kind" = pooled-replay ] && [ -z "${manys[$db]:-}" ]; then continue; fi
     case "$kind" in *batch) [ -n "${batches[$db]:-}" ] || continue ;; esac
     ir=()
     for n in "$n1" "$n2"; do
