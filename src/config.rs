@@ -31,9 +31,10 @@ pub struct Settings {
     /// Most payments one statement carries (`ONCEPAY_DB_BATCH_MAX`); 1 sends each payment
     /// as a statement of its own.
     pub db_batch_max: usize,
-    /// Batched statements in flight per process (`ONCEPAY_DB_BATCHES_IN_FLIGHT`): while all
-    /// are out, payments queue and leave together in the next one.
-    pub db_batches_in_flight: usize,
+    /// Batched statements in flight per process, fixed (`ONCEPAY_DB_BATCHES_IN_FLIGHT`); unset,
+    /// the batcher chooses it from the statements' latency (src/batch/limit.rs), between 1 and
+    /// the pool's size. While all are out, payments queue and leave together in the next one.
+    pub db_batches_in_flight: Option<usize>,
     /// Most payments of one tenant in a process's statements at once while other tenants
     /// are paying too (`ONCEPAY_DB_TENANT_SHARE`); 0 turns the share off (src/batch.rs).
     pub db_tenant_share: usize,
@@ -210,7 +211,7 @@ impl Settings {
             statement_timeout: Duration::from_millis(number("ONCEPAY_STATEMENT_TIMEOUT_MS", 15_000)?),
             // Measured in docs/bench/analysis.md ("Payments in batches").
             db_batch_max: number("ONCEPAY_DB_BATCH_MAX", 32)?,
-            db_batches_in_flight: number("ONCEPAY_DB_BATCHES_IN_FLIGHT", cores.clamp(2, 8))?,
+            db_batches_in_flight: optional_number("ONCEPAY_DB_BATCHES_IN_FLIGHT")?,
             // Two payments in flight per core keep a core busy; measured in docs/bench/README.md
             // ("Noisy neighbour").
             db_tenant_share: number("ONCEPAY_DB_TENANT_SHARE", (cores * 2).clamp(4, 32))?,
@@ -262,7 +263,7 @@ impl Settings {
         if self.inflight_wait.is_zero() || self.statement_timeout <= self.inflight_wait {
             bail!("ONCEPAY_STATEMENT_TIMEOUT_MS must exceed ONCEPAY_INFLIGHT_WAIT_MS, which must be positive");
         }
-        if self.db_batch_max == 0 || self.db_batch_max > 1_000 || self.db_batches_in_flight == 0 {
+        if self.db_batch_max == 0 || self.db_batch_max > 1_000 || self.db_batches_in_flight == Some(0) {
             bail!("ONCEPAY_DB_BATCH_MAX must be between 1 and 1000 and ONCEPAY_DB_BATCHES_IN_FLIGHT positive");
         }
         if self.db_pool_size == 0 || self.workers == 0 || self.max_body_bytes == 0 || self.purge_batch_size <= 0 {
@@ -422,6 +423,18 @@ fn var(name: &str) -> Option<String> {
     std::env::var(name).ok()
 }
 
+/// A number, or `None` when the variable is unset or empty.
+fn optional_number<T: std::str::FromStr>(name: &str) -> anyhow::Result<Option<T>> {
+    match var(name).filter(|raw| !raw.trim().is_empty()) {
+        None => Ok(None),
+        Some(raw) => raw
+            .trim()
+            .parse()
+            .map(Some)
+            .map_err(|_| anyhow::anyhow!("{name}={raw:?} is not a valid non-negative number")),
+    }
+}
+
 fn number<T: std::str::FromStr>(name: &str, default: T) -> anyhow::Result<T> {
     match var(name) {
         None => Ok(default),
@@ -482,16 +495,17 @@ mod tests {
     fn batch_settings_out_of_range_are_refused() {
         let base = settings("postgres://oncepay@127.0.0.1:25130/oncepay", None);
         assert!(base.validate().is_ok());
-        let with = |max: usize, in_flight: usize| Settings {
+        let with = |max: usize, in_flight: Option<usize>| Settings {
             db_batch_max: max,
             db_batches_in_flight: in_flight,
             ..base.clone()
         };
-        assert!(with(1, 1).validate().is_ok(), "1: each payment alone");
-        assert!(with(1_000, 8).validate().is_ok());
-        for (max, in_flight) in [(0, 2), (1_001, 2), (32, 0)] {
+        assert!(with(1, Some(1)).validate().is_ok(), "1: each payment alone");
+        assert!(with(1_000, Some(8)).validate().is_ok());
+        assert!(with(32, None).validate().is_ok(), "unset: chosen by the batcher");
+        for (max, in_flight) in [(0, Some(2)), (1_001, Some(2)), (32, Some(0))] {
             let err = with(max, in_flight).validate().unwrap_err().to_string();
-            assert!(err.contains("ONCEPAY_DB_BATCH_MAX"), "{max}/{in_flight}: {err}");
+            assert!(err.contains("ONCEPAY_DB_BATCH_MAX"), "{max}/{in_flight:?}: {err}");
         }
     }
 

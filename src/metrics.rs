@@ -162,7 +162,31 @@ impl Metrics {
                  in statements while other tenants were paying",
             )
             .expect("valid metric"),
+            limit: IntGauge::new(
+                "oncepay_db_batches_in_flight_limit",
+                "Batch statements this process may have in flight now: chosen from their latency \
+                 (src/batch/limit.rs), or ONCEPAY_DB_BATCHES_IN_FLIGHT when set",
+            )
+            .expect("valid metric"),
+            limit_changes: IntCounterVec::new(
+                Opts::new(
+                    "oncepay_db_batches_in_flight_limit_changes_total",
+                    "Changes of the limit on batch statements in flight, by direction: up (statements \
+                     came back near their least latency while payments waited), down (latency grew)",
+                ),
+                &["direction"],
+            )
+            .expect("valid metric"),
+            least_latency: Gauge::new(
+                "oncepay_db_batch_least_latency_seconds",
+                "The least latency seen for a batch statement of one payment: the baseline the limit \
+                 on statements in flight is judged against",
+            )
+            .expect("valid metric"),
         };
+        for direction in ["up", "down"] {
+            batch.limit_changes.with_label_values(&[direction]);
+        }
         let processor = crate::topup::processor::CallCounters {
             calls: IntCounterVec::new(
                 Opts::new(
@@ -330,6 +354,9 @@ impl Metrics {
             Box::new(batch.failed.clone()),
             Box::new(batch.held_back.clone()),
             Box::new(batch.held_for_share.clone()),
+            Box::new(batch.limit.clone()),
+            Box::new(batch.limit_changes.clone()),
+            Box::new(batch.least_latency.clone()),
             Box::new(processor.calls.clone()),
             Box::new(processor.duration.clone()),
             Box::new(completer.runs.clone()),

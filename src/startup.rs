@@ -63,11 +63,16 @@ impl Application {
         let metrics = Metrics::new();
         metrics.register_db(&db);
         let payments = (settings.db_batch_max > 1).then(|| {
+            // The limit starts at one statement per core (what the fixed default was) and moves
+            // between one and the pool's size.
+            let initial = std::thread::available_parallelism().map_or(2, |n| n.get()).clamp(2, 8);
             let limits = Limits {
                 max_items: settings.db_batch_max,
                 in_flight: settings.db_batches_in_flight,
+                initial,
+                ceiling: settings.db_pool_size as usize,
                 // As many as could wait for a pooled connection without batching.
-                queue: settings.db_batch_max * settings.db_batches_in_flight * 4,
+                queue: settings.db_batch_max * settings.db_batches_in_flight.unwrap_or(initial) * 4,
                 queue_wait: settings.db_acquire_timeout,
                 tenant_share: settings.db_tenant_share,
             };

@@ -118,7 +118,7 @@ fn hostile_key() -> String {
 
 async fn queued_payments_commit_together(adjust: impl FnOnce(&mut Settings)) {
     let app = spawn_app_with(|s| {
-        s.db_batches_in_flight = 1;
+        s.db_batches_in_flight = Some(1);
         s.db_batch_max = 32;
         adjust(s);
     })
@@ -201,7 +201,7 @@ async fn a_batch_rolled_back_for_one_payment_runs_its_payments_one_by_one() {
     // see it in flight, batches the duplicate and meets the original's key in PostgreSQL.
     let apps = TestApp::builder()
         .settings(|s| {
-            s.db_batches_in_flight = 1;
+            s.db_batches_in_flight = Some(1);
             s.db_batch_max = 32;
             s.inflight_wait = Duration::from_secs(3);
         })
@@ -275,7 +275,7 @@ async fn a_batch_rolled_back_for_one_payment_runs_its_payments_one_by_one() {
 #[tokio::test]
 async fn a_hot_account_or_a_duplicate_holds_one_slot_and_delays_no_other_payment() {
     let app = spawn_app_with(|s| {
-        s.db_batches_in_flight = 2;
+        s.db_batches_in_flight = Some(2);
         s.db_batch_max = 32;
         s.inflight_wait = Duration::from_secs(3);
     })
@@ -361,7 +361,7 @@ async fn with_batching_off_each_payment_is_a_statement_of_its_own() {
 async fn payments_beyond_the_batch_queue_are_refused_as_overloaded_and_change_nothing() {
     // One slot, batches of 2: the queue holds 2 x 1 x 4 = 8 payments.
     let app = spawn_app_with(|s| {
-        s.db_batches_in_flight = 1;
+        s.db_batches_in_flight = Some(1);
         s.db_batch_max = 2;
     })
     .await;
@@ -392,7 +392,7 @@ async fn payments_beyond_the_batch_queue_are_refused_as_overloaded_and_change_no
 #[tokio::test]
 async fn a_payment_that_waits_for_a_slot_past_the_acquire_timeout_gets_429_and_never_runs() {
     let app = spawn_app_with(|s| {
-        s.db_batches_in_flight = 1;
+        s.db_batches_in_flight = Some(1);
         s.db_acquire_timeout = Duration::from_millis(300);
     })
     .await;
@@ -422,7 +422,7 @@ async fn a_payment_that_waits_for_a_slot_past_the_acquire_timeout_gets_429_and_n
 async fn beside_another_paying_tenant_a_tenant_has_at_most_its_share_in_statements_and_alone_no_limit() {
     let app = spawn_app_with(|s| {
         // A slot for every one of the six below: only the share can hold one back.
-        s.db_batches_in_flight = 8;
+        s.db_batches_in_flight = Some(8);
         s.db_batch_max = 32;
         s.db_tenant_share = 2;
         s.db_acquire_timeout = Duration::from_secs(1);
@@ -508,4 +508,80 @@ async fn beside_another_paying_tenant_a_tenant_has_at_most_its_share_in_statemen
         assert_eq!(answer.status, 201, "{}", answer.body);
     }
     assert_eq!(held_for_share().await - before, 0.0, "alone, nothing waits for a share");
+}
+
+/// The limit on statements in flight follows the database (src/batch/limit.rs): while 24
+/// clients pay, the database stalls four times for 300 ms (the accounts table locked by the
+/// test, as a competing workload would hold it), and each stall's statements, at many times
+/// their least latency, lower the limit; every payment still succeeds (none waits past the
+/// acquire timeout). On a database of its own: the lock stalls every payment on it.
+#[tokio::test]
+async fn a_database_that_stalls_lowers_the_limit_on_statements_in_flight_and_no_payment_fails() {
+    let (app, url) = crate::helpers::spawn_app_on_own_database_with("adaptive_limit", |s| {
+        s.db_batches_in_flight = None;
+        s.db_pool_size = 10;
+    })
+    .await;
+    let gauge = "oncepay_db_batches_in_flight_limit";
+    let downs = "oncepay_db_batches_in_flight_limit_changes_total{direction=\"down\"}";
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let payers: Vec<JoinHandle<Vec<u16>>> = (0..24)
+        .map(|_| {
+            let (app, stop) = (app.clone(), stop.clone());
+            tokio::spawn(async move {
+                let mut statuses = Vec::new();
+                for _ in 0..2_000 {
+                    if stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        break;
+                    }
+                    statuses.push(app.pay(Some(&new_key()), 1).await.status);
+                }
+                statuses
+            })
+        })
+        .collect();
+    // The limit starts at one statement per core, at least 2.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let before = loop {
+        let limit = metric_value(&app.metrics().await, gauge);
+        if limit >= 2.0 {
+            break limit;
+        }
+        assert!(Instant::now() < deadline, "the limit stayed at {limit}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let downs_before = metric_value(&app.metrics().await, downs);
+    let mut locker = PgConnection::connect(&url).await.unwrap();
+    let mut lowest = before;
+    for _ in 0..4 {
+        sqlx::query("BEGIN").execute(&mut locker).await.unwrap();
+        sqlx::query("LOCK TABLE accounts IN EXCLUSIVE MODE")
+            .execute(&mut locker)
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        sqlx::query("COMMIT").execute(&mut locker).await.unwrap();
+        for _ in 0..4 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            lowest = lowest.min(metric_value(&app.metrics().await, gauge));
+        }
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let statuses: Vec<u16> = join_all(payers).await.into_iter().flat_map(Result::unwrap).collect();
+    let downs_after = metric_value(&app.metrics().await, downs);
+    assert!(
+        downs_after > downs_before,
+        "no lowering: {downs_before} then {downs_after}"
+    );
+    assert!(
+        lowest < before,
+        "the limit stayed at {before} or above (lowest {lowest})"
+    );
+    assert!(statuses.len() > 100, "{} payments", statuses.len());
+    assert!(
+        statuses.iter().all(|s| *s == 201),
+        "not every payment succeeded: {:?}",
+        statuses.iter().filter(|s| **s != 201).collect::<Vec<_>>()
+    );
+    crate::helpers::drop_database(&url).await;
 }

@@ -75,7 +75,7 @@ async fn batching_app(url: &str) -> TestApp {
     let app = TestApp::builder()
         .settings(|s| {
             s.database_url = server_url(url);
-            s.db_batches_in_flight = 1;
+            s.db_batches_in_flight = Some(1);
             s.db_batch_max = 32;
         })
         .spawn()
@@ -204,7 +204,7 @@ async fn a_batch_whose_connection_breaks_while_it_runs_is_not_run_again() {
         .settings(|s| {
             s.database_url = relayed.to_string();
             s.db_pooler = Pooler::None;
-            s.db_batches_in_flight = 1;
+            s.db_batches_in_flight = Some(1);
             s.db_batch_max = 32;
         })
         .with_tenant(tenant_id, api_key.clone())

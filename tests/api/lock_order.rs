@@ -62,7 +62,7 @@ async fn replicas(url: &str, n: usize) -> Vec<TestApp> {
     TestApp::builder()
         .settings(|s| {
             s.database_url = server_url(url);
-            s.db_batches_in_flight = 1;
+            s.db_batches_in_flight = Some(1);
             s.db_batch_max = 32;
         })
         .spawn_instances(n)
@@ -240,7 +240,7 @@ async fn many_tenants_paying_and_transferring_both_ways_on_three_replicas_never_
     let apps = TestApp::builder()
         .settings(|s| {
             s.database_url = server_url(&url);
-            s.db_batches_in_flight = 2;
+            s.db_batches_in_flight = Some(2);
         })
         .spawn_instances(3)
         .await;

@@ -66,7 +66,7 @@ async fn a_column_added_to_every_table_while_replicas_serve_changes_no_answer() 
     let replica = TestApp::builder()
         .settings(|s| {
             s.database_url = app.state.settings.database_url.clone();
-            s.db_batches_in_flight = 1;
+            s.db_batches_in_flight = Some(1);
         })
         .tenant_of(&app)
         .spawn()

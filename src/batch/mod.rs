@@ -5,7 +5,9 @@
 //! of its backend, a round trip, and a commit that waits for its WAL flush, and behind an
 //! HTTP server fewer commits share each flush than behind pgbench (docs/bench/analysis.md).
 //! Batched, a statement carries up to `ONCEPAY_DB_BATCH_MAX` payments and at most
-//! `ONCEPAY_DB_BATCHES_IN_FLIGHT` statements are out per process; while they are, new
+//! [`limit::Limit`] statements are out per process: a number the batcher chooses from the
+//! statements' latency (raised while the database has room and payments wait, lowered when
+//! latency grows), or `ONCEPAY_DB_BATCHES_IN_FLIGHT` when set; while they are out, new
 //! payments queue and leave in the next one. At low load a payment leaves alone, at once.
 //!
 //! A payment waits for a slot at most `ONCEPAY_DB_ACQUIRE_TIMEOUT_MS`, as a request waits
@@ -47,13 +49,17 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use prometheus::{Histogram, IntCounter, IntCounterVec};
-use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
+use prometheus::{Gauge, Histogram, IntCounter, IntCounterVec, IntGauge};
+use tokio::sync::{mpsc, oneshot};
 
 use crate::config::Pooler;
 use crate::db::{Conn, Db, DbError};
 use crate::domain::TenantId;
 use crate::ledger::{Batched, ClaimArgs, Effect, Outcome};
+
+pub mod limit;
+
+use limit::{Change, Limit, Sample};
 
 /// The longest a payment in a batch waits for its key's in-flight original (on another
 /// replica: one in this process is held back instead) before the batch gives up and splits.
@@ -70,8 +76,11 @@ pub const ACTIVE_WINDOW: Duration = Duration::from_millis(100);
 pub struct Limits {
     /// Most items in one statement.
     pub max_items: usize,
-    /// Statements in flight at once.
-    pub in_flight: usize,
+    /// Statements in flight at once: `Some(n)`, always n (`ONCEPAY_DB_BATCHES_IN_FLIGHT`);
+    /// `None`, chosen by [`Limit`] between 1 and `ceiling`, from `initial`.
+    pub in_flight: Option<usize>,
+    pub initial: usize,
+    pub ceiling: usize,
     /// Items waiting beyond this many are refused as [`DbError::Saturated`].
     pub queue: usize,
     /// An item still waiting for a slot after this long is refused as [`DbError::Saturated`]
@@ -101,6 +110,13 @@ pub struct Counters {
     /// Items held back because their tenant had its share in statements while others were
     /// active.
     pub held_for_share: IntCounter,
+    /// `oncepay_db_batches_in_flight_limit`: statements that may be in flight now.
+    pub limit: IntGauge,
+    /// `oncepay_db_batches_in_flight_limit_changes_total{direction}`: `up`, `down`.
+    pub limit_changes: IntCounterVec,
+    /// `oncepay_db_batch_least_latency_seconds`: the least latency seen for a statement of
+    /// one payment, the baseline the limit is judged against.
+    pub least_latency: Gauge,
 }
 
 type Reply<E> = oneshot::Sender<Result<Outcome<<E as Effect>::Row>, DbError>>;
@@ -215,7 +231,10 @@ struct Dispatcher<E: Batched> {
     closed: bool,
     limits: Limits,
     counters: Counters,
-    slots: Arc<Semaphore>,
+    /// Statements that may be out at once.
+    limit: Limit,
+    /// Statements out now.
+    in_flight: usize,
     /// What the statements still out hold.
     out: Out,
     /// When each tenant's payments last reached the dispatcher (see [`ACTIVE_WINDOW`]).
@@ -224,7 +243,14 @@ struct Dispatcher<E: Batched> {
     held: VecDeque<Job<E>>,
     /// Items received while the dispatcher waited, not yet considered.
     arrived: Vec<Job<E>>,
-    done: (mpsc::UnboundedSender<Vec<Holds>>, mpsc::UnboundedReceiver<Vec<Holds>>),
+    done: (mpsc::UnboundedSender<Finished>, mpsc::UnboundedReceiver<Finished>),
+}
+
+/// A statement that came back: what it held, and how long it took for how many payments
+/// (`None` when it failed before it ran: no connection).
+struct Finished {
+    holds: Vec<Holds>,
+    took: Option<(Duration, usize)>,
 }
 
 impl<E: Batched> Dispatcher<E> {
@@ -233,7 +259,11 @@ impl<E: Batched> Dispatcher<E> {
             db,
             jobs,
             closed: false,
-            slots: Arc::new(Semaphore::new(limits.in_flight.max(1))),
+            limit: match limits.in_flight {
+                Some(n) => Limit::fixed(n),
+                None => Limit::adaptive(limits.initial, limits.ceiling),
+            },
+            in_flight: 0,
             limits,
             counters,
             out: Out::default(),
@@ -245,14 +275,20 @@ impl<E: Batched> Dispatcher<E> {
     }
 
     async fn run(mut self) {
+        self.counters.limit.set(self.limit.current() as i64);
         loop {
-            let Ok(slot) = Arc::clone(&self.slots).acquire_owned().await else {
-                return;
-            };
+            // A slot first: while the limit's statements are out, wait for one to come back.
+            while self.in_flight >= self.limit.current() {
+                // The dispatcher holds a sender itself, so this never ends.
+                let Some(finished) = self.done.1.recv().await else {
+                    return;
+                };
+                self.finish(finished);
+            }
             let Some(batch) = self.next_batch().await else {
                 return; // the batcher is gone and every item has left
             };
-            self.launch(batch, slot);
+            self.launch(batch);
         }
     }
 
@@ -261,7 +297,7 @@ impl<E: Batched> Dispatcher<E> {
     async fn next_batch(&mut self) -> Option<Vec<Job<E>>> {
         loop {
             while let Ok(finished) = self.done.1.try_recv() {
-                self.release(finished);
+                self.finish(finished);
             }
             let batch = self.gather();
             if !batch.is_empty() {
@@ -275,7 +311,7 @@ impl<E: Batched> Dispatcher<E> {
                 finished = self.done.1.recv() => {
                     // The dispatcher holds a sender itself, so this never ends.
                     if let Some(finished) = finished {
-                        self.release(finished);
+                        self.finish(finished);
                     }
                 }
                 arrived = self.jobs.recv(), if !self.closed => match arrived {
@@ -380,22 +416,46 @@ impl<E: Batched> Dispatcher<E> {
 
     /// Marks what the batch holds as out, and runs it on its own task; what it held is
     /// released when it comes back.
-    fn launch(&mut self, batch: Vec<Job<E>>, slot: OwnedSemaphorePermit) {
+    fn launch(&mut self, batch: Vec<Job<E>>) {
         let holds: Vec<Holds> = batch.iter().map(|job| job.holds.clone()).collect();
         for h in &holds {
             self.out.insert(h);
         }
+        self.in_flight += 1;
         let (db, counters, done) = (self.db.clone(), self.counters.clone(), self.done.0.clone());
         tokio::spawn(async move {
-            execute(&db, batch, &counters).await;
-            let _ = done.send(holds);
-            drop(slot);
+            let took = execute(&db, batch, &counters).await;
+            let _ = done.send(Finished { holds, took });
         });
     }
 
-    fn release(&mut self, finished: Vec<Holds>) {
-        for h in &finished {
+    /// A statement came back: what it held is released, and its latency moves the limit.
+    fn finish(&mut self, finished: Finished) {
+        for h in &finished.holds {
             self.out.remove(h);
+        }
+        let in_flight = self.in_flight;
+        self.in_flight = self.in_flight.saturating_sub(1);
+        let Some((latency, items)) = finished.took else {
+            return;
+        };
+        let waiting = !self.arrived.is_empty() || !self.jobs.is_empty() || !self.held.is_empty();
+        let change = self.limit.observe(Sample {
+            latency,
+            items,
+            in_flight,
+            waiting,
+        });
+        match change {
+            Change::Raised => self.counters.limit_changes.with_label_values(&["up"]).inc(),
+            Change::Lowered => self.counters.limit_changes.with_label_values(&["down"]).inc(),
+            Change::Held => {}
+        }
+        if change != Change::Held {
+            self.counters.limit.set(self.limit.current() as i64);
+        }
+        if let Some(least) = self.limit.least_latency() {
+            self.counters.least_latency.set(least.as_secs_f64());
         }
     }
 }
@@ -466,29 +526,37 @@ impl Out {
     }
 }
 
-async fn execute<E: Batched>(db: &Db, mut batch: Vec<Job<E>>, counters: &Counters) {
+/// Runs a batch and answers its items; gives the statement's latency and size when it ran
+/// (a failed one too: a statement timeout is the slowest answer there is).
+async fn execute<E: Batched>(db: &Db, mut batch: Vec<Job<E>>, counters: &Counters) -> Option<(Duration, usize)> {
     if batch.len() == 1 {
         let job = batch.pop().expect("one job");
+        let started = Instant::now();
         let result = alone(db, &job).await;
+        let took = (!matches!(result, Err(DbError::Saturated))).then(|| (started.elapsed(), 1));
         if result.is_ok() {
             counters.size.observe(1.0);
         }
         let _ = job.reply.send(result);
-        return;
+        return took;
     }
     batch.sort_by(|a, b| a.order().cmp(&b.order()));
     let mut conn = match db.conn().await {
         Ok(conn) => conn,
-        Err(err) => return answer_all(batch, &err),
+        Err(err) => {
+            answer_all(batch, &err);
+            return None;
+        }
     };
     let waits: Vec<i32> = batch
         .iter_mut()
         .map(|j| j.claim.cap_inflight_wait(IN_BATCH_INFLIGHT_WAIT))
         .collect();
     let items: Vec<_> = batch.iter().map(|j| (j.tenant, &j.claim, &j.effect)).collect();
-    let started = std::time::Instant::now();
+    let started = Instant::now();
     let result = run_items(&mut conn, &items).await;
     drop(items);
+    let took = Some((started.elapsed(), batch.len()));
     match result {
         Ok(outcomes) => {
             counters.size.observe(batch.len() as f64);
@@ -525,6 +593,7 @@ async fn execute<E: Batched>(db: &Db, mut batch: Vec<Job<E>>, counters: &Counter
             answer_all(batch, &err);
         }
     }
+    took
 }
 
 /// Items in one statement, in the way that takes fewest round trips for the pooler: binary

@@ -1,0 +1,321 @@
+//! How many batch statements a process keeps in flight, chosen from what it observes.
+//!
+//! A fixed number is the wrong interface: two statements in flight left a third of a fast
+//! host idle while payments waited (each statement waits for its commit's WAL flush, and
+//! only two overlap), eight filled it but shrank the batches, so every payment cost
+//! PostgreSQL a quarter more, and the best number moves with the host (issue 37). So the
+//! limit follows the statements' latency, as TCP Vegas and Netflix's concurrency limits do
+//! with round-trip times:
+//!
+//! - **The baseline.** A statement's latency grows with its batch (each payment is work), so
+//!   it is compared with the least latency seen for batches of its size class (1, 2-3, 4-7,
+//!   ...): the time the database takes when nothing queues in front of it. The least is
+//!   forgotten only window by window of *calm* samples (statements that came back with at
+//!   most half the limit out, so little queued beside them): a lasting change of the host (a
+//!   failover to a slower node) is learned within two windows of [`WINDOW`] calm samples once
+//!   the limit has come down to it, and a busy host never mistakes its own queueing for the
+//!   baseline (which would raise the limit on and on: a minimum taken over busy samples
+//!   alone grows with the limit).
+//! - **Raised** by `1 / limit` (one a round of statements, additively) when a statement came
+//!   back within [`RAISE_BELOW`] of its baseline while payments waited and the limit was what
+//!   held them: the database has room, and more statements in flight use it.
+//! - **Lowered** to [`BACKOFF`] of itself when a statement took [`LOWER_AT`] its baseline or
+//!   more: the database is the bound (its CPU, its locks, its disk), and more statements only
+//!   queue there, each with a smaller batch, at a higher cost per payment. At most once a
+//!   round (as many samples as the limit), so one slow moment is one step down.
+//! - Between the two it holds. It never goes below 1 nor above the ceiling (the pool).
+//!
+//! A fixed limit (`ONCEPAY_DB_BATCHES_IN_FLIGHT`) is the same type, which never moves.
+
+use std::time::Duration;
+
+/// A statement within this multiple of its baseline, while payments waited on the limit,
+/// raises the limit.
+pub const RAISE_BELOW: f64 = 1.25;
+/// A statement at this multiple of its baseline or more lowers the limit.
+pub const LOWER_AT: f64 = 2.0;
+/// What a lowering multiplies the limit by.
+pub const BACKOFF: f64 = 0.9;
+/// Samples of one size class after which its older window of minimums is forgotten.
+pub const WINDOW: u32 = 500;
+/// Size classes: batches of 1, 2-3, 4-7, ..., 512 and more.
+const CLASSES: usize = 10;
+
+/// One statement that came back.
+#[derive(Clone, Copy, Debug)]
+pub struct Sample {
+    /// From sending the statement to reading its answer.
+    pub latency: Duration,
+    /// Payments it carried.
+    pub items: usize,
+    /// Statements out when it came back, itself included.
+    pub in_flight: usize,
+    /// Whether payments were waiting for a slot when it came back.
+    pub waiting: bool,
+}
+
+/// What a sample did to the limit (its whole part, which is what the dispatcher uses).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Change {
+    Raised,
+    Lowered,
+    Held,
+}
+
+/// The least latency of one size class, over its current and its previous window; a window
+/// ends after [`WINDOW`] calm samples (any sample lowers its least).
+#[derive(Clone, Copy, Debug, Default)]
+struct Baseline {
+    current: Option<Duration>,
+    previous: Option<Duration>,
+    calm_samples: u32,
+}
+
+impl Baseline {
+    fn observe(&mut self, latency: Duration, calm: bool) -> Duration {
+        if calm {
+            if self.calm_samples >= WINDOW {
+                self.previous = self.current;
+                self.current = None;
+                self.calm_samples = 0;
+            }
+            self.calm_samples += 1;
+        }
+        self.current = Some(self.current.map_or(latency, |least| least.min(latency)));
+        self.least().unwrap_or(latency)
+    }
+
+    fn least(&self) -> Option<Duration> {
+        match (self.current, self.previous) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+}
+
+/// The limit on statements in flight.
+#[derive(Clone, Debug)]
+pub struct Limit {
+    value: f64,
+    floor: f64,
+    ceiling: f64,
+    adaptive: bool,
+    baselines: [Baseline; CLASSES],
+    /// Samples to go before the limit may be lowered again.
+    calm: usize,
+}
+
+impl Limit {
+    /// A limit that starts at `initial` and moves between 1 and `ceiling`.
+    pub fn adaptive(initial: usize, ceiling: usize) -> Self {
+        let ceiling = ceiling.max(1) as f64;
+        Self {
+            value: (initial.max(1) as f64).min(ceiling),
+            floor: 1.0,
+            ceiling,
+            adaptive: true,
+            baselines: [Baseline::default(); CLASSES],
+            calm: 0,
+        }
+    }
+
+    /// A limit that stays at `n`.
+    pub fn fixed(n: usize) -> Self {
+        let n = n.max(1) as f64;
+        Self {
+            value: n,
+            floor: n,
+            ceiling: n,
+            adaptive: false,
+            baselines: [Baseline::default(); CLASSES],
+            calm: 0,
+        }
+    }
+
+    /// Statements that may be in flight now.
+    pub fn current(&self) -> usize {
+        self.value as usize
+    }
+
+    pub fn is_adaptive(&self) -> bool {
+        self.adaptive
+    }
+
+    /// The least latency seen for a statement of one payment (the size class the others are
+    /// scaled from), if any came back yet.
+    pub fn least_latency(&self) -> Option<Duration> {
+        self.baselines.iter().find_map(Baseline::least)
+    }
+
+    /// Takes a statement's latency into account.
+    pub fn observe(&mut self, sample: Sample) -> Change {
+        let calm = sample.in_flight <= (self.current() / 2).max(1);
+        let baseline = self.baselines[class_of(sample.items)].observe(sample.latency, calm);
+        if !self.adaptive {
+            return Change::Held;
+        }
+        self.calm = self.calm.saturating_sub(1);
+        let before = self.current();
+        let ratio = sample.latency.as_secs_f64() / baseline.as_secs_f64().max(1e-9);
+        if ratio >= LOWER_AT {
+            if self.calm == 0 {
+                self.value = (self.value * BACKOFF).max(self.floor);
+                self.calm = self.current();
+            }
+        } else if ratio <= RAISE_BELOW && sample.waiting && sample.in_flight >= before {
+            self.value = (self.value + 1.0 / self.value).min(self.ceiling);
+        }
+        match self.current().cmp(&before) {
+            std::cmp::Ordering::Greater => Change::Raised,
+            std::cmp::Ordering::Less => Change::Lowered,
+            std::cmp::Ordering::Equal => Change::Held,
+        }
+    }
+}
+
+/// The size class of a batch of `items`: the binary logarithm, capped.
+fn class_of(items: usize) -> usize {
+    (usize::BITS - 1 - items.max(1).leading_zeros()).min(CLASSES as u32 - 1) as usize
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ms(ms: f64) -> Duration {
+        Duration::from_secs_f64(ms / 1e3)
+    }
+
+    /// A database that runs `capacity` statements at once without queueing and shares itself
+    /// among more (processor sharing): a statement's latency is its work times the
+    /// oversubscription.
+    fn latency(work: Duration, in_flight: usize, capacity: usize) -> Duration {
+        work.mul_f64((in_flight as f64 / capacity as f64).max(1.0))
+    }
+
+    /// Feeds `rounds` rounds of samples with `limit` statements in flight and work waiting.
+    fn run(limit: &mut Limit, rounds: usize, capacity: usize, work: Duration) -> Vec<usize> {
+        let mut seen = Vec::new();
+        for _ in 0..rounds {
+            let in_flight = limit.current();
+            for _ in 0..in_flight {
+                limit.observe(Sample {
+                    latency: latency(work, in_flight, capacity),
+                    items: 8,
+                    in_flight,
+                    waiting: true,
+                });
+            }
+            seen.push(limit.current());
+        }
+        seen
+    }
+
+    #[test]
+    fn size_classes_double() {
+        let classes: Vec<usize> = [0, 1, 2, 3, 4, 7, 8, 31, 32, 1000, 100_000].map(class_of).to_vec();
+        assert_eq!(classes, [0, 0, 1, 1, 2, 2, 3, 4, 5, 9, 9]);
+    }
+
+    #[test]
+    fn it_rises_while_the_database_has_room_and_payments_wait() {
+        let mut limit = Limit::adaptive(2, 32);
+        let seen = run(&mut limit, 200, 16, ms(2.0));
+        assert!(limit.current() >= 16, "stopped at {} ({seen:?})", limit.current());
+        // No higher than the database's room allows with work queued in it.
+        assert!(limit.current() <= 32);
+        // Payments not waiting: nothing to gain, it stays.
+        let mut idle = Limit::adaptive(2, 32);
+        for _ in 0..1000 {
+            idle.observe(Sample {
+                latency: ms(2.0),
+                items: 1,
+                in_flight: 2,
+                waiting: false,
+            });
+        }
+        assert_eq!(idle.current(), 2);
+        // Nor while fewer statements are out than it allows (the limit is not what holds).
+        for _ in 0..1000 {
+            idle.observe(Sample {
+                latency: ms(2.0),
+                items: 1,
+                in_flight: 1,
+                waiting: true,
+            });
+        }
+        assert_eq!(idle.current(), 2);
+    }
+
+    #[test]
+    fn it_falls_on_a_latency_step_and_rises_again_once_it_is_learned() {
+        let mut limit = Limit::adaptive(2, 64);
+        run(&mut limit, 300, 16, ms(2.0));
+        let before = limit.current();
+        assert!(before >= 16, "{before}");
+        // The database slows down threefold (another workload takes its CPU): one statement's
+        // room in place of sixteen.
+        let seen = run(&mut limit, 30, 4, ms(6.0));
+        assert!(
+            *seen.iter().min().unwrap() <= before / 2,
+            "it did not fall: {before} then {seen:?}"
+        );
+        assert!(limit.current() >= 1);
+        // The slower database becomes the baseline within two windows: the limit climbs back
+        // to that database's room, and no further.
+        run(&mut limit, 2_000, 4, ms(6.0));
+        assert!((4..=8).contains(&limit.current()), "{}", limit.current());
+        // It never drops below one.
+        let mut floor = Limit::adaptive(4, 8);
+        for _ in 0..10_000 {
+            floor.observe(Sample {
+                latency: ms(50.0),
+                items: 1,
+                in_flight: 4,
+                waiting: true,
+            });
+            floor.observe(Sample {
+                latency: ms(1.0),
+                items: 1,
+                in_flight: 1,
+                waiting: false,
+            });
+        }
+        assert_eq!(floor.current(), 1);
+    }
+
+    #[test]
+    fn under_a_steady_load_it_stays_within_a_band() {
+        // Capacity 8: latency is at its baseline up to 8 in flight and grows beyond.
+        let mut limit = Limit::adaptive(2, 64);
+        let seen = run(&mut limit, 2_000, 8, ms(2.0));
+        let settled = &seen[500..];
+        let (low, high) = (*settled.iter().min().unwrap(), *settled.iter().max().unwrap());
+        // Never below the room (where it would leave the database idle), never past twice it
+        // (where statements queue at twice their baseline and it steps down).
+        assert!(low >= 8 && high <= 16, "band {low}..={high}: {:?}", &settled[..50]);
+        // And it does not swing across that band: steps of one.
+        let widest_step = settled.windows(2).map(|w| w[0].abs_diff(w[1])).max().unwrap();
+        assert!(widest_step <= 2, "a step of {widest_step}");
+    }
+
+    #[test]
+    fn a_fixed_limit_never_moves() {
+        let mut limit = Limit::fixed(3);
+        for latency in [1.0, 100.0, 1.0] {
+            for _ in 0..100 {
+                assert_eq!(
+                    limit.observe(Sample {
+                        latency: ms(latency),
+                        items: 4,
+                        in_flight: 3,
+                        waiting: true
+                    }),
+                    Change::Held
+                );
+            }
+        }
+        assert_eq!(limit.current(), 3);
+        assert_eq!(limit.least_latency(), Some(ms(1.0)));
+    }
+}
