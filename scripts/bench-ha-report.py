@@ -17,8 +17,8 @@ rows = [json.loads(line) for line in open(results) if line.strip()]
 machine_lines = [line.rstrip("\n") for line in open(machine) if line.strip()]
 
 
-def steps(scenario, side):
-    return [r for r in rows if r["scenario"] == scenario and r["side"] == side]
+def steps(scenario, side, c=32):
+    return [r for r in rows if r["scenario"] == scenario and r["side"] == side and r["concurrency"] == c]
 
 
 def med(rs, key):
@@ -37,9 +37,13 @@ def extra(rs, group):
 
 
 TARGETS = [
-    # name, scenario, side, against side, goal, what
+    # name, scenario, side, against side, goal, what[, concurrency (default 32)]
     ("sync-new-payments", "new", "oncepay", "yardstick", 1.5,
      "new payments, c=32, synchronous cluster: oncepay / yardstick `pay_once` (one round trip)"),
+    ("sync-new-payments-c32", "new", "oncepay", "yardstick", 1.0,
+     "new payments, c=32, synchronous cluster: oncepay / yardstick `pay_once` (issue 37's floor)"),
+    ("sync-new-payments-c128", "new", "oncepay", "yardstick", 1.2,
+     "new payments, c=128, synchronous cluster: oncepay / yardstick `pay_once` (issue 37)", 128),
     ("sync-replays", "replay", "oncepay", "yardstick", 1.0,
      "replays, c=32, synchronous cluster: oncepay / yardstick replay `SELECT`"),
     ("pgbouncer-new-payments", "new", "pgbouncer, cache off", "direct, cache off", 0.9,
@@ -65,12 +69,13 @@ w("")
 for line in machine_lines:
     w(f"- {line}")
 w("")
-w("## Targets (issue 21), same run, c=32")
+w("## Targets (issues 21 and 37), same run, c=32 unless named")
 w("")
 header("target", "goal", "measured", "met", "per round")
 lines = []
-for name, scenario, side, base, goal, what in TARGETS:
-    a, b = med(steps(scenario, side), "throughput"), med(steps(scenario, base), "throughput")
+for name, scenario, side, base, goal, what, *at in TARGETS:
+    c = at[0] if at else 32
+    a, b = med(steps(scenario, side, c), "throughput"), med(steps(scenario, base, c), "throughput")
     if a is None or b is None or b == 0:
         lines.append(f"target: {name} ratio=nan goal={goal} met=no")
         w(f"| {what} | >= {goal} | not measured | **no** | - |")
@@ -78,9 +83,9 @@ for name, scenario, side, base, goal, what in TARGETS:
     ratio = a / b
     met = ratio >= goal
     per_round = []
-    for rnd in sorted({r["round"] for r in steps(scenario, side)}):
-        x = [r["throughput"] for r in steps(scenario, side) if r["round"] == rnd]
-        y = [r["throughput"] for r in steps(scenario, base) if r["round"] == rnd]
+    for rnd in sorted({r["round"] for r in steps(scenario, side, c)}):
+        x = [r["throughput"] for r in steps(scenario, side, c) if r["round"] == rnd]
+        y = [r["throughput"] for r in steps(scenario, base, c) if r["round"] == rnd]
         if x and y:
             per_round.append(f"{x[0] / y[0]:.2f}")
     lines.append(f"target: {name} ratio={ratio:.2f} goal={goal} met={'yes' if met else 'no'}")
@@ -94,6 +99,27 @@ w("```")
 for line in lines:
     w(line)
 w("```")
+w("")
+
+w("## Statements in flight, chosen by the batcher (issue 37)")
+w("")
+w("New payments: each oncepay side's limit on batch statements in flight when its steps ended "
+  "(`oncepay_db_batches_in_flight_limit`, median over the rounds; the instances choose it from "
+  "the statements' latency, but the one pinned for comparison), and its payments per "
+  "committed statement, beside the yardstick at the same concurrency.")
+w("")
+header("c", "side", "per second", "/ yardstick", "limit", "payments per statement")
+for conc in sorted({r["concurrency"] for r in rows if r["scenario"] == "new"}):
+    y = med(steps("new", "yardstick", conc), "throughput")
+    for side in sorted({r["side"] for r in rows if r["scenario"] == "new" and r["concurrency"] == conc
+                        and r["side"].startswith("oncepay")}):
+        rs = steps("new", side, conc)
+        t = med(rs, "throughput")
+        st = sum(r.get("batches", {}).get("statements", 0) for r in rs)
+        pay = sum(r.get("batches", {}).get("payments", 0) for r in rs)
+        limit = med(rs, "batch_limit")
+        w(f"| {conc} | {side} | {t:.0f} | {'-' if not y else f'{t / y:.2f}'} | "
+          f"{'-' if limit is None else f'{limit:.1f}'} | {f'{pay / st:.1f}' if st else '-'} |")
 w("")
 
 order = [("new", "yardstick"), ("new", "oncepay")]

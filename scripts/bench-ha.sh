@@ -48,12 +48,13 @@ SQLX_OFFLINE=true cargo build --release --locked -p oncepay -p oncepay-bench -p 
 bin="$top/target/release/oncepay"
 lg="$top/target/release/oncepay-loadgen"
 pg_bin=/usr/lib/postgresql/15/bin
-# Batch slots of every instance (scripts/ha.sh's three inherit it), but one that keeps the
-# default for comparison: a statement here is out for a commit that waits on the network and
-# two disks, not for CPU, so two slots (the default on two cores) leave the primary idle
-# between commits (docs/bench/ha/analysis.md).
-slots="${BENCH_HA_SLOTS:-8}"
-export ONCEPAY_DB_BATCHES_IN_FLIGHT="$slots"
+# Batch statements in flight: every instance chooses its own from their latency (src/batch/
+# limit.rs; the steps record the limit it settled on), but one pinned at 2, the former
+# default, for comparison: a statement here is out for a commit that waits on the network and
+# two disks, not for CPU, so two slots left the primary idle between commits
+# (docs/bench/ha/analysis.md). BENCH_HA_SLOTS pins every instance instead.
+slots="${BENCH_HA_SLOTS:-}"
+[ -n "$slots" ] && export ONCEPAY_DB_BATCHES_IN_FLIGHT="$slots"
 export ONCEPAY_HA_CHECK_FALL=20
 export ONCEPAY_BIN="$bin" ONCEPAY_HA_DELAY_US="$delay_us" ONCEPAY_HA_DELAY_BIN="$top/target/release/oncepay-delay"
 eval "$(scripts/ha.sh env)"
@@ -200,7 +201,7 @@ for p in "${extra_ports[@]}"; do serve "$p" ONCEPAY_REPLAY_CACHE_ENTRIES=0; done
 off_pids=("${pids[@]:1:3}")
 serve "$pooled_port" ONCEPAY_REPLAY_CACHE_ENTRIES=0 DATABASE_URL="$pooled_url" ONCEPAY_DB_POOLER=transaction
 pooled_pid="${pids[-1]}"
-default_slots="$(nproc | awk '{print ($1 < 2 ? 2 : ($1 > 8 ? 8 : $1))}')" # src/config.rs: cores, 2..8
+default_slots=2 # the fixed number of statements in flight before the batcher chose it
 serve "$default_port" ONCEPAY_DB_BATCHES_IN_FLIGHT="$default_slots"
 default_pid="${pids[-1]}"
 
@@ -230,7 +231,7 @@ clk="$(getconf CLK_TCK)"
   echo "network: ${delay_us} µs each way between the namespaces (oncepay-delay relay in front of every node's PostgreSQL); SELECT 1 from the hub through HAProxy: $rtt_ms ms"
   echo "load average at start: $(cut -d' ' -f1-3 /proc/loadavg)"
   echo "mode: ${secs} s per step, $rounds round(s), concurrency $c"
-  echo "instances: ONCEPAY_DB_BATCHES_IN_FLIGHT=$slots (one instance with the default, $default_slots, for comparison), ONCEPAY_DB_POOL_SIZE=16, RUST_LOG=warn"
+  echo "instances: ONCEPAY_DB_BATCHES_IN_FLIGHT=${slots:-unset (chosen by the batcher)} (one instance pinned at $default_slots, the former default, for comparison), ONCEPAY_DB_POOL_SIZE=16, RUST_LOG=warn"
   echo "yardstick: $(cat "$yard"/*.sql | sha256sum | cut -c1-12) (sha256 of its SQL files)"
   [ -n "${BENCH_NOTE:-}" ] && echo "note: $BENCH_NOTE"
 } >"$out/machine.txt"
@@ -346,9 +347,13 @@ for round in $(seq "$rounds"); do
   say "round $round: new payments, c=$c: yardstick, oncepay, oncepay x3"
   if [ $((round % 2)) = 1 ]; then yardstick pay_one new "$round" -D "accounts=$accounts"; fi
   http oncepay new "$round" "$one" "$one_pid"
-  http "oncepay, $default_slots slots (the default)" new "$round" "http://127.0.0.1:$default_port" "$default_pid"
+  http "oncepay, $default_slots slots (fixed)" new "$round" "http://127.0.0.1:$default_port" "$default_pid"
   http "oncepay x3" new "$round" "$three" "$three_pids"
   if [ $((round % 2)) = 0 ]; then yardstick pay_one new "$round" -D "accounts=$accounts"; fi
+  say "round $round: new payments, c=128: yardstick, oncepay"
+  if [ $((round % 2)) = 1 ]; then c=128 yardstick pay_one new "$round" -D "accounts=$accounts"; fi
+  c=128 http oncepay new "$round" "$one" "$one_pid"
+  if [ $((round % 2)) = 0 ]; then c=128 yardstick pay_one new "$round" -D "accounts=$accounts"; fi
   say "round $round: replays: yardstick SELECT, oncepay (cache on)"
   yardstick replay replay "$round" -D replay_keys=100
   # Each seeded key once, unmeasured: the new-payment steps filled the cache (bench.sh says why).

@@ -54,6 +54,14 @@ bindir="$(scripts/db.sh bindir)"
 url="$(scripts/db.sh url "$db")"
 yurl="$(scripts/db.sh url "$ydb")"
 admin_url="$(scripts/db.sh url postgres)"
+# The yardstick at c=512 (pgbench: a connection per client) needs more than the 300
+# connections the local cluster is made with (scripts/db.sh): raised once, kept.
+if [ "$(psql -X -tA "$admin_url" -c 'SHOW max_connections')" -lt 700 ]; then
+  echo "bench: raising the local cluster's max_connections to 700 (a restart)" >&2
+  psql -X -q "$admin_url" -c "ALTER SYSTEM SET max_connections = 700" >/dev/null
+  scripts/db.sh down >/dev/null
+  scripts/db.sh up
+fi
 # The cluster's postmaster: the CPU of all its processes is charged to each step.
 pg_pid="$(head -n 1 "$(scripts/db.sh datadir)/postmaster.pid")"
 SQLX_OFFLINE=true cargo build --release --locked -p oncepay -p oncepay-bench --quiet
@@ -225,12 +233,39 @@ pgb() { # script scenario concurrency key_rows round [-D name=value ...]
     -D "tenant=$tenant" -D derived=false -D "fp=\\x$fp" -D window=86400 -D amount=1 "$@" >>"$results"
 }
 # The yardstick as its README runs it: -M prepared -j 2, no session settings.
-yardstick() { # script scenario round [-D name=value ...]
+yardstick() { # script scenario round [-D name=value ...]; at concurrency $yc (default 32)
   local script="$1" scenario="$2" round="$3"
   shift 3
   "$lg" pgbench --side yardstick --threads 2 --pgbench "$bindir/pgbench" --pgoptions= --database-url "$yurl" \
-    --script "$yard/$script.sql" --scenario "$scenario" --concurrency 32 --duration-secs "$secs" --round "$round" \
-    --clock-ticks "$clk" --pg-pid "$pg_pid" "$@" >>"$results"
+    --script "$yard/$script.sql" --scenario "$scenario" --concurrency "${yc:-32}" --duration-secs "$secs" \
+    --round "$round" --clock-ticks "$clk" --pg-pid "$pg_pid" "$@" >>"$results"
+}
+# The adaptive batcher (issue 37): new payments against the yardstick at the same
+# concurrency, one instance, its limit on statements in flight chosen from their latency
+# (recorded at each step's end). The main loop measures c=8 and c=32; the sweep adds 128 and
+# 512, then all four again with the PostgreSQL cluster pinned to half of the host's CPUs
+# (taskset on the postmaster, whose new backends inherit it, and on every process it has),
+# where the database, not the host, is the bound. Odd rounds run the yardstick first.
+halved="PostgreSQL on half the CPUs"
+ncpu="$(nproc)"
+pin_pg() { # cpu list
+  local p
+  for p in "$pg_pid" $(pgrep -P "$pg_pid"); do taskset -a -p -c "$1" "$p" >/dev/null 2>&1 || true; done
+}
+pair() { # round c [note]
+  local round="$1" c="$2" note="${3:-}"
+  local args=(--note "$note")
+  [ -n "$note" ] || args=()
+  if [ $((round % 2)) = 1 ]; then yc="$c" yardstick pay_one new "$round" -D "accounts=$accounts" "${args[@]}"; fi
+  http new "$c" 0 "$round" oncepay "$one" "${pids[0]}" "${args[@]}"
+  if [ $((round % 2)) = 0 ]; then yc="$c" yardstick pay_one new "$round" -D "accounts=$accounts" "${args[@]}"; fi
+}
+sweep() { # round
+  local c
+  for c in $sweep_high; do pair "$1" "$c"; done
+  pin_pg "0-$(((ncpu + 1) / 2 - 1))"
+  for c in $sweep_all; do pair "$1" "$c" "$halved"; done
+  pin_pg "0-$((ncpu - 1))"
 }
 # The retry storm: fresh keys made by real payments over three instances, then every one of
 # them replayed storm_passes times by 32 clients, each on another instance than its maker
@@ -432,14 +467,20 @@ settle() {
   psql -X -q -v ON_ERROR_STOP=1 "$yurl" -c "VACUUM (ANALYZE)" -c "CHECKPOINT"
 }
 settle
+if [ "$quick" = 1 ]; then sweep_high="128"; sweep_all="8 128"; else sweep_high="128 512"; sweep_all="8 32 128 512"; fi
 for round in $(seq "$rounds"); do
   for c in 1 8 32 64; do
     say "round $round: new payments at concurrency $c"
     pgb pay new "$c" 0 "$round" -D "accounts=$accounts"
-    if [ "$c" = 32 ]; then yardstick pay_one new "$round" -D "accounts=$accounts"; fi
-    http new "$c" 0 "$round"
+    if [ "$c" = 8 ] || [ "$c" = 32 ]; then
+      pair "$round" "$c"
+    else
+      http new "$c" 0 "$round"
+    fi
     if [ "$c" -ge 32 ]; then http new "$c" 0 "$round" "oncepay pool $alt_pool" "$alt_url" "${pids[3]}"; fi
   done
+  say "round $round: new payments at concurrency $sweep_high, then $sweep_all with $halved"
+  sweep "$round"
   say "round $round: replays, three instances, hot account, keyless, one key"
   pgb replay replay 32 0 "$round" -D "replay_keys=$replay_keys" -D account=0
   yardstick replay replay "$round" -D replay_keys=100

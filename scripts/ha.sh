@@ -212,7 +212,7 @@ bootstrap:
         wal_level: replica
         wal_log_hints: "on"
         hot_standby: "on"
-        max_connections: 200
+        max_connections: 400
         max_wal_senders: 10
         max_replication_slots: 10
         wal_keep_size: 256MB

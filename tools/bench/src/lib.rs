@@ -55,6 +55,11 @@ pub struct Record {
     /// recorded so that a step it hit can be told from one the code slowed down.
     #[serde(default)]
     pub host_steal: Option<f64>,
+    /// The batch statements the oncepay instances allowed themselves in flight when the step
+    /// ended (`oncepay_db_batches_in_flight_limit`, the mean over the instances): the limit the
+    /// adaptive batcher settled on; `None` where the servers do not export it.
+    #[serde(default)]
+    pub batch_limit: Option<f64>,
 }
 
 /// Latencies in microseconds, 1 µs to 60 s at three significant figures.

@@ -419,6 +419,7 @@ pub async fn run(args: Args) -> anyhow::Result<Record> {
     let elapsed = started.elapsed().as_secs_f64();
     let cpu = meter.stop(tally.ok)?;
     let cache_after = cache_counters(&metrics_client, &metrics_urls).await;
+    let batch_limit = mean_gauge(&metrics_client, &metrics_urls, "oncepay_db_batches_in_flight_limit").await;
     let cache = cache_before
         .zip(cache_after)
         .map(|(b, a)| (a.0.saturating_sub(b.0), a.1.saturating_sub(b.1)));
@@ -453,6 +454,7 @@ pub async fn run(args: Args) -> anyhow::Result<Record> {
         cache_misses: cache.map(|c| c.1),
         note: step.note.clone(),
         host_steal: cpu.host_steal,
+        batch_limit,
     })
 }
 
@@ -483,6 +485,26 @@ async fn cache_counters(client: &reqwest::Client, urls: &[String]) -> Option<(u6
         misses += metric(&text, "oncepay_replay_cache_misses_total")?;
     }
     Some((hits, misses))
+}
+
+/// A gauge's mean over the instances' `/metrics`; `None` if one does not export it.
+async fn mean_gauge(client: &reqwest::Client, urls: &[String], name: &str) -> Option<f64> {
+    let mut values = Vec::with_capacity(urls.len());
+    for url in urls {
+        let text = client
+            .get(format!("{url}/metrics"))
+            .send()
+            .await
+            .ok()?
+            .text()
+            .await
+            .ok()?;
+        values.push(text.lines().find_map(|l| {
+            let (series, value) = l.rsplit_once(' ')?;
+            (series == name).then(|| value.parse::<f64>().ok())?
+        })?);
+    }
+    (!values.is_empty()).then(|| values.iter().sum::<f64>() / values.len() as f64)
 }
 
 /// The sum of a counter's samples (all label sets) in Prometheus' text format.

@@ -125,5 +125,6 @@ fn summarise(logs: &std::path::Path, step: &Step, side: &str) -> anyhow::Result<
         cache_misses: None,
         note: step.note.clone(),
         host_steal: None,
+        batch_limit: None,
     })
 }
