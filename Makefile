@@ -20,7 +20,7 @@ export SQLX_OFFLINE ?= true
 BIN := target/release/oncepay
 CARGO_TEST := $(shell cargo nextest --version >/dev/null 2>&1 && echo "cargo nextest run --workspace --no-fail-fast" || echo "cargo test --workspace --no-fail-fast")
 
-.PHONY: help run lab serve build install db-up db-down db-port-test readme-test migrate psql purge audit audit-bench test test-pgbouncer chaos check client-deps-check sqlx-check sqlx-prepare bench bench-quick bench-analyze callgrind sql-callgrind bench-ab clean-db openapi schemathesis alerts-test ha bench-ha
+.PHONY: help run lab serve build install db-up db-down db-port-test readme-test migrate psql purge audit audit-bench test test-pgbouncer chaos check client-deps-check sqlx-check sqlx-prepare schema schema-check bench bench-quick bench-analyze callgrind sql-callgrind bench-ab clean-db openapi schemathesis alerts-test ha bench-ha
 
 help:
 	@echo "make run      local database if needed, migrate, demo tenant, serve on 127.0.0.1:8130"
@@ -41,7 +41,8 @@ help:
 	@echo "make ha       Patroni cluster (3 PostgreSQL 15, etcd, HAProxy), 3 oncepay, 5 faults under load, books verified (root)"
 	@echo "make bench-ha  the yardstick ratios on that cluster (0.5 ms between nodes) and through PgBouncer (root)"
 	@echo "make install  cargo install --path . --locked: the oncepay binary into ~/.cargo/bin"
-	@echo "make migrate | purge | psql | db-up | db-down | db-port-test | client-deps-check | bench | audit-bench | sqlx-prepare | sqlx-check | openapi | ha"
+	@echo "make schema  schema/: the tables and every SQL function as the migrations leave them (make check fails while stale)"
+	@echo "make migrate | purge | psql | db-up | db-down | db-port-test | client-deps-check | bench | audit-bench | sqlx-prepare | sqlx-check | schema-check | openapi | ha"
 
 db-up:
 ifdef LOCAL_DB
@@ -162,7 +163,7 @@ chaos:
 		$(CHAOS_TEST) || status=$$?; \
 	$(CHAOS_DB) scripts/db.sh down; exit $$status
 
-check: sqlx-check client-deps-check
+check: sqlx-check schema-check client-deps-check
 	cargo fmt --all --check
 	cargo clippy --workspace --all-targets --locked -- -D warnings
 	cargo clippy -p oncepay-client --all-targets --locked -- -D warnings
@@ -192,6 +193,19 @@ define sqlx_regenerate
 	touch -r "$(2).lib-mtime" src/lib.rs && rm "$(2).lib-mtime"; exit $$status
 	@psql -X -q "$(shell scripts/db.sh url postgres)" -c 'DROP DATABASE $(1) WITH (FORCE)'
 endef
+
+# The schema as the migrations leave it, to read in one place: schema/tables.sql and one
+# schema/functions/<name>.sql per oncepay_* function (scripts/schema.sh). Commit it after a
+# migration; schema-check (in `make check`) fails while it is stale.
+schema: db-up
+	@scripts/schema.sh schema
+
+schema-check: db-up
+	@scripts/schema.sh target/schema-check 2>/dev/null
+	@if ! diff -r -q schema target/schema-check >/dev/null; then \
+		diff -r schema target/schema-check | head -n 40; \
+		echo "schema-check: schema/ is stale: run make schema and commit schema/" >&2; exit 1; \
+	fi; echo "schema-check: schema/ is fresh ($$(ls schema/functions | wc -l) functions)"
 
 # Regenerates .sqlx/ (commit it after changing a query or a migration).
 sqlx-prepare: db-up

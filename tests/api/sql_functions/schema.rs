@@ -422,3 +422,38 @@ async fn the_outcome_enum_names_every_claim_outcome_in_order() {
         ["created", "replayed", "declined", "key_reused", "expired"]
     );
 }
+
+/// `oncepay_pay_in_batch` repeats `oncepay_pay`'s body without the event, which the batch
+/// writes for all its payments in one INSERT (migrations/V20; one calling the other would cost
+/// every lone payment a PL/pgSQL call): nothing else may differ, or the two paths of a payment
+/// would part. As the database holds them (schema/functions/ shows the same).
+#[tokio::test]
+async fn oncepay_pay_in_batch_is_oncepay_pay_without_its_event() {
+    let fx = Fx::new().await;
+    let definition = |name: &'static str| {
+        let pool = fx.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, String>("SELECT pg_get_functiondef($1::regproc)")
+                .bind(name)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    let pay = definition("oncepay_pay").await;
+    let in_batch = definition("oncepay_pay_in_batch").await;
+    // The event: the check for an endpoint and the event's INSERT, one IF block.
+    let start = pay
+        .find("            IF EXISTS (SELECT FROM webhook_endpoints")
+        .expect("oncepay_pay writes its event");
+    let end_of_block = "            END IF;\n";
+    let end = start + pay[start..].find(end_of_block).expect("the event's block ends") + end_of_block.len();
+    let without_event = format!("{}{}", &pay[..start], &pay[end..]);
+    let in_batch = in_batch
+        .replacen("oncepay_pay_in_batch(", "oncepay_pay(", 1)
+        .replacen("\n ROWS 1\n", "\n", 1);
+    assert_eq!(
+        without_event, in_batch,
+        "oncepay_pay_in_batch is no longer oncepay_pay without its event"
+    );
+}
