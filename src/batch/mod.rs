@@ -339,9 +339,13 @@ impl<E: Batched> Dispatcher<E> {
         }
         // Received while the dispatcher waited, then what waits in the queue. Held-back
         // items count against the queue's bound: past it, arrivals stay in the channel,
-        // which then refuses new ones (429).
-        for job in std::mem::take(&mut self.arrived) {
-            self.mark_seen(&job);
+        // which then refuses new ones (429). Every tenant that arrived is seen before any of
+        // them is considered: the first one's items count the others' against its share.
+        let arrived = std::mem::take(&mut self.arrived);
+        for job in &arrived {
+            self.mark_seen(job);
+        }
+        for job in arrived {
             self.consider(job, true, &mut batch, &mut still_held);
         }
         while batch.jobs.len() < batch.max && still_held.len() < self.limits.queue {
@@ -634,5 +638,172 @@ async fn alone<E: Batched>(db: &Db, job: &Job<E>) -> Result<Outcome<E::Row>, DbE
 fn answer_all<E: Batched>(batch: Vec<Job<E>>, err: &DbError) {
     for job in batch {
         let _ = job.reply.send(Err(err.copy()));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The dispatcher's scheduling alone: which waiting payments go into the next statement,
+    //! which are held back and why, and the order a statement runs its items in. No
+    //! statement runs: the dispatcher's database is a pool that never connects.
+
+    use super::*;
+    use crate::domain::{AccountId, Amount};
+    use crate::idempotency::Claim;
+    use crate::ledger::Pay;
+    use crate::operation::Operation;
+
+    fn counters() -> Counters {
+        let histogram = prometheus::Histogram::with_opts(prometheus::HistogramOpts::new("size", "size")).unwrap();
+        let vec = || IntCounterVec::new(prometheus::Opts::new("failed", "failed"), &["outcome"]).unwrap();
+        Counters {
+            size: histogram,
+            split: IntCounter::new("split", "split").unwrap(),
+            failed: vec(),
+            held_back: IntCounter::new("held_back", "held back").unwrap(),
+            held_for_share: IntCounter::new("held_for_share", "held for share").unwrap(),
+            limit: IntGauge::new("limit", "limit").unwrap(),
+            limit_changes: IntCounterVec::new(prometheus::Opts::new("changes", "changes"), &["direction"]).unwrap(),
+            least_latency: Gauge::new("least", "least").unwrap(),
+        }
+    }
+
+    fn dispatcher(max_items: usize, tenant_share: usize) -> Dispatcher<Pay> {
+        let options = sqlx::postgres::PgConnectOptions::new().host("127.0.0.1").port(1);
+        let (_queue, jobs) = mpsc::channel(64);
+        let limits = Limits {
+            max_items,
+            in_flight: Some(2),
+            initial: 2,
+            ceiling: 2,
+            queue: 64,
+            queue_wait: Duration::from_secs(2),
+            tenant_share,
+        };
+        Dispatcher::new(Db::direct(options, 1), jobs, limits, counters())
+    }
+
+    /// A payment of `tenant` on `account`, with `key` (or none).
+    fn job(tenant: TenantId, account: &str, key: Option<&str>) -> Job<Pay> {
+        let claim = key.map(|k| Claim {
+            key: k.to_owned(),
+            derived: false,
+            fingerprint: [7; 32],
+            window: Duration::from_secs(60),
+        });
+        let spec = Operation::Pay.spec();
+        let claim = ClaimArgs::new(spec, spec.path.to_owned(), claim.as_ref(), Duration::from_secs(5));
+        let effect = Pay {
+            account: AccountId::parse(account).unwrap(),
+            amount: Amount::new(1).unwrap(),
+        };
+        let holds = Holds {
+            account: (tenant, account.to_owned()),
+            key: claim.key().map(|k| (tenant, k.to_owned())),
+        };
+        Job {
+            tenant,
+            claim,
+            effect,
+            reply: oneshot::channel().0,
+            taken: Arc::new(AtomicBool::new(false)),
+            duplicate: Arc::new(AtomicBool::new(false)),
+            holds,
+        }
+    }
+
+    fn accounts(batch: &[Job<Pay>]) -> Vec<&str> {
+        batch.iter().map(|j| j.effect.account.as_str()).collect()
+    }
+
+    #[tokio::test]
+    async fn waiting_payments_leave_together_up_to_the_batch_size_the_rest_next() {
+        let mut d = dispatcher(3, 0);
+        let t = TenantId::new_random();
+        for a in ["a", "b", "c", "d", "e"] {
+            d.arrived.push(job(t, a, Some(a)));
+        }
+        assert_eq!(accounts(&d.gather()), ["a", "b", "c"]);
+        assert_eq!(accounts(&d.gather()), ["d", "e"], "the held ones go first next time");
+        assert!(d.gather().is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_payment_whose_account_or_key_is_out_is_held_back_until_it_comes_back() {
+        let mut d = dispatcher(32, 0);
+        let t = TenantId::new_random();
+        let out = [job(t, "hot", Some("k1")), job(t, "other", Some("dup"))];
+        for j in &out {
+            d.out.insert(&j.holds);
+        }
+        let same_account = job(t, "hot", Some("k2"));
+        let same_key = job(t, "elsewhere", Some("dup"));
+        let duplicate = Arc::clone(&same_key.duplicate);
+        d.arrived.extend([same_account, same_key, job(t, "free", Some("k3"))]);
+        assert_eq!(
+            accounts(&d.gather()),
+            ["free"],
+            "only the payment that conflicts with nothing"
+        );
+        assert!(
+            duplicate.load(Ordering::Acquire),
+            "a held key is a duplicate: it waits as one (409)"
+        );
+        assert_eq!(d.counters.held_back.get(), 2);
+        for j in &out {
+            d.out.remove(&j.holds);
+        }
+        assert_eq!(accounts(&d.gather()), ["hot", "elsewhere"], "released, in their order");
+        // An item whose waiter gave up (429) is dropped, never run.
+        let gone = job(t, "late", Some("k4"));
+        gone.taken.store(true, Ordering::Release);
+        d.arrived.push(gone);
+        assert!(d.gather().is_empty());
+    }
+
+    #[tokio::test]
+    async fn beside_another_active_tenant_a_tenant_has_its_share_out_and_alone_no_limit() {
+        let mut d = dispatcher(32, 2);
+        let (busy, quiet) = (TenantId::new_random(), TenantId::new_random());
+        // Alone, a tenant takes the whole batch.
+        for i in 0..5 {
+            d.arrived.push(job(busy, &format!("b{i}"), None));
+        }
+        let alone = d.gather();
+        assert_eq!(alone.len(), 5);
+        for j in &alone {
+            d.out.insert(&j.holds);
+        }
+        // Another tenant arrives: the busy one, with five out, gets nothing more until it is
+        // back under its share; the quiet one goes at once.
+        d.arrived.extend([job(busy, "b5", None), job(quiet, "q0", None)]);
+        assert_eq!(accounts(&d.gather()), ["q0"]);
+        assert_eq!(d.counters.held_for_share.get(), 1);
+        for j in &alone {
+            d.out.remove(&j.holds);
+        }
+        assert_eq!(accounts(&d.gather()), ["b5"], "its share free again");
+    }
+
+    #[test]
+    fn a_statement_runs_its_items_in_one_lock_order_tenant_then_account_bytes_then_key() {
+        let (t1, t2) = {
+            let (a, b) = (TenantId::new_random(), TenantId::new_random());
+            if a < b {
+                (a, b)
+            } else {
+                (b, a)
+            }
+        };
+        let mut items = [
+            job(t2, "a", Some("x")),
+            job(t1, "b", Some("y")),
+            job(t1, "B", Some("z")),
+            job(t1, "a", Some("w")),
+        ];
+        items.sort_by(|a, b| a.order().cmp(&b.order()));
+        let order: Vec<(TenantId, &str)> = items.iter().map(|j| (j.tenant, j.effect.account.as_str())).collect();
+        // Bytes: "B" (0x42) before "a" (0x61) before "b", whatever a collation would say.
+        assert_eq!(order, [(t1, "B"), (t1, "a"), (t1, "b"), (t2, "a")]);
     }
 }
