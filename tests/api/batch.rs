@@ -513,8 +513,10 @@ async fn beside_another_paying_tenant_a_tenant_has_at_most_its_share_in_statemen
 /// The limit on statements in flight follows the database (src/batch/limit.rs): while 24
 /// clients pay, the database stalls four times for 300 ms (the accounts table locked by the
 /// test, as a competing workload would hold it), and each stall's statements, at many times
-/// their least latency, lower the limit; every payment still succeeds (none waits past the
-/// acquire timeout). On a database of its own: the lock stalls every payment on it.
+/// their least latency, lower the limit (counted: the limit climbs back within a few
+/// statements once the stall ends, quicker than the gauge can be sampled); every payment
+/// still succeeds (none waits past the acquire timeout). On a database of its own: the lock
+/// stalls every payment on it.
 #[tokio::test]
 async fn a_database_that_stalls_lowers_the_limit_on_statements_in_flight_and_no_payment_fails() {
     let (app, url) = crate::helpers::spawn_app_on_own_database_with("adaptive_limit", |s| {
@@ -569,13 +571,14 @@ async fn a_database_that_stalls_lowers_the_limit_on_statements_in_flight_and_no_
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let statuses: Vec<u16> = join_all(payers).await.into_iter().flat_map(Result::unwrap).collect();
     let downs_after = metric_value(&app.metrics().await, downs);
-    assert!(
-        downs_after > downs_before,
-        "no lowering: {downs_before} then {downs_after}"
+    println!(
+        "limit {before} before the stalls, lowest seen {lowest}; lowered {} times",
+        downs_after - downs_before
     );
     assert!(
-        lowest < before,
-        "the limit stayed at {before} or above (lowest {lowest})"
+        downs_after - downs_before >= 3.0,
+        "four stalls lowered the limit {} times",
+        downs_after - downs_before
     );
     assert!(statuses.len() > 100, "{} payments", statuses.len());
     assert!(

@@ -46,6 +46,11 @@ pub struct Args {
     /// Stop after this many requests in all (or at `duration_secs`, whichever comes first).
     #[arg(long)]
     requests: Option<u64>,
+    /// At most this many requests per second in all, each worker sending on a fixed schedule
+    /// (an open load below the server's capacity: what a latency, not a throughput, is
+    /// measured under). Unset: as fast as the answers come.
+    #[arg(long)]
+    rate: Option<f64>,
     /// Storm: how many times every one of the `replay_keys` keys is replayed.
     #[arg(long, default_value_t = 1)]
     passes: u64,
@@ -533,7 +538,17 @@ async fn closed_loop(shared: &Rc<Shared>, args: &Rc<Args>) -> anyhow::Result<Tal
             let own = worker as usize % args.urls.len();
             let mut conns = Conns::new(args.urls.len());
             let mut tally = Tally::new();
+            // With a rate, worker w sends at start + (seq + w / concurrency) x the interval.
+            let interval = args
+                .rate
+                .filter(|r| *r > 0.0)
+                .map(|r| std::time::Duration::from_secs_f64(f64::from(args.step.concurrency) / r));
+            let start = Instant::now();
             for seq in 0.. {
+                if let Some(interval) = interval {
+                    let offset = interval.mul_f64(seq as f64 + worker as f64 / f64::from(args.step.concurrency));
+                    tokio::time::sleep_until((start + offset).into()).await;
+                }
                 if Instant::now() >= deadline || !alive(args.while_pid) {
                     break;
                 }
