@@ -23,7 +23,7 @@ use crate::helpers::{
     drop_database, metric_value, new_key, new_tenant, server_url, spawn_app_on_own_database_with, TestApp,
 };
 use crate::webhook_receiver::{Receiver, Reply};
-use crate::webhooks::{delivering, pay, refund, subscribe, subscribe_as, WAIT};
+use crate::webhooks::{delivering, endpoints_stored, pay, refund, subscribe, subscribe_as, WAIT};
 
 /// Waits until `check` holds, polling every 50 ms; panics naming `what` after `timeout`.
 async fn wait_until<F, Fut>(what: &str, timeout: Duration, mut check: F)
@@ -493,12 +493,7 @@ async fn an_address_that_is_not_global_unicast_is_refused_however_it_is_spelled(
             answer.body
         );
     }
-    let stored: i64 = sqlx::query_scalar("SELECT count(*) FROM webhook_endpoints WHERE tenant_id = $1")
-        .bind(app.tenant_id)
-        .fetch_one(&app.pool)
-        .await
-        .unwrap();
-    assert_eq!(stored, 0);
+    assert_eq!(endpoints_stored(&app).await, 0);
 }
 
 /// The deliveries' client takes no proxy from the environment (a proxy resolves the name

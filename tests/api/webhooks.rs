@@ -49,6 +49,15 @@ pub(crate) async fn subscribe_as(app: &TestApp, api_key: &str, receiver: &Receiv
     answer.body["id"].as_str().unwrap().to_owned()
 }
 
+/// The endpoints the app's tenant has stored, deleted ones included.
+pub(crate) async fn endpoints_stored(app: &TestApp) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM webhook_endpoints WHERE tenant_id = $1")
+        .bind(app.tenant_id)
+        .fetch_one(&app.pool)
+        .await
+        .unwrap()
+}
+
 /// Pays `amount` from `main`; the payment's id.
 pub(crate) async fn pay(app: &TestApp, amount: i64) -> String {
     let answer = app.pay(Some(&new_key()), amount).await;
@@ -232,12 +241,7 @@ async fn private_targets_unknown_events_and_a_server_without_a_key_are_refused()
         )
         .await;
     unknown_field.assert_problem(400, "invalid_request");
-    let stored: i64 = sqlx::query_scalar("SELECT count(*) FROM webhook_endpoints WHERE tenant_id = $1")
-        .bind(app.tenant_id)
-        .fetch_one(&app.pool)
-        .await
-        .unwrap();
-    assert_eq!(stored, 0);
+    assert_eq!(endpoints_stored(&app).await, 0);
 }
 
 /// A server without `ONCEPAY_WEBHOOK_SECRET_KEY` (a new user's first `oncepay serve`) still

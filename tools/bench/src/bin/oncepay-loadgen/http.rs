@@ -473,19 +473,24 @@ fn metrics_url(url: &str, offset: u16) -> anyhow::Result<String> {
     Ok(format!("{base}:{}", port + offset))
 }
 
+/// An instance's `/metrics` text (`url`: its operations listener).
+async fn metrics_text(client: &reqwest::Client, url: &str) -> Option<String> {
+    client
+        .get(format!("{url}/metrics"))
+        .send()
+        .await
+        .ok()?
+        .text()
+        .await
+        .ok()
+}
+
 /// The replay cache's hits and misses summed over the instances' `/metrics`; `None` if an
 /// instance does not export them (a server without the cache).
 async fn cache_counters(client: &reqwest::Client, urls: &[String]) -> Option<(u64, u64)> {
     let (mut hits, mut misses) = (0u64, 0u64);
     for url in urls {
-        let text = client
-            .get(format!("{url}/metrics"))
-            .send()
-            .await
-            .ok()?
-            .text()
-            .await
-            .ok()?;
+        let text = metrics_text(client, url).await?;
         hits += metric(&text, "oncepay_replay_cache_hits_total")?;
         misses += metric(&text, "oncepay_replay_cache_misses_total")?;
     }
@@ -496,14 +501,7 @@ async fn cache_counters(client: &reqwest::Client, urls: &[String]) -> Option<(u6
 async fn mean_gauge(client: &reqwest::Client, urls: &[String], name: &str) -> Option<f64> {
     let mut values = Vec::with_capacity(urls.len());
     for url in urls {
-        let text = client
-            .get(format!("{url}/metrics"))
-            .send()
-            .await
-            .ok()?
-            .text()
-            .await
-            .ok()?;
+        let text = metrics_text(client, url).await?;
         values.push(text.lines().find_map(|l| {
             let (series, value) = l.rsplit_once(' ')?;
             (series == name).then(|| value.parse::<f64>().ok())?
