@@ -55,11 +55,18 @@ fn first(call: Call, times: usize, action: Action) -> impl Fn(&Incoming) -> Acti
     }
 }
 
+/// The processor's name in a test: one per processor (per proxy), so that no test's completer
+/// takes another test's top-ups (they share the database, not the processor).
+fn processor_name(url: &str) -> String {
+    format!("test-{url}")
+}
+
 fn with_processor(settings: &mut Settings, url: &str) {
     settings.processor = Some(Processor {
         url: url.to_owned(),
         api_key: Some(API_KEY.to_owned()),
         timeout: TIMEOUT,
+        name: processor_name(url),
     });
     // Off unless a test turns it on: the client's retries alone must finish the top-up.
     settings.completer_after = Duration::from_secs(3_600);
@@ -539,6 +546,7 @@ impl ServerProcess {
             .env("ONCEPAY_METRICS_BIND", "127.0.0.1:0")
             .env("ONCEPAY_PROCESSOR_URL", processor_url)
             .env("ONCEPAY_PROCESSOR_API_KEY", API_KEY)
+            .env("ONCEPAY_PROCESSOR_NAME", processor_name(processor_url))
             .env("ONCEPAY_PROCESSOR_TIMEOUT_MS", TIMEOUT.as_millis().to_string())
             .env("ONCEPAY_COMPLETER_AFTER_SECS", "3600")
             .env("ONCEPAY_DB_POOL_SIZE", "4")
