@@ -66,16 +66,42 @@ pub struct Settings {
     /// An unfinished top-up untouched this long is finished by the completer of any replica
     /// (`ONCEPAY_COMPLETER_AFTER_SECS`).
     pub completer_after: Duration,
+    /// A top-up whose PaymentIntent waits this long (from the top-up's creation) for an action
+    /// the API cannot take (`requires_action`, `requires_capture`) is canceled at the processor
+    /// and stored as a failure (`ONCEPAY_TOPUP_ACTION_TIMEOUT_SECS`).
+    pub topup_action_timeout: Duration,
     /// Webhook delivery (contract section 4c, `ONCEPAY_WEBHOOK_*`).
     pub webhooks: WebhookSettings,
 }
 
-/// A processor speaking Stripe's API (`ONCEPAY_PROCESSOR_URL`, `_API_KEY`, `_TIMEOUT_MS`).
+/// A processor speaking Stripe's API (`ONCEPAY_PROCESSOR_URL`, `_API_KEY`, `_TIMEOUT_MS`,
+/// `_NAME`).
 #[derive(Clone)]
 pub struct Processor {
     pub url: String,
     pub api_key: Option<String>,
     pub timeout: Duration,
+    /// Who the top-ups made here belong to (`ONCEPAY_PROCESSOR_NAME`): recorded with each
+    /// top-up, and the completer finishes only its own processor's. Defaults to
+    /// [`Processor::derived_name`], so that another spelling of the same URL strands nothing.
+    pub name: String,
+}
+
+impl Processor {
+    /// The name of a processor account when `ONCEPAY_PROCESSOR_NAME` is unset: `key-` and the
+    /// first 16 hexadecimal digits of the SHA-256 of its API key (a secret key belongs to one
+    /// account, in one mode), or, without a key, the URL's origin as a URL parser writes it
+    /// (scheme, host in lower case, port unless the default). Neither depends on how the URL
+    /// is spelled; rolling the key changes the first, which is why the start-up log names it.
+    pub fn derived_name(url: &str, api_key: Option<&str>) -> String {
+        use sha2::Digest as _;
+        match api_key {
+            Some(key) => format!("key-{}", &hex::encode(sha2::Sha256::digest(key.as_bytes()))[..16]),
+            None => reqwest::Url::parse(url)
+                .map(|u| u.origin().ascii_serialization())
+                .unwrap_or_else(|_| url.to_ascii_lowercase()),
+        }
+    }
 }
 
 impl std::fmt::Debug for Processor {
@@ -84,6 +110,7 @@ impl std::fmt::Debug for Processor {
             .field("url", &self.url)
             .field("api_key", &self.api_key.as_ref().map(|_| REDACTED))
             .field("timeout", &self.timeout)
+            .field("name", &self.name)
             .finish()
     }
 }
@@ -234,16 +261,26 @@ impl Settings {
             tls_key: var("ONCEPAY_TLS_KEY").filter(|p| !p.is_empty()).map(PathBuf::from),
             processor: match var("ONCEPAY_PROCESSOR_URL").filter(|u| !u.trim().is_empty()) {
                 None => None,
-                Some(url) => Some(Processor {
-                    url: url.trim().trim_end_matches('/').to_owned(),
-                    api_key: var("ONCEPAY_PROCESSOR_API_KEY").filter(|k| !k.is_empty()),
-                    timeout: Duration::from_millis(number("ONCEPAY_PROCESSOR_TIMEOUT_MS", 10_000)?),
-                }),
+                Some(url) => {
+                    let url = url.trim().trim_end_matches('/').to_owned();
+                    let api_key = var("ONCEPAY_PROCESSOR_API_KEY").filter(|k| !k.is_empty());
+                    let name = var("ONCEPAY_PROCESSOR_NAME")
+                        .map(|n| n.trim().to_owned())
+                        .filter(|n| !n.is_empty())
+                        .unwrap_or_else(|| Processor::derived_name(&url, api_key.as_deref()));
+                    Some(Processor {
+                        url,
+                        api_key,
+                        timeout: Duration::from_millis(number("ONCEPAY_PROCESSOR_TIMEOUT_MS", 10_000)?),
+                        name,
+                    })
+                }
             },
             currency: var("ONCEPAY_CURRENCY")
                 .map(|c| c.trim().to_ascii_lowercase())
                 .unwrap_or_else(|| "usd".to_owned()),
             completer_after: Duration::from_secs(number("ONCEPAY_COMPLETER_AFTER_SECS", 30)?),
+            topup_action_timeout: Duration::from_secs(number("ONCEPAY_TOPUP_ACTION_TIMEOUT_SECS", 600)?),
             webhooks: WebhookSettings::from_env()?,
         };
         settings.validate()?;
@@ -303,9 +340,21 @@ impl Settings {
             if processor.timeout.is_zero() {
                 bail!("ONCEPAY_PROCESSOR_TIMEOUT_MS must be positive");
             }
+            if processor.name.is_empty()
+                || processor.name.len() > MAX_PROCESSOR_NAME_LEN
+                || !processor.name.bytes().all(|b| b.is_ascii_graphic())
+            {
+                bail!(
+                    "ONCEPAY_PROCESSOR_NAME={:?} must be 1 to {MAX_PROCESSOR_NAME_LEN} visible ASCII characters",
+                    processor.name
+                );
+            }
         }
         if self.completer_after.is_zero() || self.completer_after.as_secs() > i32::MAX as u64 {
             bail!("ONCEPAY_COMPLETER_AFTER_SECS must be positive");
+        }
+        if self.topup_action_timeout.is_zero() || self.topup_action_timeout.as_secs() > i32::MAX as u64 {
+            bail!("ONCEPAY_TOPUP_ACTION_TIMEOUT_SECS must be a positive number of seconds");
         }
         match (&self.tls_cert, &self.tls_key) {
             (Some(_), None) => {
@@ -353,6 +402,7 @@ impl std::fmt::Debug for Settings {
             processor,
             currency,
             completer_after,
+            topup_action_timeout,
             webhooks,
         } = self;
         f.debug_struct("Settings")
@@ -384,6 +434,7 @@ impl std::fmt::Debug for Settings {
             .field("processor", processor)
             .field("currency", currency)
             .field("completer_after", completer_after)
+            .field("topup_action_timeout", topup_action_timeout)
             .field("webhook_secret_key", &webhooks.secret_key.as_ref().map(|_| REDACTED))
             .field("webhook_retry_schedule", &webhooks.retry_schedule)
             .field("webhook_allow_private", &webhooks.allow_private)
@@ -448,6 +499,9 @@ fn number<T: std::str::FromStr>(name: &str, default: T) -> anyhow::Result<T> {
 /// Connections one worker serves by default: `ONCEPAY_MAX_CONNECTIONS` is this times
 /// `ONCEPAY_WORKERS` unless set (the fixed limit per worker before it was a setting).
 pub const CONNECTIONS_PER_WORKER: usize = 4_096;
+
+/// The longest `ONCEPAY_PROCESSOR_NAME`: it is stored with every top-up.
+pub const MAX_PROCESSOR_NAME_LEN: usize = 100;
 
 /// The shortest admin token `serve` accepts: a guessable operator credential opens every
 /// tenant's settings and the purge.
@@ -546,6 +600,24 @@ mod tests {
         ] {
             assert!(shown.contains(&field), "{field} not in {shown}");
         }
+    }
+
+    #[test]
+    fn the_derived_processor_name_follows_the_account_not_the_spelling_of_its_url() {
+        let key = Some("sk_test_4eC39HqLyjWDarjtT1zdp7dc");
+        let named = Processor::derived_name("https://api.stripe.com", key);
+        assert!(named.starts_with("key-") && named.len() == 20, "{named}");
+        assert_eq!(Processor::derived_name("https://API.stripe.com:443/", key), named);
+        assert_ne!(
+            Processor::derived_name("https://api.stripe.com", Some("sk_test_other")),
+            named
+        );
+        assert!(!named.contains("sk_test"), "the key itself is never shown");
+        assert_eq!(
+            Processor::derived_name("http://LOCALHOST:8420/", None),
+            Processor::derived_name("http://localhost:8420", None)
+        );
+        assert_eq!(Processor::derived_name("http://localhost:80", None), "http://localhost");
     }
 
     #[test]

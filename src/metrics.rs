@@ -192,6 +192,7 @@ impl Metrics {
                 Opts::new(
                     "oncepay_processor_calls_total",
                     "Calls to the card processor by call and outcome: ok, declined (402), refused (another 4xx), \
+                     replayed (a 5xx the processor answered again under the call's key), \
                      unknown (timeout, connection failure, 5xx: the call may or may not have taken effect)",
                 ),
                 &["call", "outcome"],
@@ -219,7 +220,8 @@ impl Metrics {
             operations: IntCounterVec::new(
                 Opts::new(
                     "oncepay_completer_operations_total",
-                    "Top-ups and refunds the completer drove, by result: finished, unknown (left for a later round)",
+                    "Top-ups and refunds the completer drove, by result: finished, waiting (at the processor, \
+                     looked at again later), unknown (left for a later round)",
                 ),
                 &["result"],
             )
@@ -227,6 +229,12 @@ impl Metrics {
             unfinished: IntGauge::new(
                 "oncepay_top_ups_unfinished",
                 "Top-ups and refunds waiting for the processor (all tenants), as of the last completer round",
+            )
+            .expect("valid metric"),
+            oldest_unfinished: IntGauge::new(
+                "oncepay_top_up_oldest_unfinished_seconds",
+                "How long the oldest unfinished top-up (since its creation) or refund (since its debit) has \
+                 waited, all tenants, as of the last completer round; 0 when none",
             )
             .expect("valid metric"),
         };
@@ -362,6 +370,7 @@ impl Metrics {
             Box::new(completer.runs.clone()),
             Box::new(completer.operations.clone()),
             Box::new(completer.unfinished.clone()),
+            Box::new(completer.oldest_unfinished.clone()),
             Box::new(webhooks.deliveries.clone()),
             Box::new(webhooks.endpoints_disabled.clone()),
             Box::new(webhooks.attempt_duration.clone()),

@@ -51,6 +51,12 @@ pub enum Decline {
     InvalidPaymentMethod,
     /// A webhook endpoint past `ONCEPAY_WEBHOOK_MAX_ENDPOINTS`.
     TooManyEndpoints,
+    /// A top-up whose request the card processor refused (an amount below its minimum, an
+    /// unexpected 4xx): its own code is the top-up's `decline_code`.
+    InvalidRequest,
+    /// A top-up's refund that the card processor refused or failed; the amount was credited
+    /// back.
+    RefundFailed,
 }
 
 /// What a claim found (PostgreSQL `oncepay_outcome`; in JSON by the same label).
@@ -156,7 +162,12 @@ const TOP_UP: Spec = Spec {
     path: routes::CREATE_TOP_UP.path,
     aliases: &[],
     success_status: 201,
-    declines: &[Decline::AccountNotFound, Decline::CardDeclined, Decline::InvalidPaymentMethod],
+    declines: &[
+        Decline::AccountNotFound,
+        Decline::CardDeclined,
+        Decline::InvalidPaymentMethod,
+        Decline::InvalidRequest,
+    ],
     summary: "Charges a card at the processor and credits the account, the card charged at most once and the account credited exactly once iff it was.",
     tag: "top-ups",
 };
@@ -168,8 +179,13 @@ const REFUND_TOP_UP: Spec = Spec {
     path: routes::REFUND_TOP_UP.path,
     aliases: &[],
     success_status: 200,
-    declines: &[Decline::NotFound, Decline::AlreadyRefunded, Decline::InsufficientFunds],
-    summary: "Debits the top-up's amount from its account, then refunds the card at the processor, at most once.",
+    declines: &[
+        Decline::NotFound,
+        Decline::AlreadyRefunded,
+        Decline::InsufficientFunds,
+        Decline::RefundFailed,
+    ],
+    summary: "Debits the top-up's amount from its account, then refunds the card at the processor, at most once; a refund the processor refuses or fails is credited back.",
     tag: "top-ups",
 };
 
@@ -240,7 +256,7 @@ impl Operation {
 }
 
 impl Decline {
-    pub const ALL: [Self; 8] = [
+    pub const ALL: [Self; 10] = [
         Self::InsufficientFunds,
         Self::AccountNotFound,
         Self::NotFound,
@@ -249,6 +265,8 @@ impl Decline {
         Self::CardDeclined,
         Self::InvalidPaymentMethod,
         Self::TooManyEndpoints,
+        Self::InvalidRequest,
+        Self::RefundFailed,
     ];
 
     /// The problem `code` (its label is also the PostgreSQL enum label).
@@ -262,6 +280,8 @@ impl Decline {
             Self::CardDeclined => ProblemCode::CardDeclined,
             Self::InvalidPaymentMethod => ProblemCode::InvalidPaymentMethod,
             Self::TooManyEndpoints => ProblemCode::TooManyEndpoints,
+            Self::InvalidRequest => ProblemCode::InvalidRequest,
+            Self::RefundFailed => ProblemCode::RefundFailed,
         }
     }
 
@@ -280,6 +300,8 @@ impl Decline {
             Self::CardDeclined => "Card declined",
             Self::InvalidPaymentMethod => "Invalid payment method",
             Self::TooManyEndpoints => "Too many webhook endpoints",
+            Self::InvalidRequest => "Invalid request",
+            Self::RefundFailed => "Refund failed",
         }
     }
 
@@ -296,6 +318,12 @@ impl Decline {
             }
             Self::TooManyEndpoints => {
                 "the tenant has as many webhook endpoints as the server allows (ONCEPAY_WEBHOOK_MAX_ENDPOINTS); delete one first"
+            }
+            Self::InvalidRequest => {
+                "the card processor refused the request (its code is `decline_code`, e.g. amount_too_small); nothing was charged"
+            }
+            Self::RefundFailed => {
+                "the card processor refused the refund or the refund failed there; the amount was credited back to the account (GET /top-ups/{id}: refund_failure_code)"
             }
         }
     }

@@ -24,7 +24,7 @@ use crate::idempotency::cache::ReplayCache;
 use crate::metrics::Metrics;
 use crate::state::{AppState, Readiness};
 use crate::topup::processor::ProcessorClient;
-use crate::topup::{completer, TopUps};
+use crate::topup::{completer, Clocks, TopUps};
 use crate::webhooks::{Deliverer, SecretBox};
 use crate::{http1, purge, routes, telemetry};
 
@@ -82,12 +82,22 @@ impl Application {
             None => None,
             Some(processor) => {
                 let client = ProcessorClient::new(processor, metrics.processor.clone())?;
+                tracing::info!(
+                    processor = processor.name,
+                    "top-ups are recorded with this processor name; set ONCEPAY_PROCESSOR_NAME to it to keep it \
+                     when the processor's URL or key changes (docs/top-ups.md)"
+                );
                 Some(TopUps::new(
                     db.clone(),
                     client,
                     settings.currency.clone(),
-                    processor.timeout,
-                    settings.inflight_wait,
+                    processor.name.clone(),
+                    Clocks {
+                        timeout: processor.timeout,
+                        inflight_wait: settings.inflight_wait,
+                        completer_after: settings.completer_after,
+                        action_timeout: settings.topup_action_timeout,
+                    },
                 ))
             }
         };

@@ -35,14 +35,27 @@ pub struct TopUpState {
     pub account: String,
     pub amount: i64,
     pub currency: String,
-    /// `processing`, `succeeded`, `failed` or `refunded`.
+    /// `processing`, `succeeded`, `failed`, `refund_pending` or `refunded`.
     pub status: String,
     pub processor_payment_id: Option<String>,
+    /// The PaymentIntent's status when oncepay last looked (`requires_action`, `processing`
+    /// while the top-up waits for it).
+    #[serde(default)]
+    pub processor_status: Option<String>,
+    /// Why a failed top-up failed: `card_declined`, `invalid_payment_method`,
+    /// `invalid_request`, `authentication_required`, `capture_required` or `canceled`.
     pub failure_code: Option<String>,
+    /// The processor's own reason (its `decline_code` or error `code`).
+    #[serde(default)]
+    pub decline_code: Option<String>,
+    /// Why the last refund failed (its amount was credited back).
+    #[serde(default)]
+    pub refund_failure_code: Option<String>,
     pub created_at: DateTime<Utc>,
 }
 
-/// `POST /top-ups/{id}/refund`: 200.
+/// `POST /top-ups/{id}/refund`: 200 `refunded`, or 202 `refund_pending` while the processor's
+/// refund is pending (`GET /top-ups/{id}` shows how it ends).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TopUpRefund {
     pub id: Uuid,

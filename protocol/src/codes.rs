@@ -49,6 +49,9 @@ problem_codes! {
     InsufficientFunds = "insufficient_funds", 402;
     /// The card processor declined a top-up (the problem carries its `decline_code`).
     CardDeclined = "card_declined", 402;
+    /// The card processor refused a top-up's refund, or the refund failed there; the amount
+    /// was credited back to the account.
+    RefundFailed = "refund_failed", 402;
     AdminDisabled = "admin_disabled", 403;
     NotFound = "not_found", 404;
     AccountNotFound = "account_not_found", 404;
@@ -140,7 +143,7 @@ mod tests {
                 "missing_idempotency_key"
             ]
         );
-        assert_eq!(by_status(402), ["card_declined", "insufficient_funds"]);
+        assert_eq!(by_status(402), ["card_declined", "insufficient_funds", "refund_failed"]);
         assert_eq!(by_status(501), ["processor_not_configured"]);
         assert_eq!(by_status(404), ["account_not_found", "not_found"]);
         assert_eq!(
@@ -154,7 +157,7 @@ mod tests {
         );
         assert_eq!(by_status(422), ["idempotency_key_expired", "idempotency_key_reused"]);
         assert_eq!(by_status(431), ["headers_too_large"], "the dispatcher's own refusal");
-        assert_eq!(ProblemCode::ALL.len(), 25);
+        assert_eq!(ProblemCode::ALL.len(), 26);
         let distinct: std::collections::HashSet<_> = ProblemCode::ALL.iter().map(|c| c.as_str()).collect();
         assert_eq!(distinct.len(), ProblemCode::ALL.len(), "no code twice");
     }

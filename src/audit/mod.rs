@@ -17,15 +17,19 @@
 //!   stored in its own row (`expires_at - created_at`), so replicas started with different
 //!   windows raise no false alarm.
 //!
-//! - top-ups (docs/audit.md, "Top-ups"): none stays unfinished past the completer's window;
-//!   given the processor (`ONCEPAY_PROCESSOR_URL`), its PaymentIntents are read first and
-//!   every one carrying `metadata[oncepay_top_up_id]` that succeeded must be the one
-//!   PaymentIntent of a credited top-up of its amount, and every credited top-up (finished
-//!   before the PaymentIntents were read) must have its PaymentIntent succeeded.
+//! - top-ups (docs/audit.md, "Top-ups"): given the processor (`ONCEPAY_PROCESSOR_URL`), its
+//!   PaymentIntents are read first and every one carrying `metadata[oncepay_top_up_id]` that
+//!   succeeded must be the one PaymentIntent of a credited top-up of its amount (a top-up
+//!   still `processing` past the completer's window with its PaymentIntent succeeded is a
+//!   charge never credited), and every credited top-up (finished before the PaymentIntents
+//!   were read) must have its PaymentIntent succeeded.
 //!
 //! Warning only: keyless payments (policy `allow`) of the same tenant, account and amount
 //! within a few seconds. Without a key nothing tells a retry from a second purchase, so
-//! these are suspicions for a human, not broken invariants.
+//! these are suspicions for a human, not broken invariants. And every top-up (or refund)
+//! unfinished past `ONCEPAY_COMPLETER_AFTER_SECS`, with its age and its PaymentIntent's status
+//! at the processor: one may wait there legitimately (an action, a pending refund), so it is
+//! reported, not failed. No state of a top-up row stops the audit from running.
 
 mod report;
 
@@ -52,8 +56,7 @@ pub struct Options {
     pub duplicate_window: Duration,
     /// How many example rows each finding lists.
     pub samples: i64,
-    /// `ONCEPAY_COMPLETER_AFTER_SECS`: a top-up unfinished after twice this and a minute is
-    /// stuck.
+    /// `ONCEPAY_COMPLETER_AFTER_SECS`: a top-up unfinished after this is reported.
     pub completer_after: Duration,
     /// The card processor, whose PaymentIntents the top-ups are reconciled with.
     pub processor: Option<ProcessorClient>,
@@ -115,12 +118,17 @@ pub async fn run(db: &Db, options: &Options) -> Result<Report, AuditError> {
                     count: 0,
                     samples: Vec::new(),
                 },
+                unfinished_top_ups: Findings {
+                    count: 0,
+                    samples: Vec::new(),
+                },
             };
             let mut invariants = invariants;
             let mut warnings = warnings;
-            let (broken, orphans) = top_ups(tx, options, intents.as_ref()).await?;
-            invariants.top_ups = sampled(broken, options.samples);
-            warnings.unconfirmed_intents = sampled(orphans, options.samples);
+            let found = top_ups(tx, options, intents.as_ref()).await?;
+            invariants.top_ups = sampled(found.broken, options.samples);
+            warnings.unconfirmed_intents = sampled(found.orphans, options.samples);
+            warnings.unfinished_top_ups = sampled(found.unfinished, options.samples);
             Ok((snapshot_at, checked, invariants, warnings))
         })
         .await?;
@@ -393,46 +401,70 @@ async fn keyless_duplicates(conn: &mut PgConnection, o: &Options) -> Result<Find
     Ok(Findings::from_rows(rows, |r| r.total))
 }
 
-fn sampled(mut all: Vec<TopUpFinding>, samples: i64) -> Findings<TopUpFinding> {
+fn sampled<T>(mut all: Vec<T>, samples: i64) -> Findings<T> {
     let count = all.len() as i64;
     all.truncate(usize::try_from(samples).unwrap_or(0));
     Findings { count, samples: all }
 }
 
-/// The top-ups' checks: unfinished past the completer's window; given the processor's
-/// PaymentIntents (read before the snapshot, with the database's clock then), each
-/// succeeded one of oncepay's against its top-up, and each credited top-up against its
-/// PaymentIntent. Gives the broken invariants and the unconfirmed PaymentIntents.
+/// What the top-ups' checks found.
+struct TopUpChecks {
+    broken: Vec<TopUpFinding>,
+    orphans: Vec<TopUpFinding>,
+    unfinished: Vec<UnfinishedTopUp>,
+}
+
+/// The top-ups' checks: those unfinished past the completer's window (with their
+/// PaymentIntent's status, given the processor's PaymentIntents, read before the snapshot with
+/// the database's clock then); each succeeded PaymentIntent of oncepay's against its top-up,
+/// and each credited top-up against its PaymentIntent.
 async fn top_ups(
     conn: &mut PgConnection,
     o: &Options,
     intents: Option<&(chrono::DateTime<chrono::Utc>, Vec<Intent>)>,
-) -> Result<(Vec<TopUpFinding>, Vec<TopUpFinding>), sqlx::Error> {
-    let stuck_after = (o.completer_after * 2 + Duration::from_secs(60)).as_secs_f64();
-    let mut broken: Vec<TopUpFinding> = sqlx::query!(
-        r#"SELECT tenant_id, top_up_id, processor_payment_id,
-                  CASE WHEN status = 'processing' THEN 'processing' ELSE 'refund debited, not refunded at the processor' END AS "what!"
+) -> Result<TopUpChecks, sqlx::Error> {
+    let after = o.completer_after.as_secs_f64();
+    let by_intent: std::collections::HashMap<&str, &Intent> = intents
+        .map(|(_, all)| all.iter().map(|i| (i.id.as_str(), i)).collect())
+        .unwrap_or_default();
+    // Every unfinished top-up (or refund) older than the window: the unfinished ones are few
+    // (the partial index of V8 holds them alone).
+    let unfinished: Vec<UnfinishedTopUp> = sqlx::query!(
+        r#"SELECT tenant_id, top_up_id, processor_payment_id, processor_status, refund_status,
+                  CASE WHEN status = 'processing' THEN 'processing' ELSE 'refund_pending' END AS "state!",
+                  extract(epoch FROM now() - CASE WHEN status = 'processing' THEN created_at
+                                                  ELSE coalesce(refund_requested_at, updated_at) END)::float8 AS "age_secs!"
              FROM top_ups
             WHERE (status = 'processing' OR refund_state = 'debited')
-              AND created_at < now() - make_interval(secs => $2)
               AND ($1::uuid IS NULL OR tenant_id = $1)
             ORDER BY created_at"#,
         o.tenant_id,
-        stuck_after,
     )
     .fetch_all(&mut *conn)
     .await?
     .into_iter()
-    .map(|r| TopUpFinding {
-        tenant_id: Some(r.tenant_id),
-        top_up_id: Some(r.top_up_id),
+    .filter(|r| r.age_secs > after)
+    .map(|r| UnfinishedTopUp {
+        tenant_id: r.tenant_id,
+        top_up_id: r.top_up_id,
+        state: r.state,
+        age_secs: r.age_secs.round() as i64,
+        at_processor: r
+            .processor_payment_id
+            .as_deref()
+            .and_then(|id| by_intent.get(id))
+            .map(|i| i.status.clone()),
+        last_seen_status: if r.refund_status.is_some() { r.refund_status } else { r.processor_status },
         processor_payment_id: r.processor_payment_id,
-        problem: format!("{} for longer than the completer's window ({stuck_after:.0} s)", r.what),
     })
     .collect();
-    let mut orphans = Vec::new();
+    let mut found = TopUpChecks {
+        broken: Vec::new(),
+        orphans: Vec::new(),
+        unfinished,
+    };
     let Some((read_at, intents)) = intents else {
-        return Ok((broken, orphans));
+        return Ok(found);
     };
     let ours: Vec<(&Intent, Option<Uuid>)> = intents
         .iter()
@@ -440,10 +472,12 @@ async fn top_ups(
         .collect();
     let ids: Vec<Uuid> = ours.iter().filter_map(|(_, id)| *id).collect();
     // Every top-up a PaymentIntent names (whatever the audit's tenant: a PaymentIntent names
-    // no tenant), and every top-up of the audit's scope credited before the read.
+    // no tenant), and every top-up of the audit's scope credited before the read. A top-up not
+    // finished has no `finished_at`: not finished before the read either.
     let rows = sqlx::query!(
         r#"SELECT tenant_id, top_up_id, amount AS "amount!: i64", status AS "status!: String",
-                  processor_payment_id, (finished_at < $3) AS "finished_before_read!"
+                  processor_payment_id, coalesce(finished_at < $3, false) AS "finished_before_read!",
+                  extract(epoch FROM now() - created_at)::float8 AS "age_secs!"
              FROM top_ups
             WHERE top_up_id = ANY($2)
                OR (($1::uuid IS NULL OR tenant_id = $1) AND balance_after IS NOT NULL AND finished_at < $3)"#,
@@ -474,7 +508,7 @@ async fn top_ups(
             if intent.status == "requires_confirmation" && !ours_committed {
                 let settled = row.is_none_or(|r| r.status != "processing");
                 if settled {
-                    orphans.push(finding(
+                    found.orphans.push(finding(
                         row.map(|r| r.tenant_id),
                         *id,
                         "never confirmed; charges nothing",
@@ -484,7 +518,7 @@ async fn top_ups(
             continue;
         }
         let Some(row) = row else {
-            broken.push(finding(
+            found.broken.push(finding(
                 None,
                 *id,
                 "succeeded at the processor, but oncepay has no such top-up",
@@ -493,19 +527,27 @@ async fn top_ups(
         };
         *succeeded_per_top_up.entry(row.top_up_id).or_default() += 1;
         let problem = if !ours_committed {
-            Some("succeeded at the processor, but is not its top-up's PaymentIntent (a second charge)")
+            Some("succeeded at the processor, but is not its top-up's PaymentIntent (a second charge)".to_owned())
         } else if row.status == "failed" {
-            Some("succeeded at the processor, but its top-up is recorded as failed (not credited)")
+            Some("succeeded at the processor, but its top-up is recorded as failed (not credited)".to_owned())
+        } else if row.status == "processing" && row.age_secs > after {
+            // Charged, and still not credited after the completer's window.
+            Some(format!(
+                "succeeded at the processor, but its top-up is still processing after {:.0} s (charged, not credited)",
+                row.age_secs
+            ))
         } else if row.status == "processing" {
-            // Between the confirmation and its record, or stuck (reported above).
+            // Between the confirmation and its record.
             None
         } else if row.amount != intent.amount {
-            Some("succeeded with another amount than its top-up's")
+            Some("succeeded with another amount than its top-up's".to_owned())
         } else {
             None
         };
         if let Some(problem) = problem {
-            broken.push(finding(Some(row.tenant_id), Some(row.top_up_id), problem));
+            found
+                .broken
+                .push(finding(Some(row.tenant_id), Some(row.top_up_id), &problem));
         }
     }
     for row in &rows {
@@ -521,7 +563,7 @@ async fn top_ups(
                 && row.processor_payment_id.as_deref() == Some(intent.id.as_str())
         });
         if !charged {
-            broken.push(TopUpFinding {
+            found.broken.push(TopUpFinding {
                 tenant_id: Some(row.tenant_id),
                 top_up_id: Some(row.top_up_id),
                 processor_payment_id: row.processor_payment_id.clone(),
@@ -532,7 +574,7 @@ async fn top_ups(
     for (top_up, n) in succeeded_per_top_up {
         if n > 1 {
             let tenant = by_id.get(&top_up).map(|r| r.tenant_id);
-            broken.push(TopUpFinding {
+            found.broken.push(TopUpFinding {
                 tenant_id: tenant,
                 top_up_id: Some(top_up),
                 processor_payment_id: None,
@@ -540,5 +582,5 @@ async fn top_ups(
             });
         }
     }
-    Ok((broken, orphans))
+    Ok(found)
 }

@@ -65,6 +65,8 @@ pub struct Warnings {
     /// PaymentIntents of oncepay's never confirmed and not their top-up's (a create whose
     /// answer was lost): they charge nothing.
     pub unconfirmed_intents: Findings<TopUpFinding>,
+    /// Top-ups (and refunds) unfinished past the completer's window, oldest first.
+    pub unfinished_top_ups: Findings<UnfinishedTopUp>,
 }
 
 /// How many rows broke a check (all of them) and the first few, for a human to look at.
@@ -143,6 +145,23 @@ pub struct TopUpFinding {
     pub top_up_id: Option<Uuid>,
     pub processor_payment_id: Option<String>,
     pub problem: String,
+}
+
+/// A top-up, or its refund, that waits for the processor.
+#[derive(Debug, Clone, Serialize)]
+pub struct UnfinishedTopUp {
+    pub tenant_id: Uuid,
+    pub top_up_id: Uuid,
+    /// `processing` (the top-up) or `refund_pending` (its refund, the balance debited).
+    pub state: String,
+    /// Since the top-up's creation, or the refund's debit.
+    pub age_secs: i64,
+    pub processor_payment_id: Option<String>,
+    /// The PaymentIntent's status at the processor as the audit read it (`None`: no
+    /// processor configured, no PaymentIntent yet, or not among those read).
+    pub at_processor: Option<String>,
+    /// What oncepay last saw (the PaymentIntent's status, or the refund's).
+    pub last_seen_status: Option<String>,
 }
 
 #[derive(Debug, Serialize)]
@@ -294,12 +313,7 @@ impl fmt::Display for Report {
             Some(n) => format!("against the processor's {n} PaymentIntents"),
             None => "(no processor configured: its PaymentIntents not read)".to_owned(),
         };
-        status_line(
-            &mut out,
-            &inv.top_ups,
-            &format!("top-ups {against}, or unfinished past the completer's window"),
-            "BROKEN",
-        )?;
+        status_line(&mut out, &inv.top_ups, &format!("top-ups {against}"), "BROKEN")?;
         samples(&mut out, &inv.top_ups, top_up_line)?;
         status_line(
             &mut out,
@@ -308,6 +322,24 @@ impl fmt::Display for Report {
             "warning",
         )?;
         samples(&mut out, &self.warnings.unconfirmed_intents, top_up_line)?;
+        status_line(
+            &mut out,
+            &self.warnings.unfinished_top_ups,
+            "top-ups and refunds unfinished past the completer's window (waiting at the processor, or stuck)",
+            "warning",
+        )?;
+        samples(&mut out, &self.warnings.unfinished_top_ups, |u| {
+            format!(
+                "top-up {} (tenant {}) {} for {} s: PaymentIntent {} is {} at the processor (last seen {})",
+                u.top_up_id,
+                u.tenant_id,
+                u.state,
+                u.age_secs,
+                u.processor_payment_id.as_deref().unwrap_or("(none yet)"),
+                u.at_processor.as_deref().unwrap_or("unknown"),
+                u.last_seen_status.as_deref().unwrap_or("nothing")
+            )
+        })?;
         let dups = &self.warnings.suspected_keyless_duplicates;
         status_line(
             &mut out,

@@ -144,12 +144,44 @@ pub struct TopUpRow {
     pub updated_at: DateTime<Utc>,
     pub finished_at: Option<DateTime<Utc>>,
     pub refunded_at: Option<DateTime<Utc>>,
+    /// Its `ONCEPAY_PROCESSOR_NAME` (before migrations/V23: the processor's URL).
     pub processor: String,
+    /// The PaymentIntent's status when last seen (migrations/V23 and on).
+    pub processor_status: Option<String>,
+    /// When the completer looks next at a top-up or refund that waits for the processor.
+    pub next_check_at: Option<DateTime<Utc>>,
+    /// Looks at a waiting status so far.
+    pub checks: i32,
+    /// The numbered series of each call's `Idempotency-Key` (`crate::topup::processor::KeyedCall`).
+    pub create_key_series: i32,
+    pub confirm_key_series: i32,
+    pub cancel_key_series: i32,
+    pub refund_key_series: i32,
+    /// The processor's refund status when last seen.
+    pub refund_status: Option<String>,
+    /// Why the last refund failed; its amount was credited back.
+    pub refund_failure_code: Option<String>,
+    pub refund_requested_at: Option<DateTime<Utc>>,
 }
 
 impl TopUpRow {
     /// Neither the top-up nor its refund waits for the processor.
     pub fn is_settled(&self) -> bool {
-        *self.status != "processing" && self.refund_state.as_deref().map(String::as_str) != Some("debited")
+        *self.status != "processing" && !self.refund_debited()
+    }
+
+    /// The balance was debited for a refund the processor has not finished.
+    pub fn refund_debited(&self) -> bool {
+        self.refund_state.as_deref().map(String::as_str) == Some("debited")
+    }
+
+    /// The status `GET /top-ups/{id}` shows: `refund_pending` while a refund waits for the
+    /// processor (the balance debited), otherwise the stored one.
+    pub fn shown_status(&self) -> &str {
+        if self.refund_debited() {
+            "refund_pending"
+        } else {
+            self.status.as_str()
+        }
     }
 }

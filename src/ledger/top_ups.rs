@@ -1,6 +1,7 @@
-//! The phases of a card top-up and of its refund (migrations/V8): each a call of its own SQL
-//! function, one transaction, no processor call inside. `crate::topup` drives them and makes
-//! the processor calls between them.
+//! The phases of a card top-up and of its refund (migrations/V8, V23): each a call of its own
+//! SQL function, one transaction, no processor call inside. `crate::topup` drives them and
+//! makes the processor calls between them. Every phase after the first takes the lease's
+//! owner and changes nothing for another: a driver whose lease was taken writes nothing.
 
 use chrono::{DateTime, Utc};
 use sqlx::PgConnection;
@@ -28,7 +29,7 @@ pub struct NewTopUp<'a> {
     pub amount: Amount,
     pub currency: &'a str,
     pub payment_method: &'a str,
-    /// The processor it is made with (its base URL).
+    /// The processor it is made with (its `ONCEPAY_PROCESSOR_NAME`).
     pub processor: &'a str,
 }
 
@@ -113,46 +114,188 @@ pub async fn intent_created(
     .await
 }
 
-/// The PaymentIntent succeeded: credit the account (once).
-pub async fn succeed(conn: &mut PgConnection, row: &TopUpRow, intent: &str) -> Result<TopUpRow, sqlx::Error> {
+/// The PaymentIntent succeeded: credit the account (once), if `owner` still holds the lease.
+pub async fn succeed(
+    conn: &mut PgConnection,
+    row: &TopUpRow,
+    owner: Uuid,
+    intent: &str,
+) -> Result<TopUpRow, sqlx::Error> {
     sqlx::query_scalar!(
-        r#"SELECT r AS "r!: TopUpRow" FROM oncepay_top_up_succeed($1, $2, $3) r"#,
+        r#"SELECT r AS "r!: TopUpRow" FROM oncepay_top_up_succeed($1, $2, $3, $4) r"#,
         row.tenant_id,
         row.top_up_id,
+        owner,
         intent,
     )
     .fetch_one(conn)
     .await
 }
 
-/// The processor declined or refused the payment method: the top-up failed, its key stores
-/// the decline.
+/// Why a top-up failed, as its row and its key row store it.
+#[derive(Clone, Debug)]
+pub struct Failure<'a> {
+    /// The top-up's `failure_code`: the decline's code, or `authentication_required`,
+    /// `capture_required`, `canceled`.
+    pub failure: &'a str,
+    /// What the key row stores and answers (a code of the contract).
+    pub decline: Decline,
+    /// The processor's own reason.
+    pub decline_code: Option<&'a str>,
+    /// The PaymentIntent's status as last seen, when a look told.
+    pub processor_status: Option<&'a str>,
+}
+
+/// The top-up failed (nothing was charged): its row and its key row store the failure, if
+/// `owner` still holds the lease.
 pub async fn fail(
     conn: &mut PgConnection,
     row: &TopUpRow,
-    decline: Decline,
-    decline_code: Option<&str>,
+    owner: Uuid,
+    failure: &Failure<'_>,
 ) -> Result<TopUpRow, sqlx::Error> {
-    let status = i16::try_from(decline.status()).unwrap_or(i16::MAX);
+    let status = i16::try_from(failure.decline.status()).unwrap_or(i16::MAX);
     sqlx::query_scalar!(
-        r#"SELECT r AS "r!: TopUpRow" FROM oncepay_top_up_fail($1, $2, $3, $4, $5) r"#,
+        r#"SELECT r AS "r!: TopUpRow" FROM oncepay_top_up_fail($1, $2, $3, $4, $5, $6, $7, $8) r"#,
         row.tenant_id,
         row.top_up_id,
-        decline.code().as_str(),
-        decline_code,
+        owner,
+        failure.failure,
+        failure.decline.code().as_str(),
+        status,
+        failure.decline_code,
+        failure.processor_status,
+    )
+    .fetch_one(conn)
+    .await
+}
+
+/// The processor refunded: the refund is recorded (once), if `owner` still holds the lease.
+pub async fn refunded(
+    conn: &mut PgConnection,
+    row: &TopUpRow,
+    owner: Uuid,
+    refund: &str,
+) -> Result<TopUpRow, sqlx::Error> {
+    sqlx::query_scalar!(
+        r#"SELECT r AS "r!: TopUpRow" FROM oncepay_top_up_refunded($1, $2, $3, $4) r"#,
+        row.tenant_id,
+        row.top_up_id,
+        owner,
+        refund,
+    )
+    .fetch_one(conn)
+    .await
+}
+
+/// The refund failed, was canceled or refused at the processor: the amount is credited back,
+/// the refund's key stores `refund_failed` and the event `top_up.refund_failed` is written, in
+/// one transaction, if `owner` still holds the lease.
+pub async fn refund_failed(
+    conn: &mut PgConnection,
+    row: &TopUpRow,
+    owner: Uuid,
+    refund: Option<&str>,
+    refund_status: &str,
+    failure_code: &str,
+) -> Result<TopUpRow, sqlx::Error> {
+    let status = i16::try_from(Decline::RefundFailed.status()).unwrap_or(i16::MAX);
+    sqlx::query_scalar!(
+        r#"SELECT r AS "r!: TopUpRow" FROM oncepay_top_up_refund_failed($1, $2, $3, $4, $5, $6, $7) r"#,
+        row.tenant_id,
+        row.top_up_id,
+        owner,
+        refund,
+        refund_status,
+        failure_code,
         status,
     )
     .fetch_one(conn)
     .await
 }
 
-/// The processor refunded: the refund is recorded (once).
-pub async fn refunded(conn: &mut PgConnection, row: &TopUpRow, refund: &str) -> Result<TopUpRow, sqlx::Error> {
+/// The owner renews its lease (`lease_secs` from now); the row as it is now, whose
+/// `lease_owner` tells whether the lease is still the owner's.
+pub async fn renew(
+    conn: &mut PgConnection,
+    row: &TopUpRow,
+    owner: Uuid,
+    lease_secs: i32,
+) -> Result<TopUpRow, sqlx::Error> {
     sqlx::query_scalar!(
-        r#"SELECT r AS "r!: TopUpRow" FROM oncepay_top_up_refunded($1, $2, $3) r"#,
+        r#"SELECT r AS "r!: TopUpRow" FROM oncepay_top_up_renew($1, $2, $3, $4) r"#,
         row.tenant_id,
         row.top_up_id,
+        owner,
+        lease_secs,
+    )
+    .fetch_one(conn)
+    .await
+}
+
+/// The key `from` of `call` (`create`, `confirm`, `cancel`, `refund`) was answered with a
+/// saved 5xx, and the processor's state shows the call did not happen: the series moves on
+/// (once, whoever asks), and the lease is renewed.
+pub async fn next_key(
+    conn: &mut PgConnection,
+    row: &TopUpRow,
+    owner: Uuid,
+    call: &str,
+    from: i32,
+    lease_secs: i32,
+) -> Result<TopUpRow, sqlx::Error> {
+    sqlx::query_scalar!(
+        r#"SELECT r AS "r!: TopUpRow" FROM oncepay_top_up_next_key($1, $2, $3, $4, $5, $6) r"#,
+        row.tenant_id,
+        row.top_up_id,
+        owner,
+        call,
+        from,
+        lease_secs,
+    )
+    .fetch_one(conn)
+    .await
+}
+
+/// The PaymentIntent waits (`requires_action`, `requires_capture`, `processing`): its status
+/// and the next look in `next_check_secs` are recorded, and the lease given back.
+pub async fn wait(
+    conn: &mut PgConnection,
+    row: &TopUpRow,
+    owner: Uuid,
+    processor_status: &str,
+    next_check_secs: i32,
+) -> Result<TopUpRow, sqlx::Error> {
+    sqlx::query_scalar!(
+        r#"SELECT r AS "r!: TopUpRow" FROM oncepay_top_up_wait($1, $2, $3, $4, $5) r"#,
+        row.tenant_id,
+        row.top_up_id,
+        owner,
+        processor_status,
+        next_check_secs,
+    )
+    .fetch_one(conn)
+    .await
+}
+
+/// The refund waits at the processor (`pending`): the refund, its status and the next look
+/// are recorded, and the lease given back.
+pub async fn refund_wait(
+    conn: &mut PgConnection,
+    row: &TopUpRow,
+    owner: Uuid,
+    refund: &str,
+    refund_status: &str,
+    next_check_secs: i32,
+) -> Result<TopUpRow, sqlx::Error> {
+    sqlx::query_scalar!(
+        r#"SELECT r AS "r!: TopUpRow" FROM oncepay_top_up_refund_wait($1, $2, $3, $4, $5, $6) r"#,
+        row.tenant_id,
+        row.top_up_id,
+        owner,
         refund,
+        refund_status,
+        next_check_secs,
     )
     .fetch_one(conn)
     .await
@@ -171,35 +314,42 @@ pub async fn release(conn: &mut PgConnection, row: &TopUpRow, owner: Uuid) -> Re
     .map(|_| ())
 }
 
-/// Up to `limit` unfinished top-ups (or refunds) of `processor` untouched for `after_secs`
-/// whose lease is free, leased to `owner` (the completer).
-pub async fn claim_stale(
+/// Up to `limit` unfinished top-ups (or refunds) made with one of `processors` that are due
+/// (their next look has come, or they were left untouched for `after_secs`) and whose lease is
+/// free, leased to `owner` (the completer).
+pub async fn claim_due(
     conn: &mut PgConnection,
     owner: Uuid,
     after_secs: i32,
     lease_secs: i32,
     limit: i32,
-    processor: &str,
+    processors: &[String],
 ) -> Result<Vec<TopUpRow>, sqlx::Error> {
     sqlx::query_scalar!(
-        r#"SELECT r AS "r!: TopUpRow" FROM oncepay_top_up_claim_stale($1, $2, $3, $4, $5) r"#,
+        r#"SELECT r AS "r!: TopUpRow" FROM oncepay_top_up_claim_due($1, $2, $3, $4, $5) r"#,
         owner,
         after_secs,
         lease_secs,
         limit,
-        processor,
+        processors,
     )
     .fetch_all(conn)
     .await
 }
 
-/// Top-ups and refunds waiting for the processor, on every tenant.
-pub async fn unfinished(conn: &mut PgConnection) -> Result<i64, sqlx::Error> {
-    sqlx::query_scalar!(
-        r#"SELECT count(*) AS "n!" FROM top_ups WHERE status = 'processing' OR refund_state = 'debited'"#
+/// Top-ups and refunds waiting for the processor, on every tenant, and how long the oldest
+/// of them has waited (a top-up since its creation, a refund since its debit), in seconds.
+pub async fn unfinished(conn: &mut PgConnection) -> Result<(i64, i64), sqlx::Error> {
+    let r = sqlx::query!(
+        r#"SELECT count(*) AS "n!",
+                  coalesce(extract(epoch FROM max(now() - CASE WHEN status = 'processing' THEN created_at
+                                                               ELSE coalesce(refund_requested_at, updated_at) END)), 0)::bigint
+                      AS "oldest_secs!"
+             FROM top_ups WHERE status = 'processing' OR refund_state = 'debited'"#
     )
     .fetch_one(conn)
-    .await
+    .await?;
+    Ok((r.n, r.oldest_secs))
 }
 
 /// A top-up's row, for `GET /top-ups/{id}`.

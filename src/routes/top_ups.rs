@@ -65,25 +65,36 @@ pub struct TopUpOut {
     created_at: DateTime<Utc>,
 }
 
-/// A top-up's current state.
+/// A top-up's current state (the same fields as its events' `data`: migrations/V23,
+/// `oncepay_top_up_event_data`).
 #[derive(Serialize, ToSchema)]
 pub struct TopUpStateOut {
     id: TopUpId,
     account: String,
     amount: i64,
     currency: String,
-    /// `processing`, `succeeded`, `failed` or `refunded`.
+    /// `processing`, `succeeded`, `failed`, `refund_pending` (a refund's debit is made, the
+    /// processor's refund not finished) or `refunded`.
     status: String,
     processor_payment_id: Option<String>,
-    /// `card_declined` or `invalid_payment_method` for a failed top-up.
+    /// The PaymentIntent's status when oncepay last looked: while the top-up is `processing`,
+    /// what it waits for (`requires_action`, `requires_capture`, `processing`).
+    processor_status: Option<String>,
+    /// Why a failed top-up failed: `card_declined`, `invalid_payment_method`,
+    /// `invalid_request`, `authentication_required`, `capture_required` or `canceled`.
     failure_code: Option<String>,
+    /// The processor's own reason (its `decline_code` or error `code`).
+    decline_code: Option<String>,
+    /// Why the last refund failed; its amount was credited back.
+    refund_failure_code: Option<String>,
     created_at: DateTime<Utc>,
 }
 
-/// A refunded top-up.
+/// A refunded top-up, or one whose refund is pending at the processor.
 #[derive(Serialize, ToSchema)]
 pub struct TopUpRefundOut {
     id: TopUpId,
+    /// `refunded` (200), or `refund_pending` (202: `GET /top-ups/{id}` shows how it ends).
     status: &'static str,
     /// The amount refunded (the whole top-up).
     refunded: i64,
@@ -215,6 +226,7 @@ pub(super) async fn create(
     request_body(content = TopUpRefundIn, content_type = "application/json"),
     responses(
         (status = 200, description = "Refunded (or the replay of that answer).", body = TopUpRefundOut),
+        (status = 202, description = "Debited; the processor's refund is pending (`refund_pending`): a retry with the same key looks again, `GET /top-ups/{id}` and the events tell how it ends.", body = TopUpRefundOut),
         (status = 400, response = BadRequest), (status = 401, response = Unauthorized),
         (status = 402, response = PaymentRequired), (status = 404, response = NotFound),
         (status = 409, response = Conflict), (status = 413, response = BodyTooLarge),
@@ -246,15 +258,17 @@ pub(super) async fn refund(
         .map_err(|e| ApiError::Internal(e.into()))?
         .map_err(edge)?;
     respond(answer, keyed, |row| {
+        let pending = row.refund_debited();
         let out = TopUpRefundOut {
             id: TopUpId::from_uuid(row.top_up_id),
-            status: "refunded",
+            status: if pending { "refund_pending" } else { "refunded" },
             refunded: row.amount.0,
             balance: row
                 .balance_after_refund
                 .ok_or_else(|| super::pipeline::corrupt("a refunded top-up without its balance"))?,
         };
-        Ok((StatusCode::OK, body(&out)?, None))
+        let status = if pending { StatusCode::ACCEPTED } else { StatusCode::OK };
+        Ok((status, body(&out)?, None))
     })
 }
 
@@ -278,12 +292,15 @@ pub(super) async fn show(req: HttpRequest, state: web::Data<AppState>) -> Result
         .ok_or(ApiError::NotFound)?;
     Ok(HttpResponse::Ok().json(TopUpStateOut {
         id,
-        account: row.account_id.0,
+        account: row.account_id.0.clone(),
         amount: row.amount.0,
-        currency: row.currency,
-        status: row.status.0,
+        currency: row.currency.clone(),
+        status: row.shown_status().to_owned(),
         processor_payment_id: row.processor_payment_id,
+        processor_status: row.processor_status,
         failure_code: row.failure_code,
+        decline_code: row.decline_code,
+        refund_failure_code: row.refund_failure_code,
         created_at: row.created_at,
     }))
 }
@@ -320,6 +337,20 @@ fn respond(
             response.extensions_mut().insert(RequestOutcome(label));
             Ok(response)
         }
+        Answer::RefundPending { row } => {
+            let (status, body, _) = render(&row)?;
+            let mut response = HttpResponse::build(status);
+            if keyed {
+                // Not final: a retry with the key looks at the refund again.
+                response.insert_header((REPLAYED_HEADER, "false"));
+            }
+            let mut response = response.content_type(mime::APPLICATION_JSON).body(body);
+            // The debit was made: counted as made, not yet as refunded.
+            response
+                .extensions_mut()
+                .insert(RequestOutcome(if keyed { "created" } else { "keyless" }));
+            Ok(response)
+        }
         Answer::Declined { decline, row, replayed } => Err(ApiError::ProcessorDeclined {
             decline,
             decline_code: row.and_then(|r| r.decline_code),
@@ -337,6 +368,13 @@ fn edge(err: TopUpError) -> ApiError {
             tracing::warn!(
                 why,
                 "top-up answered 503: the processor's outcome is unknown, the key stays with it"
+            );
+            ApiError::ProcessorUnknown
+        }
+        TopUpError::Waiting(status) => {
+            tracing::info!(
+                status,
+                "top-up answered 503: its PaymentIntent waits at the processor, the key stays with it"
             );
             ApiError::ProcessorUnknown
         }

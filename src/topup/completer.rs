@@ -1,20 +1,26 @@
 //! The completer: on every replica, a loop that finishes the top-ups (and refunds) whose
 //! request is gone (a crash, a client that gave up) once they have been left alone for
-//! `ONCEPAY_COMPLETER_AFTER_SECS`, of its own processor (a top-up made with another one is
-//! that one's business: its PaymentIntent lives there). It leases a few at a time (`FOR UPDATE SKIP LOCKED`, then
-//! the lease: replicas never drive the same one at once) and drives each as a resumed
-//! request would: it looks at the PaymentIntent first, confirms it only if it was never
-//! confirmed, and records the final state.
+//! `ONCEPAY_COMPLETER_AFTER_SECS`, and looks again at those that wait at the processor when
+//! their next look is due; only those of its own processor (its `ONCEPAY_PROCESSOR_NAME`, or
+//! its URL for rows written before migrations/V23: a PaymentIntent lives at one processor).
+//! It leases one at a time (`FOR UPDATE SKIP LOCKED`, then the lease: replicas never drive the
+//! same one at once, and no lease waits while the completer drives another) and drives each as
+//! a resumed request would: it looks at the PaymentIntent first, confirms it only if it was
+//! never confirmed, and records the final state.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use uuid::Uuid;
 
-use super::{CompleterCounters, TopUps};
+use super::refund::RefundEnd;
+use super::{CompleterCounters, TopUpError, TopUps};
 use crate::ledger::top_ups;
 
-/// Top-ups leased per round.
-const BATCH: i32 = 16;
+/// Top-ups driven per round at most.
+const PER_ROUND: usize = 16;
+
+/// A round takes no new top-up after this long (the one under way finishes its drive).
+const ROUND_BUDGET: Duration = Duration::from_secs(60);
 
 /// Runs until the task is aborted.
 pub async fn run(top_ups: TopUps, after: Duration, counters: CompleterCounters) {
@@ -35,37 +41,54 @@ pub async fn run(top_ups: TopUps, after: Duration, counters: CompleterCounters) 
     }
 }
 
-/// One round: leases the stale top-ups and drives each; gives how many it drove.
+/// One round: leases the due top-ups one by one and drives each; gives how many it drove.
 pub async fn run_once(
     top_ups: &TopUps,
     after: Duration,
     counters: &CompleterCounters,
 ) -> Result<usize, crate::db::DbError> {
-    let owner = Uuid::new_v4();
     let after_secs = i32::try_from(after.as_secs()).unwrap_or(i32::MAX);
     let lease_secs = top_ups.lease_secs();
-    let stale = top_ups
-        .db
-        .run(async |c| top_ups::claim_stale(c, owner, after_secs, lease_secs, BATCH, top_ups.processor()).await)
-        .await?;
-    let driven = stale.len();
-    for row in stale {
-        let id = row.top_up_id;
-        let result = if *row.status == "processing" {
-            top_ups.drive_top_up(row, owner, true).await
-        } else {
-            top_ups.drive_refund(row, owner, true).await
+    let started = Instant::now();
+    let mut driven = 0;
+    while driven < PER_ROUND && started.elapsed() < ROUND_BUDGET {
+        let owner = Uuid::new_v4();
+        let sent = Instant::now();
+        let names = &top_ups.finishes;
+        let Some(row) = top_ups
+            .db
+            .run(async |c| top_ups::claim_due(c, owner, after_secs, lease_secs, 1, names).await)
+            .await?
+            .pop()
+        else {
+            break;
         };
-        let label = match &result {
-            Ok(row) => {
-                tracing::info!(top_up = %id, status = %*row.status, "completer finished a top-up left unfinished");
-                "finished"
+        driven += 1;
+        let id = row.top_up_id;
+        let lease = top_ups.lease_from(owner, sent);
+        let label = if *row.status == "processing" {
+            match top_ups.drive_top_up(row, lease, true).await {
+                Ok(row) => {
+                    tracing::info!(top_up = %id, status = row.shown_status(), "completer finished a top-up left unfinished");
+                    "finished"
+                }
+                Err(TopUpError::Waiting(_)) => "waiting",
+                Err(_) => "unknown",
             }
-            Err(_) => "unknown",
+        } else {
+            match top_ups.drive_refund(row, lease, true).await {
+                Ok(RefundEnd::Pending(_)) => "waiting",
+                Ok(end) => {
+                    tracing::info!(top_up = %id, end = ?end, "completer finished a refund left unfinished");
+                    "finished"
+                }
+                Err(_) => "unknown",
+            }
         };
         counters.operations.with_label_values(&[label]).inc();
     }
-    let unfinished = top_ups.db.run(async |c| top_ups::unfinished(c).await).await?;
+    let (unfinished, oldest_secs) = top_ups.db.run(async |c| top_ups::unfinished(c).await).await?;
     counters.unfinished.set(unfinished);
+    counters.oldest_unfinished.set(oldest_secs);
     Ok(driven)
 }

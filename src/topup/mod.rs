@@ -1,31 +1,42 @@
-//! Card top-ups: the phases of migrations/V8 driven across the processor calls between them
-//! (Brandur Leach's atomic phases; contract section 4b).
+//! Card top-ups: the phases of migrations/V8 and V23 driven across the processor calls between
+//! them (Brandur Leach's atomic phases; contract section 4b; docs/top-ups.md).
 //!
 //! ```text
 //!  begin (tx) ──create PaymentIntent──▶ intent_created (tx) ──confirm──▶ succeed | fail (tx)
-//!  refund_begin (tx: debit) ──create refund──▶ refunded (tx)
+//!                                                           └─ waits ──▶ wait (tx) … look again
+//!  refund_begin (tx: debit) ──create refund──▶ refunded | refund_failed (tx: credit back)
+//!                                          └─ pending ──▶ refund_wait (tx) … look again
 //! ```
 //!
 //! - No database connection is held while a processor call is out: each phase takes a pooled
 //!   connection for its one statement and gives it back.
 //! - Whoever holds the top-up's lease drives it: the request that created it, a retry with the
-//!   same key once the lease is free, or the completer of any replica once the top-up has been
-//!   left alone for `ONCEPAY_COMPLETER_AFTER_SECS`. The lease outlasts the longest call
-//!   (twice the processor timeout, plus a margin), so two drivers never call at once unless a
-//!   process stalls longer than that.
+//!   same key once the lease is free, or the completer of any replica once the top-up is due.
+//!   The lease lasts twice the processor timeout plus 2 s; before each call the driver renews
+//!   it if what is left would not cover the call ([`Lease`]), and every phase's write checks
+//!   that the driver still owns it: a driver that stalled past its lease, while another took
+//!   it, writes nothing.
 //! - The PaymentIntent's id is committed before it is confirmed. A driver that resumes (any
-//!   driver but the one that just committed the id) first GETs it: `succeeded` is recorded,
-//!   `requires_confirmation` is confirmed, a decline is recorded. So a top-up never has two
-//!   PaymentIntents that were confirmed, whatever the processor does with `Idempotency-Key`.
-//!   A PaymentIntent created whose id was never committed (the answer lost, the process
-//!   killed) stays unconfirmed: it charges nothing (`oncepay audit` lists it).
+//!   driver but the one that just committed the id) first GETs it, and decides by its status
+//!   (`drive`). So a top-up never has two PaymentIntents that were confirmed, whatever the
+//!   processor does with `Idempotency-Key`. A PaymentIntent created whose id was never
+//!   committed (the answer lost, the process killed) stays unconfirmed: it charges nothing
+//!   (`oncepay audit` lists it).
+//! - A 5xx the processor answers again under its key (Stripe saves it for a day) is resolved by
+//!   reading the processor's state, then, if the call did not take effect, by the next key of
+//!   the call's series (the series is in the row, so every driver continues it).
 //! - When a call's outcome is unknown the driver gives the lease back and the request answers
-//!   503: the client's retry with the same key resumes at once.
+//!   503: the client's retry with the same key resumes at once. A PaymentIntent (or refund)
+//!   that waits at the processor is recorded with the time of the next look, and the lease
+//!   given back.
 
 pub mod completer;
+mod drive;
+mod failure;
 pub mod processor;
+mod refund;
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use uuid::Uuid;
 
@@ -34,11 +45,11 @@ use crate::domain::{TenantId, TopUpId};
 use crate::ledger::top_ups::{self, Begun, NewTopUp};
 use crate::ledger::{ClaimArgs, TopUpRow};
 use crate::operation::{ClaimOutcome, Decline};
-use processor::{CallError, ProcessorClient};
+use processor::ProcessorClient;
 
-/// Rounds of a drive before it gives up for now (each round is one processor call or one
-/// look at the PaymentIntent; a top-up needs three at most).
-const MAX_ROUNDS: usize = 6;
+/// Steps of a drive before it gives up for now: each is one processor call or one phase;
+/// a top-up needs three at most when nothing goes wrong, a saved 5xx adds three.
+const MAX_STEPS: usize = 12;
 
 /// How a top-up (or refund) request ends, for the edge to answer.
 #[derive(Debug)]
@@ -48,6 +59,11 @@ pub enum Answer {
     Done {
         row: TopUpRow,
         replayed: bool,
+    },
+    /// The refund's debit is made and the processor's refund is pending: the top-up is
+    /// `refund_pending` until it ends (202).
+    RefundPending {
+        row: TopUpRow,
     },
     /// A stored decline; the row when the decline belongs to a top-up (the processor's
     /// `decline_code`).
@@ -68,6 +84,10 @@ pub enum TopUpError {
     /// with the same key (or the completer) resumes.
     #[error("the processor's outcome is unknown: {0}")]
     ProcessorUnknown(String),
+    /// The PaymentIntent waits at the processor (`requires_action`, `requires_capture` before
+    /// the action timeout, `processing`): recorded, looked at again later.
+    #[error("the PaymentIntent is {0} at the processor")]
+    Waiting(String),
     /// Another request or replica drives this top-up, still after the in-flight wait.
     #[error("another request is driving this top-up")]
     InProgress,
@@ -79,11 +99,27 @@ pub struct CompleterCounters {
     /// `oncepay_completer_runs_total{outcome}`: `ok` or `error`.
     pub runs: prometheus::IntCounterVec,
     /// `oncepay_completer_operations_total{result}`: operations it drove, by how they ended
-    /// (`finished`, `unknown`).
+    /// (`finished`, `waiting`, `unknown`).
     pub operations: prometheus::IntCounterVec,
     /// `oncepay_top_ups_unfinished`: top-ups and refunds waiting for the processor (all
     /// tenants), as of the last completer run.
     pub unfinished: prometheus::IntGauge,
+    /// `oncepay_top_up_oldest_unfinished_seconds`: how long the oldest of them has waited.
+    pub oldest_unfinished: prometheus::IntGauge,
+}
+
+/// The clocks of the top-ups (from the settings).
+#[derive(Clone, Copy, Debug)]
+pub struct Clocks {
+    /// `ONCEPAY_PROCESSOR_TIMEOUT_MS`: the longest one call takes.
+    pub timeout: Duration,
+    /// `ONCEPAY_INFLIGHT_WAIT_MS`.
+    pub inflight_wait: Duration,
+    /// `ONCEPAY_COMPLETER_AFTER_SECS`: also the first interval between looks at a status
+    /// that waits.
+    pub completer_after: Duration,
+    /// `ONCEPAY_TOPUP_ACTION_TIMEOUT_SECS`.
+    pub action_timeout: Duration,
 }
 
 /// The top-ups of one process: its database, its processor client and its clocks.
@@ -92,24 +128,33 @@ pub struct TopUps {
     db: Db,
     processor: ProcessorClient,
     currency: String,
+    /// `ONCEPAY_PROCESSOR_NAME`, recorded with each top-up; and the names the completer
+    /// finishes (that one, and the URL, which rows written before migrations/V23 carry).
+    name: String,
+    finishes: Vec<String>,
     lease: Duration,
-    inflight_wait: Duration,
+    clocks: Clocks,
+}
+
+/// The lease a driver holds: its owner and the instant (of this process's clock) until which
+/// it surely holds it, counted from before the statement that took or renewed it.
+#[derive(Clone, Copy, Debug)]
+pub struct Lease {
+    pub owner: Uuid,
+    until: Instant,
 }
 
 impl TopUps {
-    pub fn new(
-        db: Db,
-        processor: ProcessorClient,
-        currency: String,
-        timeout: Duration,
-        inflight_wait: Duration,
-    ) -> Self {
+    pub fn new(db: Db, processor: ProcessorClient, currency: String, name: String, clocks: Clocks) -> Self {
+        let finishes = vec![name.clone(), processor.base().to_owned()];
         Self {
             db,
             processor,
             currency,
-            lease: timeout * 2 + Duration::from_secs(2),
-            inflight_wait,
+            name,
+            finishes,
+            lease: clocks.timeout * 2 + Duration::from_secs(2),
+            clocks,
         }
     }
 
@@ -117,13 +162,21 @@ impl TopUps {
         &self.currency
     }
 
-    /// The processor's base URL, recorded with each top-up.
+    /// The processor's name, recorded with each top-up.
     pub fn processor(&self) -> &str {
-        self.processor.base()
+        &self.name
     }
 
     fn lease_secs(&self) -> i32 {
         i32::try_from(self.lease.as_secs()).unwrap_or(i32::MAX)
+    }
+
+    /// A lease taken by a statement sent at `sent`.
+    fn lease_from(&self, owner: Uuid, sent: Instant) -> Lease {
+        Lease {
+            owner,
+            until: sent + self.lease,
+        }
     }
 
     /// `POST /accounts/{id}/top-ups`.
@@ -135,6 +188,7 @@ impl TopUps {
     ) -> Result<Answer, TopUpError> {
         self.within_inflight_wait(move |owner| async move {
             let lease = self.lease_secs();
+            let sent = Instant::now();
             let begun = self
                 .db
                 .run(async |c| top_ups::begin(c, tenant, claim, top_up, owner, lease).await)
@@ -144,7 +198,10 @@ impl TopUps {
                 Settled::Final(answer) => Some(answer),
                 // The request that created it has just created the row: nothing to look up.
                 // A resumed one looks at the processor first.
-                Settled::Owned(row) => Some(top_up_answer(self.drive_top_up(row, owner, !created).await?, false)),
+                Settled::Owned(row) => {
+                    let lease = self.lease_from(owner, sent);
+                    Some(top_up_answer(self.drive_top_up(row, lease, !created).await?, false))
+                }
                 Settled::Busy => None,
             })
         })
@@ -155,6 +212,7 @@ impl TopUps {
     pub async fn refund(&self, tenant: TenantId, claim: &ClaimArgs, top_up: TopUpId) -> Result<Answer, TopUpError> {
         self.within_inflight_wait(move |owner| async move {
             let lease = self.lease_secs();
+            let sent = Instant::now();
             let begun = self
                 .db
                 .run(async |c| top_ups::refund_begin(c, tenant, claim, top_up, owner, lease).await)
@@ -162,10 +220,10 @@ impl TopUps {
             let created = begun.outcome == ClaimOutcome::Created;
             Ok(match settle_refund(begun)? {
                 Settled::Final(answer) => Some(answer),
-                Settled::Owned(row) => Some(Answer::Done {
-                    row: self.drive_refund(row, owner, !created).await?,
-                    replayed: false,
-                }),
+                Settled::Owned(row) => {
+                    let lease = self.lease_from(owner, sent);
+                    Some(self.drive_refund(row, lease, !created).await?.answer())
+                }
                 Settled::Busy => None,
             })
         })
@@ -179,7 +237,7 @@ impl TopUps {
     where
         F: std::future::Future<Output = Result<Option<Answer>, TopUpError>>,
     {
-        let deadline = tokio::time::Instant::now() + self.inflight_wait;
+        let deadline = tokio::time::Instant::now() + self.clocks.inflight_wait;
         let mut pause = Duration::from_millis(20);
         loop {
             if let Some(answer) = step(Uuid::new_v4()).await? {
@@ -193,187 +251,6 @@ impl TopUps {
         }
     }
 
-    /// Drives a top-up whose lease `owner` holds to a final state, or gives the lease back
-    /// and answers `ProcessorUnknown`.
-    pub async fn drive_top_up(
-        &self,
-        mut row: TopUpRow,
-        owner: Uuid,
-        mut resumed: bool,
-    ) -> Result<TopUpRow, TopUpError> {
-        for _ in 0..MAX_ROUNDS {
-            if *row.status != "processing" {
-                return Ok(row);
-            }
-            let id = row.top_up_id.to_string();
-            let step = match row.processor_payment_id.clone() {
-                None => self.create_intent(&row, &id, owner).await,
-                Some(intent) => self.settle_intent(&row, &id, &intent, resumed).await,
-            };
-            match step {
-                Ok(next) => {
-                    resumed = next.1;
-                    row = next.0;
-                }
-                Err(unknown) => return Err(self.give_back(&row, owner, unknown).await),
-            }
-        }
-        if *row.status != "processing" {
-            return Ok(row);
-        }
-        Err(self
-            .give_back(&row, owner, "the PaymentIntent did not settle".to_owned())
-            .await)
-    }
-
-    /// Phase 2: create the PaymentIntent and commit its id. Gives the row after the step and
-    /// whether the next step must look before it confirms.
-    async fn create_intent(&self, row: &TopUpRow, id: &str, owner: Uuid) -> Result<(TopUpRow, bool), String> {
-        let created = self
-            .processor
-            .create_intent(id, *row.amount, &row.currency, &row.payment_method)
-            .await;
-        match created {
-            Ok(intent) => {
-                let next = self
-                    .db
-                    .run(async |c| top_ups::intent_created(c, row, owner, &intent.id).await)
-                    .await
-                    .map_err(|e| e.to_string())?;
-                // Another driver's PaymentIntent won: look at it before anything else.
-                let ours = next.processor_payment_id.as_deref() == Some(intent.id.as_str());
-                Ok((next, !ours))
-            }
-            Err(CallError::Refused { status: 402, error }) => self.fail(row, Decline::CardDeclined, &error).await,
-            Err(CallError::Refused {
-                status: 400 | 404,
-                error,
-            }) => self.fail(row, Decline::InvalidPaymentMethod, &error).await,
-            Err(err) => Err(err.to_string()),
-        }
-    }
-
-    /// Phase 3: confirm the committed PaymentIntent (after a look, when resuming) and record
-    /// the final state.
-    async fn settle_intent(
-        &self,
-        row: &TopUpRow,
-        id: &str,
-        intent: &str,
-        resumed: bool,
-    ) -> Result<(TopUpRow, bool), String> {
-        if resumed {
-            let seen = self
-                .processor
-                .retrieve_intent(intent)
-                .await
-                .map_err(|e| e.to_string())?;
-            match seen.status.as_str() {
-                "succeeded" => return self.succeed(row, intent).await,
-                "requires_confirmation" => {}
-                "requires_payment_method" | "canceled" => {
-                    let error = seen.last_payment_error.unwrap_or_default();
-                    return self.fail(row, Decline::CardDeclined, &error).await;
-                }
-                other => return Err(format!("PaymentIntent {intent} is {other}")),
-            }
-        }
-        match self.processor.confirm_intent(id, intent).await {
-            Ok(confirmed) if confirmed.status == "succeeded" => self.succeed(row, intent).await,
-            Ok(confirmed) => Err(format!(
-                "PaymentIntent {intent} is {} after its confirmation",
-                confirmed.status
-            )),
-            Err(CallError::Refused { status: 402, error }) => self.fail(row, Decline::CardDeclined, &error).await,
-            // It may have been confirmed already (a lost answer): look, then decide.
-            Err(CallError::Refused { .. }) => Ok((row.clone(), true)),
-            Err(err) => Err(err.to_string()),
-        }
-    }
-
-    async fn succeed(&self, row: &TopUpRow, intent: &str) -> Result<(TopUpRow, bool), String> {
-        let next = self
-            .db
-            .run(async |c| top_ups::succeed(c, row, intent).await)
-            .await
-            .map_err(|e| e.to_string())?;
-        Ok((next, false))
-    }
-
-    async fn fail(
-        &self,
-        row: &TopUpRow,
-        decline: Decline,
-        error: &processor::ErrorObject,
-    ) -> Result<(TopUpRow, bool), String> {
-        let code = error.decline_code.as_deref().or(error.code.as_deref());
-        let next = self
-            .db
-            .run(async |c| top_ups::fail(c, row, decline, code).await)
-            .await
-            .map_err(|e| e.to_string())?;
-        Ok((next, false))
-    }
-
-    /// Drives a refund whose lease `owner` holds (the balance already debited) until the
-    /// processor refunded, or gives the lease back.
-    pub async fn drive_refund(
-        &self,
-        mut row: TopUpRow,
-        owner: Uuid,
-        mut resumed: bool,
-    ) -> Result<TopUpRow, TopUpError> {
-        for _ in 0..MAX_ROUNDS {
-            if row.refund_state.as_deref().map(String::as_str) != Some("debited") {
-                return Ok(row);
-            }
-            let Some(intent) = row.processor_payment_id.clone() else {
-                return Err(TopUpError::Db(DbError::Other(sqlx::Error::Protocol(
-                    "a succeeded top-up without its PaymentIntent".to_owned(),
-                ))));
-            };
-            match self.refund_step(&row, &intent, resumed).await {
-                Ok(next) => {
-                    resumed = true;
-                    row = next;
-                }
-                Err(unknown) => return Err(self.give_back(&row, owner, unknown).await),
-            }
-        }
-        if row.refund_state.as_deref().map(String::as_str) != Some("debited") {
-            return Ok(row);
-        }
-        Err(self
-            .give_back(&row, owner, "the refund did not settle".to_owned())
-            .await)
-    }
-
-    async fn refund_step(&self, row: &TopUpRow, intent: &str, resumed: bool) -> Result<TopUpRow, String> {
-        let id = row.top_up_id.to_string();
-        if resumed {
-            let refunds = self.processor.list_refunds(intent).await.map_err(|e| e.to_string())?;
-            if let Some(done) = refunds
-                .iter()
-                .find(|r| r.status == "succeeded" || r.status == "pending")
-            {
-                return self.record_refund(row, &done.id).await;
-            }
-        }
-        match self.processor.create_refund(&id, intent).await {
-            Ok(refund) => self.record_refund(row, &refund.id).await,
-            // Already refunded (a lost answer) or refused: look again on the next round.
-            Err(CallError::Refused { .. }) => Ok(row.clone()),
-            Err(err) => Err(err.to_string()),
-        }
-    }
-
-    async fn record_refund(&self, row: &TopUpRow, refund: &str) -> Result<TopUpRow, String> {
-        self.db
-            .run(async |c| top_ups::refunded(c, row, refund).await)
-            .await
-            .map_err(|e| e.to_string())
-    }
-
     /// Gives the lease back after an unknown outcome (best effort: if this fails too, the
     /// lease expires on its own) and makes the error.
     async fn give_back(&self, row: &TopUpRow, owner: Uuid, why: String) -> TopUpError {
@@ -383,7 +260,23 @@ impl TopUps {
         }
         TopUpError::ProcessorUnknown(why)
     }
+
+    /// Seconds to the next look at a status that waits, after `checks` looks: the completer's
+    /// window, doubled with each look, at most an hour.
+    fn next_check_secs(&self, checks: i32) -> i32 {
+        let doublings = u32::try_from(checks.clamp(0, 12)).unwrap_or(0);
+        let secs = self
+            .clocks
+            .completer_after
+            .as_secs()
+            .max(1)
+            .saturating_mul(1 << doublings);
+        i32::try_from(secs.min(MAX_CHECK_INTERVAL.as_secs())).unwrap_or(i32::MAX)
+    }
 }
+
+/// The longest interval between two looks at a status that waits.
+const MAX_CHECK_INTERVAL: Duration = Duration::from_secs(3_600);
 
 enum Settled {
     Final(Answer),
@@ -422,11 +315,7 @@ fn settle(begun: Begun) -> Result<Settled, TopUpError> {
 fn settle_refund(begun: Begun) -> Result<Settled, TopUpError> {
     Ok(match (begun.outcome, begun.decline, begun.row, begun.owned) {
         (_, None, Some(row), true) => Settled::Owned(row),
-        (ClaimOutcome::Replayed, None, Some(row), false)
-            if row.refund_state.as_deref().map(String::as_str) == Some("debited") =>
-        {
-            Settled::Busy
-        }
+        (ClaimOutcome::Replayed, None, Some(row), false) if row.refund_debited() => Settled::Busy,
         (ClaimOutcome::Replayed, None, Some(row), false) => Settled::Final(Answer::Done { row, replayed: true }),
         (outcome, decline, row, owned) if decline.is_some() || row.is_none() => match settle(Begun {
             outcome,
@@ -435,7 +324,7 @@ fn settle_refund(begun: Begun) -> Result<Settled, TopUpError> {
             row,
             owned,
         })? {
-            // A refund's declines carry no top-up row.
+            // A refund's declines carry no top-up row: the row may describe a later refund.
             Settled::Final(Answer::Declined { decline, replayed, .. }) => Settled::Final(Answer::Declined {
                 decline,
                 row: None,
@@ -452,16 +341,12 @@ fn settle_refund(begun: Begun) -> Result<Settled, TopUpError> {
     })
 }
 
-/// A settled top-up as its creation's answer: a success, or its stored decline.
+/// A settled top-up as its creation's answer: a success, or its stored failure (the same
+/// decline its key row stores: `failure::decline_of`).
 fn top_up_answer(row: TopUpRow, replayed: bool) -> Answer {
-    match row.failure_code.as_deref() {
-        Some("card_declined") => Answer::Declined {
-            decline: Decline::CardDeclined,
-            row: Some(row),
-            replayed,
-        },
-        Some(_) => Answer::Declined {
-            decline: Decline::InvalidPaymentMethod,
+    match row.failure_code.as_deref().map(failure::decline_of) {
+        Some(decline) => Answer::Declined {
+            decline,
             row: Some(row),
             replayed,
         },

@@ -15,7 +15,7 @@ use crate::ledger::{settle, ClaimArgs, Effect, Outcome, Reply};
 use crate::operation::{ClaimOutcome, Decline, Operation};
 
 /// The event types a tenant may subscribe to (the SQL domain `oncepay_webhook_event_type`).
-pub const EVENT_TYPES: [&str; 7] = [
+pub const EVENT_TYPES: [&str; 8] = [
     "payment.succeeded",
     "payment.refunded",
     "deposit.succeeded",
@@ -23,6 +23,7 @@ pub const EVENT_TYPES: [&str; 7] = [
     "top_up.succeeded",
     "top_up.failed",
     "top_up.refunded",
+    "top_up.refund_failed",
 ];
 
 /// A row of `webhook_endpoints`, whole, as the function returns it.

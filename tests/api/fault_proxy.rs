@@ -6,6 +6,9 @@
 //!
 //! One request per connection: the proxy asks the server for `Connection: close`, passes
 //! its answer on (which says so too) and closes, so no answer can leak to another request.
+//!
+//! In front of localstripe, `start_stripe` adds Stripe's rules that localstripe lacks
+//! (`crate::stripe_rules`): they answer first, whatever the plan, as Stripe would.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -13,6 +16,8 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::{JoinHandle, JoinSet};
+
+use crate::stripe_rules::{stripe_answer, StripeRules};
 
 const MAX_REQUEST_BYTES: usize = 1 << 20;
 const IO_TIMEOUT: Duration = Duration::from_secs(30);
@@ -45,6 +50,18 @@ pub enum Action {
     /// Forward, read the server's whole answer, and answer this status instead (a 5xx after
     /// the server acted).
     ForwardThenStatus(u16),
+    /// Answer Stripe's own 500 (`api_error`) without forwarding: Stripe began to execute the
+    /// call and failed before it acted (saved under the key by the Stripe rules).
+    ServerError,
+    /// Answer Stripe's refusal of the call without forwarding: `status` and an error object
+    /// of this `type` and `code`.
+    StripeError {
+        status: u16,
+        kind: &'static str,
+        code: &'static str,
+    },
+    /// Answered by the named Stripe rule (`crate::stripe_rules`), never by the plan.
+    Stripe(&'static str),
 }
 
 /// What the plan sees of a request.
@@ -64,6 +81,8 @@ pub struct Seen {
     pub at: Duration,
     pub path: String,
     pub key: Option<String>,
+    /// Its `Stripe-Version` header.
+    pub stripe_version: Option<String>,
     pub body: Vec<u8>,
     pub action: Action,
     /// The status the server (or the proxy) answered; `None` when the server gave none.
@@ -92,6 +111,24 @@ pub struct FaultProxy {
 impl FaultProxy {
     /// Starts a proxy in front of `upstream` (`http://127.0.0.1:PORT`).
     pub async fn start(upstream: &str, plan: impl Fn(&Incoming) -> Action + Send + Sync + 'static) -> Self {
+        Self::start_with(upstream, None, plan).await
+    }
+
+    /// Starts a proxy in front of localstripe at `upstream` that answers by Stripe's `rules`
+    /// first.
+    pub async fn start_stripe(
+        upstream: &str,
+        rules: StripeRules,
+        plan: impl Fn(&Incoming) -> Action + Send + Sync + 'static,
+    ) -> Self {
+        Self::start_with(upstream, Some(rules), plan).await
+    }
+
+    async fn start_with(
+        upstream: &str,
+        rules: Option<StripeRules>,
+        plan: impl Fn(&Incoming) -> Action + Send + Sync + 'static,
+    ) -> Self {
         let upstream = upstream
             .strip_prefix("http://")
             .expect("an http:// upstream")
@@ -102,6 +139,7 @@ impl FaultProxy {
         let arrived = Arc::new(Mutex::new(Vec::new()));
         let shared = Shared {
             upstream,
+            rules,
             plan: Box::new(plan),
             log: log.clone(),
             arrived: arrived.clone(),
@@ -139,6 +177,7 @@ impl Drop for FaultProxy {
 
 struct Shared {
     upstream: String,
+    rules: Option<StripeRules>,
     plan: Box<Plan>,
     log: Arc<Mutex<Vec<Seen>>>,
     arrived: Arc<Mutex<Vec<(String, String)>>>,
@@ -177,6 +216,20 @@ async fn serve(mut client: TcpStream, shared: &Shared) -> std::io::Result<()> {
         .lock()
         .unwrap()
         .push((request.method.clone(), request.path.clone()));
+    if let Some(rules) = &shared.rules {
+        if let Some((rule, answer)) = rules.before(&request, &shared.upstream).await {
+            shared.log.lock().unwrap().push(Seen {
+                at,
+                path: request.path.clone(),
+                key: request.key.clone(),
+                stripe_version: request.header("stripe-version"),
+                body: request.body.clone(),
+                action: Action::Stripe(rule),
+                status: status_of(&answer),
+            });
+            return client.write_all(&answer).await;
+        }
+    }
     let action = (shared.plan)(&Incoming {
         index,
         elapsed: at,
@@ -187,6 +240,7 @@ async fn serve(mut client: TcpStream, shared: &Shared) -> std::io::Result<()> {
         at,
         path: request.path.clone(),
         key: request.key.clone(),
+        stripe_version: request.header("stripe-version"),
         body: request.body.clone(),
         action: action.clone(),
         status: None,
@@ -212,21 +266,43 @@ async fn serve(mut client: TcpStream, shared: &Shared) -> std::io::Result<()> {
         } => Some(problem(*status, code, *retry_after_secs)),
         Action::PlainError { status } => Some(plain_error(*status)),
         Action::ForwardThenStatus(status) => {
-            let _ = forward(&shared.upstream, &request).await;
+            if let Ok(answer) = forward(&shared.upstream, &request).await {
+                // Seen by the rules (what localstripe made), then lost to the 5xx.
+                if let Some(rules) = &shared.rules {
+                    rules.observe(&request, closing(answer));
+                }
+            }
             Some(plain_error(*status))
         }
-        Action::Refuse | Action::Swallow => None,
+        Action::ServerError => Some(stripe_answer(
+            500,
+            &serde_json::json!({"error": {"type": "api_error", "message": "An unknown error occurred"}}),
+        )),
+        Action::StripeError { status, kind, code } => Some(stripe_answer(
+            *status,
+            &serde_json::json!({"error": {"type": kind, "code": code, "message": "injected by the test proxy"}}),
+        )),
+        Action::Refuse | Action::Swallow | Action::Stripe(_) => None,
         Action::Forward | Action::DropAnswer | Action::DelayAnswer(_) | Action::HoldRequest(_) => {
-            forward(&shared.upstream, &request).await.ok().map(closing)
+            let answer = forward(&shared.upstream, &request).await.ok().map(closing);
+            match (&shared.rules, answer) {
+                (Some(rules), Some(answer)) => Some(rules.observe(&request, answer)),
+                (_, answer) => answer,
+            }
         }
     };
+    let status = answer.as_deref().and_then(status_of);
+    if let (Some(rules), Some(answer)) = (&shared.rules, &answer) {
+        rules.settle(&request, &action, status, answer);
+    }
     shared.log.lock().unwrap().push(Seen {
         at,
         path: request.path.clone(),
         key: request.key.clone(),
+        stripe_version: request.header("stripe-version"),
         body: request.body.clone(),
         action: action.clone(),
-        status: answer.as_deref().and_then(status_of),
+        status,
     });
     let Some(answer) = answer else {
         return Ok(());
@@ -241,13 +317,23 @@ async fn serve(mut client: TcpStream, shared: &Shared) -> std::io::Result<()> {
     }
 }
 
-struct Request {
-    method: String,
-    path: String,
-    key: Option<String>,
+pub struct Request {
+    pub method: String,
+    pub path: String,
+    pub key: Option<String>,
     /// Header lines other than `Connection`, each with its CRLF.
-    headers: Vec<u8>,
-    body: Vec<u8>,
+    pub headers: Vec<u8>,
+    pub body: Vec<u8>,
+}
+
+impl Request {
+    /// The value of the header `name` (lower case), if it was sent.
+    pub fn header(&self, name: &str) -> Option<String> {
+        String::from_utf8_lossy(&self.headers).split("\r\n").find_map(|line| {
+            let (header, value) = line.split_once(':')?;
+            header.eq_ignore_ascii_case(name).then(|| value.trim().to_owned())
+        })
+    }
 }
 
 /// Reads one request (head and `Content-Length` body); `None` when the client closed first.
@@ -304,7 +390,7 @@ async fn read_request(stream: &mut TcpStream) -> std::io::Result<Option<Request>
 }
 
 /// Sends the request to the server on a new connection and reads its whole answer.
-async fn forward(upstream: &str, request: &Request) -> std::io::Result<Vec<u8>> {
+pub async fn forward(upstream: &str, request: &Request) -> std::io::Result<Vec<u8>> {
     let mut server = TcpStream::connect(upstream).await?;
     let mut bytes = format!("{} {} HTTP/1.1\r\n", request.method, request.path).into_bytes();
     bytes.extend_from_slice(&request.headers);

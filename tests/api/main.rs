@@ -43,11 +43,14 @@ mod security;
 mod sql_functions;
 mod startup;
 mod stripe;
+mod stripe_rules;
 mod tcp_cut;
 mod tcp_relay;
 mod tenancy;
 mod tls;
+mod top_up_audit;
 mod top_ups;
+mod top_ups_stripe;
 mod transfers;
 // Shared with the chaos tests, which use a part of it each.
 mod webhook_hardening;

@@ -74,6 +74,7 @@ async fn another_tenants_ids_answer_404_on_every_endpoint_and_change_nothing() {
                 url: stripe.url.clone(),
                 api_key: Some(crate::stripe::API_KEY.to_owned()),
                 timeout: Duration::from_secs(10),
+                name: format!("test-{}", stripe.url),
             });
         })
         .spawn()

@@ -191,6 +191,51 @@ impl Localstripe {
             .clone()
     }
 
+    /// A card payment method of this test card number (localstripe holds the card numbers
+    /// of Stripe's test cards: 4000002760003184 requires authentication).
+    pub async fn card(&self, number: &str) -> String {
+        let created = self
+            .post(
+                "/v1/payment_methods",
+                &[
+                    ("type", "card"),
+                    ("card[number]", number),
+                    ("card[exp_month]", "12"),
+                    ("card[exp_year]", "2030"),
+                    ("card[cvc]", "123"),
+                ],
+            )
+            .await;
+        created["id"].as_str().expect("a payment method").to_owned()
+    }
+
+    /// A PaymentIntent as localstripe holds it.
+    pub async fn intent(&self, id: &str) -> Value {
+        self.get(&format!("/v1/payment_intents/{id}")).await.unwrap()
+    }
+
+    /// A PaymentIntent naming `top_up`, made behind oncepay's back with `payment_method`, and
+    /// confirmed when `confirm` (its status then is what the card makes of it).
+    pub async fn intent_naming(&self, top_up: &str, amount: i64, payment_method: &str, confirm: bool) -> Value {
+        let amount = amount.to_string();
+        let created = self
+            .post(
+                "/v1/payment_intents",
+                &[
+                    ("amount", &amount),
+                    ("currency", "usd"),
+                    ("payment_method", payment_method),
+                    ("metadata[oncepay_top_up_id]", top_up),
+                ],
+            )
+            .await;
+        if !confirm {
+            return created;
+        }
+        let id = created["id"].as_str().unwrap().to_owned();
+        self.post(&format!("/v1/payment_intents/{id}/confirm"), &[]).await
+    }
+
     /// A PaymentIntent made and confirmed behind oncepay's back, naming `top_up`.
     pub async fn charge_behind_the_back(&self, top_up: &str, amount: i64) -> String {
         let amount = amount.to_string();

@@ -16,23 +16,24 @@ use tokio::process::{Child, Command};
 use crate::fault_proxy::{Action, FaultProxy, Incoming};
 use crate::helpers::{database_url, new_key, server_url, Answer, TestApp, MAIN_BALANCE};
 use crate::stripe::{Localstripe, API_KEY};
+use crate::stripe_rules::StripeRules;
 
-const TIMEOUT: Duration = Duration::from_millis(1_000);
-const AMOUNT: i64 = 5_000;
-const VISA: &str = "pm_card_visa";
+pub(crate) const TIMEOUT: Duration = Duration::from_millis(1_000);
+pub(crate) const AMOUNT: i64 = 5_000;
+pub(crate) const VISA: &str = "pm_card_visa";
 /// localstripe's card 4000000000000341: created fine, declined when confirmed.
-const DECLINED: &str = "pm_card_chargeCustomerFail";
+pub(crate) const DECLINED: &str = "pm_card_chargeCustomerFail";
 
 /// Which processor call a fault hits.
 #[derive(Clone, Copy, Debug)]
-enum Call {
+pub(crate) enum Call {
     Create,
     Confirm,
     Refund,
 }
 
 impl Call {
-    fn matches(self, incoming: &Incoming) -> bool {
+    pub(crate) fn matches(self, incoming: &Incoming) -> bool {
         let path = incoming.path.split('?').next().unwrap_or_default();
         incoming.method == "POST"
             && match self {
@@ -44,7 +45,7 @@ impl Call {
 }
 
 /// A plan that applies `action` to the first `times` requests of `call`, and forwards the rest.
-fn first(call: Call, times: usize, action: Action) -> impl Fn(&Incoming) -> Action + Send + Sync + 'static {
+pub(crate) fn first(call: Call, times: usize, action: Action) -> impl Fn(&Incoming) -> Action + Send + Sync + 'static {
     let hit = Arc::new(AtomicUsize::new(0));
     move |incoming: &Incoming| {
         if call.matches(incoming) && hit.fetch_add(1, Ordering::SeqCst) < times {
@@ -55,25 +56,45 @@ fn first(call: Call, times: usize, action: Action) -> impl Fn(&Incoming) -> Acti
     }
 }
 
-fn with_processor(settings: &mut Settings, url: &str) {
+/// The processor's name in a test: one per processor (per proxy), so that no test's completer
+/// takes another test's top-ups (they share the database, not the processor).
+pub(crate) fn processor_name(url: &str) -> String {
+    format!("test-{url}")
+}
+
+pub(crate) fn with_processor(settings: &mut Settings, url: &str) {
     settings.processor = Some(Processor {
         url: url.to_owned(),
         api_key: Some(API_KEY.to_owned()),
         timeout: TIMEOUT,
+        name: processor_name(url),
     });
     // Off unless a test turns it on: the client's retries alone must finish the top-up.
     settings.completer_after = Duration::from_secs(3_600);
 }
 
-struct Rig {
-    stripe: Localstripe,
-    proxy: FaultProxy,
-    app: TestApp,
+pub(crate) struct Rig {
+    pub(crate) stripe: Localstripe,
+    pub(crate) proxy: FaultProxy,
+    pub(crate) app: TestApp,
 }
 
-async fn rig(plan: impl Fn(&Incoming) -> Action + Send + Sync + 'static, adjust: impl FnOnce(&mut Settings)) -> Rig {
+/// localstripe, the fault proxy in front of it with Stripe's rules (`crate::stripe_rules`),
+/// and an app whose processor is the proxy.
+pub(crate) async fn rig(
+    plan: impl Fn(&Incoming) -> Action + Send + Sync + 'static,
+    adjust: impl FnOnce(&mut Settings),
+) -> Rig {
+    rig_with(StripeRules::default(), plan, adjust).await
+}
+
+pub(crate) async fn rig_with(
+    rules: StripeRules,
+    plan: impl Fn(&Incoming) -> Action + Send + Sync + 'static,
+    adjust: impl FnOnce(&mut Settings),
+) -> Rig {
     let stripe = Localstripe::start().await;
-    let proxy = FaultProxy::start(&stripe.url, plan).await;
+    let proxy = FaultProxy::start_stripe(&stripe.url, rules, plan).await;
     let url = proxy.url.clone();
     let app = TestApp::builder()
         .settings(|s| {
@@ -86,7 +107,7 @@ async fn rig(plan: impl Fn(&Incoming) -> Action + Send + Sync + 'static, adjust:
 }
 
 impl TestApp {
-    async fn top_up(&self, key: &str, account: &str, amount: i64, payment_method: &str) -> Answer {
+    pub(crate) async fn top_up(&self, key: &str, account: &str, amount: i64, payment_method: &str) -> Answer {
         self.post(
             &format!("/accounts/{account}/top-ups"),
             Some(key),
@@ -95,12 +116,12 @@ impl TestApp {
         .await
     }
 
-    async fn refund_top_up(&self, key: &str, id: &str) -> Answer {
+    pub(crate) async fn refund_top_up(&self, key: &str, id: &str) -> Answer {
         self.post(&format!("/top-ups/{id}/refund"), Some(key), &json!({})).await
     }
 
     /// The top-up made under `key` (read from the database: its request may have died).
-    async fn top_up_of_key(&self, key: &str) -> Option<(String, String)> {
+    pub(crate) async fn top_up_of_key(&self, key: &str) -> Option<(String, String)> {
         sqlx::query_as::<_, (uuid::Uuid, String)>(
             "SELECT top_up_id, status FROM top_ups WHERE tenant_id = $1 AND idempotency_key = $2",
         )
@@ -115,7 +136,7 @@ impl TestApp {
 
 /// The client's retries with one key until a final answer (not 503, not 409); gives every
 /// answer in order.
-async fn retry_until_final(send: impl AsyncFn() -> Answer) -> Vec<Answer> {
+pub(crate) async fn retry_until_final(send: impl AsyncFn() -> Answer) -> Vec<Answer> {
     let mut answers = Vec::new();
     for _ in 0..40 {
         let answer = send().await;
@@ -141,7 +162,7 @@ async fn retry_until_final(send: impl AsyncFn() -> Answer) -> Vec<Answer> {
 }
 
 /// `oncepay audit --json` of the app's tenant, reconciling with the processor at `stripe`.
-async fn audit(app: &TestApp, stripe: &Localstripe) -> Value {
+pub(crate) async fn audit(app: &TestApp, stripe: &Localstripe) -> Value {
     let output = Command::new(env!("CARGO_BIN_EXE_oncepay"))
         .args(["audit", "--json", "--tenant", &app.tenant_id.to_string()])
         .env("DATABASE_URL", database_url())
@@ -161,7 +182,7 @@ async fn audit(app: &TestApp, stripe: &Localstripe) -> Value {
 
 /// The promises: at most one succeeded PaymentIntent, `expect_charged` of them; the balance
 /// credited exactly that often; the top-up's state; the audit clean.
-async fn assert_exactly_once(app: &TestApp, stripe: &Localstripe, top_up: &str, expect_charged: bool) {
+pub(crate) async fn assert_exactly_once(app: &TestApp, stripe: &Localstripe, top_up: &str, expect_charged: bool) {
     let succeeded = stripe.succeeded_of(top_up).await;
     assert!(succeeded <= 1, "top-up {top_up}: {succeeded} succeeded PaymentIntents");
     assert_eq!(
@@ -504,7 +525,7 @@ async fn a_top_up_whose_client_gave_up_is_finished_by_the_completer() {
     assert!(metrics.contains("oncepay_processor_calls_total{call=\"retrieve_intent\",outcome=\"ok\"}"));
 }
 
-async fn wait_for_status(app: &TestApp, key: &str, status: &str) {
+pub(crate) async fn wait_for_status(app: &TestApp, key: &str, status: &str) {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         if let Some((_, now)) = app.top_up_of_key(key).await {
@@ -522,13 +543,18 @@ async fn wait_for_status(app: &TestApp, key: &str, status: &str) {
 
 /// An oncepay server as a process of its own (the binary under test), so that it can be
 /// killed with SIGKILL; its completer is off (it dies anyway).
-struct ServerProcess {
+pub(crate) struct ServerProcess {
     child: Child,
     url: String,
 }
 
 impl ServerProcess {
-    async fn start(processor_url: &str) -> Self {
+    pub(crate) async fn start(processor_url: &str) -> Self {
+        Self::start_named(processor_url, &processor_name(processor_url)).await
+    }
+
+    /// A server of the processor at `processor_url` named `name` (`ONCEPAY_PROCESSOR_NAME`).
+    pub(crate) async fn start_named(processor_url: &str, name: &str) -> Self {
         use tokio::io::AsyncBufReadExt;
         // Port 0: the kernel picks a free port, the process logs it (no race with another
         // test for a port chosen here).
@@ -539,6 +565,7 @@ impl ServerProcess {
             .env("ONCEPAY_METRICS_BIND", "127.0.0.1:0")
             .env("ONCEPAY_PROCESSOR_URL", processor_url)
             .env("ONCEPAY_PROCESSOR_API_KEY", API_KEY)
+            .env("ONCEPAY_PROCESSOR_NAME", name)
             .env("ONCEPAY_PROCESSOR_TIMEOUT_MS", TIMEOUT.as_millis().to_string())
             .env("ONCEPAY_COMPLETER_AFTER_SECS", "3600")
             .env("ONCEPAY_DB_POOL_SIZE", "4")
@@ -574,8 +601,12 @@ impl ServerProcess {
         }
     }
 
+    pub(crate) fn url(&self) -> &str {
+        &self.url
+    }
+
     /// SIGKILL: no shutdown, no lease given back.
-    async fn kill_9(mut self) {
+    pub(crate) async fn kill_9(mut self) {
         self.child.kill().await.unwrap();
     }
 }

@@ -163,7 +163,11 @@ async fn an_endpoint_is_created_once_listed_without_its_secret_and_deleted() {
         )
         .await;
     assert_eq!(all.status, 201, "{}", all.body);
-    assert_eq!(all.body["events"].as_array().unwrap().len(), 7);
+    assert_eq!(
+        all.body["events"].as_array().unwrap().len(),
+        oncepay::webhooks::endpoints::EVENT_TYPES.len(),
+        "every type, top_up.refund_failed included"
+    );
 
     let listed = app.get("/webhook-endpoints").await;
     assert_eq!(listed.status, 200);

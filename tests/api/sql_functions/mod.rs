@@ -1,4 +1,4 @@
-//! The SQL functions of migrations/V4, called directly on real connections, one test per
+//! The SQL functions of migrations/V4 (and the top-ups' phases of V23), called directly on real connections, one test per
 //! function and outcome: `oncepay_claim` and `oncepay_decline` (raw SQL), each operation's
 //! function (through its `oncepay::ledger` effect), the CHECK constraints and the enum types.
 //!
@@ -29,6 +29,7 @@ mod open_account;
 mod pay;
 mod refund;
 mod schema;
+mod top_ups;
 mod transfer;
 
 /// The replay window of the keys the tests claim.

@@ -1,0 +1,500 @@
+//! Card top-ups against Stripe's rules that localstripe lacks (issue 36, contract section 4b),
+//! applied by the fault proxy (`crate::stripe_rules`): a pinned `Stripe-Version`, 5xx answers
+//! saved under their key, automatic payment methods and their `return_url`, minimum amounts,
+//! refusals by code, PaymentIntents that wait (`requires_action`, `processing`), refunds that
+//! are `pending` and then fail, leases that hold, and a processor named by its name. Each
+//! scenario also checks the promises of `top_ups.rs`: at most one succeeded PaymentIntent, the
+//! balance credited exactly once iff one did, the audit clean.
+
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use crate::fault_proxy::{Action, Incoming};
+use crate::helpers::{new_key, TestApp, MAIN_BALANCE};
+use crate::stripe_rules::StripeRules;
+use crate::top_ups::{
+    assert_exactly_once, audit, first, retry_until_final, rig, rig_with, wait_for_status, Call, Rig, ServerProcess,
+    AMOUNT, VISA,
+};
+
+/// Stripe's test card that needs 3-D Secure on every payment (localstripe holds it too).
+const AUTHENTICATION_REQUIRED: &str = "4000002760003184";
+
+/// The `Stripe-Version` docs/top-ups.md names.
+const PINNED_VERSION: &str = "2024-06-20";
+
+/// Polls `GET /top-ups/{id}` until `done` holds (30 s at most); gives the last state.
+async fn wait_for_state(app: &TestApp, id: &str, done: impl Fn(&Value) -> bool) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let state = app.get(&format!("/top-ups/{id}")).await;
+        assert_eq!(state.status, 200, "{}", state.body);
+        if done(&state.body) {
+            return state.body;
+        }
+        assert!(Instant::now() < deadline, "the top-up never got there: {}", state.body);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test]
+async fn every_call_pins_the_stripe_version_named_in_the_docs() {
+    let Rig { stripe, proxy, app } = rig(|_: &Incoming| Action::Forward, |_| {}).await;
+    let created = app.top_up(&new_key(), "main", AMOUNT, VISA).await;
+    assert_eq!(created.status, 201, "{}", created.body);
+    let id = created.body["id"].as_str().unwrap();
+    let refunded = app.refund_top_up(&new_key(), id).await;
+    assert_eq!(refunded.status, 200, "{}", refunded.body);
+    let seen = proxy.seen();
+    assert!(seen.len() >= 3, "create, confirm, refund: {seen:?}");
+    for call in &seen {
+        assert_eq!(
+            call.stripe_version.as_deref(),
+            Some(PINNED_VERSION),
+            "{} {call:?}",
+            call.path
+        );
+    }
+    assert!(
+        include_str!("../../docs/top-ups.md").contains(&format!("`Stripe-Version: {PINNED_VERSION}`")),
+        "docs/top-ups.md names the pinned version"
+    );
+    let report = audit(&app, &stripe).await;
+    assert_eq!(report["clean"], true, "{report:#}");
+}
+
+/// A top-up whose create or confirm meets a 5xx that Stripe saves under its key: every retry
+/// with that key gets it again (`Idempotent-Replayed: true`), so the client's retries end on
+/// 201 only if oncepay reads the processor's state instead of waiting on the key.
+async fn saved_5xx_scenario(call: Call, action: Action, met_again: bool) -> (Rig, String) {
+    let rig = rig(first(call, 1, action.clone()), |_| {}).await;
+    let key = new_key();
+    let answers = retry_until_final(async || rig.app.top_up(&key, "main", AMOUNT, VISA).await).await;
+    answers[0].assert_problem(503, "temporarily_unavailable");
+    let last = answers.last().unwrap();
+    assert_eq!(last.status, 201, "{action:?} on {call:?}: {}", last.body);
+    assert!(!last.replayed());
+    let id = last.body["id"].as_str().unwrap().to_owned();
+    let seen = rig.proxy.seen();
+    assert_eq!(
+        seen.iter().any(|s| s.action == Action::Stripe("saved_5xx_replayed")),
+        met_again,
+        "a retry met the saved answer: {seen:?}"
+    );
+    assert_exactly_once(&rig.app, &rig.stripe, &id, true).await;
+    (rig, id)
+}
+
+#[tokio::test]
+async fn a_saved_500_after_the_creation_acted_adopts_the_payment_intent_found_by_its_metadata() {
+    let (rig, id) = saved_5xx_scenario(Call::Create, Action::ForwardThenStatus(500), true).await;
+    // The PaymentIntent the failed call made is the top-up's: no second one was created.
+    assert_eq!(rig.stripe.intents_of(&id).await.len(), 1);
+    let creates: Vec<_> = rig
+        .proxy
+        .seen()
+        .into_iter()
+        .filter(|s| s.path == "/v1/payment_intents")
+        .collect();
+    assert!(creates
+        .iter()
+        .all(|s| s.key.as_deref() == Some(&format!("oncepay-top-up-{id}-create-intent") as &str)));
+}
+
+#[tokio::test]
+async fn a_saved_500_before_the_creation_acted_creates_under_the_next_key() {
+    let (rig, id) = saved_5xx_scenario(Call::Create, Action::ServerError, true).await;
+    assert_eq!(
+        rig.stripe.intents_of(&id).await.len(),
+        1,
+        "nothing was made under the first key"
+    );
+    let next = format!("oncepay-top-up-{id}-create-intent-1");
+    assert!(
+        rig.proxy
+            .seen()
+            .iter()
+            .any(|s| s.key.as_deref() == Some(&next as &str) && s.status == Some(200)),
+        "created under {next}"
+    );
+}
+
+/// The retry looks before it confirms again, so it never meets the saved answer.
+#[tokio::test]
+async fn a_saved_500_after_the_confirmation_charged_is_resolved_by_a_look() {
+    let (rig, id) = saved_5xx_scenario(Call::Confirm, Action::ForwardThenStatus(500), false).await;
+    let confirms = rig.proxy.seen().iter().filter(|s| s.path.ends_with("/confirm")).count();
+    assert_eq!(confirms, 1, "no confirmation after the look found it succeeded");
+    assert_eq!(rig.stripe.intents_of(&id).await.len(), 1);
+}
+
+#[tokio::test]
+async fn a_saved_500_before_the_confirmation_charged_confirms_under_the_next_key() {
+    let (rig, id) = saved_5xx_scenario(Call::Confirm, Action::ServerError, true).await;
+    let next = format!("oncepay-top-up-{id}-confirm-1");
+    assert!(
+        rig.proxy
+            .seen()
+            .iter()
+            .any(|s| s.key.as_deref() == Some(&next as &str) && s.status == Some(200)),
+        "confirmed under {next}"
+    );
+}
+
+#[tokio::test]
+async fn a_payment_intent_is_created_for_cards_so_that_its_confirmation_needs_no_return_url() {
+    let Rig { stripe, proxy, app } = rig(|_: &Incoming| Action::Forward, |_| {}).await;
+    let key = new_key();
+    // Bounded: the code before issue 36 met the return_url refusal and looked again for ever.
+    let answers = retry_until_final(async || app.top_up(&key, "main", AMOUNT, VISA).await).await;
+    let last = answers.last().unwrap();
+    assert_eq!(last.status, 201, "{}", last.body);
+    let create = proxy
+        .seen()
+        .into_iter()
+        .find(|s| s.path == "/v1/payment_intents")
+        .unwrap();
+    let form = String::from_utf8(create.body).unwrap();
+    assert!(form.contains("payment_method_types%5B%5D=card"), "{form}");
+    assert!(
+        !proxy
+            .seen()
+            .iter()
+            .any(|s| s.action == Action::Stripe("return_url_required")),
+        "no confirmation was refused for a missing return_url"
+    );
+    assert_exactly_once(&app, &stripe, last.body["id"].as_str().unwrap(), true).await;
+}
+
+#[tokio::test]
+async fn an_amount_below_the_processors_minimum_is_a_stored_invalid_request_naming_its_code() {
+    let Rig {
+        stripe,
+        app,
+        proxy: _proxy,
+    } = rig(|_: &Incoming| Action::Forward, |_| {}).await;
+    let key = new_key();
+    let refused = app.top_up(&key, "main", 49, VISA).await;
+    refused.assert_problem(400, "invalid_request");
+    assert_eq!(refused.body["decline_code"], "amount_too_small", "{}", refused.body);
+    assert!(!refused.replayed());
+    let again = app.top_up(&key, "main", 49, VISA).await;
+    again.assert_problem(400, "invalid_request");
+    assert!(again.replayed());
+    assert_eq!(again.body, refused.body);
+    let (id, status) = app.top_up_of_key(&key).await.unwrap();
+    assert_eq!(status, "failed");
+    let state = app.get(&format!("/top-ups/{id}")).await.body;
+    assert_eq!(state["failure_code"], "invalid_request", "{state}");
+    assert_eq!(state["decline_code"], "amount_too_small", "{state}");
+    assert_eq!(app.balance("main").await, MAIN_BALANCE);
+    assert!(stripe.intents_of(&id).await.is_empty());
+    assert_eq!(audit(&app, &stripe).await["clean"], true);
+}
+
+#[tokio::test]
+async fn an_unexpected_refusal_is_a_stored_failure_with_the_processors_code_not_an_unknown_outcome() {
+    let refusal = Action::StripeError {
+        status: 400,
+        kind: "invalid_request_error",
+        code: "parameter_unknown",
+    };
+    let Rig {
+        stripe,
+        app,
+        proxy: _proxy,
+    } = rig(first(Call::Create, 1, refusal), |_| {}).await;
+    let key = new_key();
+    let refused = app.top_up(&key, "main", AMOUNT, VISA).await;
+    refused.assert_problem(400, "invalid_request");
+    assert_eq!(refused.body["decline_code"], "parameter_unknown", "{}", refused.body);
+    assert!(app.top_up(&key, "main", AMOUNT, VISA).await.replayed());
+    let (id, status) = app.top_up_of_key(&key).await.unwrap();
+    assert_eq!(status, "failed");
+    assert!(stripe.intents_of(&id).await.is_empty(), "nothing was created");
+    assert_eq!(app.balance("main").await, MAIN_BALANCE);
+    assert_eq!(audit(&app, &stripe).await["clean"], true);
+
+    // An unknown payment method, as Stripe answers it (localstripe's bare 404 made Stripe's).
+    let invalid = app.top_up(&new_key(), "main", AMOUNT, "pm_no_such_method").await;
+    invalid.assert_problem(400, "invalid_payment_method");
+    assert_eq!(invalid.body["decline_code"], "resource_missing");
+}
+
+#[tokio::test]
+async fn a_payment_intent_that_requires_an_action_is_canceled_after_the_action_timeout() {
+    let Rig { stripe, proxy, app } = rig(
+        |_: &Incoming| Action::Forward,
+        |s| {
+            s.completer_after = Duration::from_secs(1);
+            s.topup_action_timeout = Duration::from_secs(3);
+        },
+    )
+    .await;
+    let card = stripe.card(AUTHENTICATION_REQUIRED).await;
+    let key = new_key();
+    let first = app.top_up(&key, "main", AMOUNT, &card).await;
+    first.assert_problem(503, "temporarily_unavailable");
+    let (id, _) = app.top_up_of_key(&key).await.unwrap();
+    let waiting = app.get(&format!("/top-ups/{id}")).await.body;
+    assert_eq!(waiting["status"], "processing", "{waiting}");
+    assert_eq!(waiting["processor_status"], "requires_action", "{waiting}");
+
+    // The completer looks again, and cancels it once the action timeout has passed.
+    let failed = wait_for_state(&app, &id, |s| s["status"] != "processing").await;
+    assert_eq!(failed["status"], "failed", "{failed}");
+    assert_eq!(failed["failure_code"], "authentication_required", "{failed}");
+    let intent = failed["processor_payment_id"].as_str().unwrap();
+    assert_eq!(stripe.intent(intent).await["status"], "canceled");
+    assert!(proxy.seen().iter().any(|s| s.path.ends_with("/cancel")));
+    let answer = app.top_up(&key, "main", AMOUNT, &card).await;
+    answer.assert_problem(402, "card_declined");
+    assert_eq!(answer.body["decline_code"], "authentication_required");
+    assert!(answer.replayed());
+    assert_eq!(app.balance("main").await, MAIN_BALANCE, "nothing credited");
+    assert_eq!(stripe.succeeded_of(&id).await, 0, "nothing charged");
+    assert_eq!(audit(&app, &stripe).await["clean"], true);
+}
+
+#[tokio::test]
+async fn a_payment_intent_in_processing_is_shown_and_looked_at_again_until_it_succeeds() {
+    let Rig {
+        stripe,
+        app,
+        proxy: _proxy,
+    } = rig_with(
+        StripeRules::with_processing_looks(2),
+        |_: &Incoming| Action::Forward,
+        |s| s.completer_after = Duration::from_secs(1),
+    )
+    .await;
+    let key = new_key();
+    app.top_up(&key, "main", AMOUNT, VISA)
+        .await
+        .assert_problem(503, "temporarily_unavailable");
+    let (id, _) = app.top_up_of_key(&key).await.unwrap();
+    let shown = app.get(&format!("/top-ups/{id}")).await.body;
+    assert_eq!(
+        (&shown["status"], &shown["processor_status"]),
+        (&json!("processing"), &json!("processing")),
+        "{shown}"
+    );
+    let (checks, next): (i32, Option<chrono::DateTime<chrono::Utc>>) =
+        sqlx::query_as("SELECT checks, next_check_at FROM top_ups WHERE tenant_id = $1 AND top_up_id = $2::uuid")
+            .bind(app.tenant_id)
+            .bind(&id)
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    assert_eq!(checks, 1);
+    assert!(next.is_some(), "its next look is scheduled");
+    let done = wait_for_state(&app, &id, |s| s["status"] != "processing").await;
+    assert_eq!(done["status"], "succeeded", "{done}");
+    let answer = app.top_up(&key, "main", AMOUNT, VISA).await;
+    assert_eq!(answer.status, 201, "{}", answer.body);
+    assert_exactly_once(&app, &stripe, &id, true).await;
+    let metrics = app.metrics().await;
+    assert!(
+        metrics.contains("oncepay_top_up_oldest_unfinished_seconds"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("oncepay_completer_operations_total{result=\"waiting\"}"),
+        "{metrics}"
+    );
+}
+
+/// A refund the processor answers `pending`, then `end` after two looks.
+async fn pending_refund(end: &'static str) -> (Rig, String, String) {
+    let rig = rig_with(
+        StripeRules::with_refunds_pending_then(2, end),
+        |_: &Incoming| Action::Forward,
+        |s| s.completer_after = Duration::from_secs(1),
+    )
+    .await;
+    let created = rig.app.top_up(&new_key(), "main", AMOUNT, VISA).await;
+    assert_eq!(created.status, 201, "{}", created.body);
+    let id = created.body["id"].as_str().unwrap().to_owned();
+    let key = new_key();
+    let pending = rig.app.refund_top_up(&key, &id).await;
+    assert_eq!(pending.status, 202, "{}", pending.body);
+    assert_eq!(
+        pending.body,
+        json!({"id": id, "status": "refund_pending", "refunded": AMOUNT, "balance": MAIN_BALANCE})
+    );
+    let shown = rig.app.get(&format!("/top-ups/{id}")).await.body;
+    assert_eq!(shown["status"], "refund_pending", "{shown}");
+    assert_eq!(rig.app.balance("main").await, MAIN_BALANCE, "debited while pending");
+    (rig, id, key)
+}
+
+#[tokio::test]
+async fn a_refund_pending_then_failed_credits_the_amount_back_with_its_event() {
+    let (Rig { stripe, proxy, app }, id, key) = pending_refund("failed").await;
+    let receiver = crate::webhook_receiver::Receiver::start().await;
+    let endpoint = app
+        .post(
+            "/webhook-endpoints",
+            Some(&new_key()),
+            &json!({ "url": receiver.url() }),
+        )
+        .await;
+    assert_eq!(endpoint.status, 201, "{}", endpoint.body);
+
+    let ended = wait_for_state(&app, &id, |s| s["status"] != "refund_pending").await;
+    assert_eq!(ended["status"], "succeeded", "{ended}");
+    assert_eq!(ended["refund_failure_code"], "expired_or_canceled_card", "{ended}");
+    assert_eq!(app.balance("main").await, MAIN_BALANCE + AMOUNT, "credited back");
+    let answer = app.refund_top_up(&key, &id).await;
+    answer.assert_problem(402, "refund_failed");
+    assert!(answer.replayed());
+    let events: Vec<String> = sqlx::query_scalar(
+        "SELECT event_type::text FROM webhook_events WHERE tenant_id = $1 AND resource_id = $2 ORDER BY sequence",
+    )
+    .bind(app.tenant_id)
+    .bind(&id)
+    .fetch_all(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(events, ["top_up.refund_failed"], "written when it was credited back");
+    let report = audit(&app, &stripe).await;
+    assert_eq!(report["clean"], true, "{report:#}");
+    assert!(proxy.seen().iter().filter(|s| s.path == "/v1/refunds").count() == 1);
+}
+
+#[tokio::test]
+async fn a_refund_pending_then_succeeded_ends_refunded() {
+    let (
+        Rig {
+            stripe,
+            app,
+            proxy: _proxy,
+        },
+        id,
+        key,
+    ) = pending_refund("succeeded").await;
+    let ended = wait_for_state(&app, &id, |s| s["status"] != "refund_pending").await;
+    assert_eq!(ended["status"], "refunded", "{ended}");
+    let answer = app.refund_top_up(&key, &id).await;
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    assert_eq!(answer.body["status"], "refunded");
+    assert_eq!(app.balance("main").await, MAIN_BALANCE);
+    assert_eq!(audit(&app, &stripe).await["clean"], true);
+}
+
+#[tokio::test]
+async fn a_refund_the_processor_refuses_is_a_stored_failure_with_the_amount_credited_back() {
+    let refusal = Action::StripeError {
+        status: 400,
+        kind: "invalid_request_error",
+        code: "charge_disputed",
+    };
+    let Rig { stripe, proxy, app } = rig(first(Call::Refund, 1, refusal), |_| {}).await;
+    let created = app.top_up(&new_key(), "main", AMOUNT, VISA).await;
+    let id = created.body["id"].as_str().unwrap().to_owned();
+    let key = new_key();
+    let refused = app.refund_top_up(&key, &id).await;
+    refused.assert_problem(402, "refund_failed");
+    assert!(app.refund_top_up(&key, &id).await.replayed());
+    assert_eq!(app.balance("main").await, MAIN_BALANCE + AMOUNT, "credited back");
+    let shown = app.get(&format!("/top-ups/{id}")).await.body;
+    assert_eq!(
+        (&shown["status"], &shown["refund_failure_code"]),
+        (&json!("succeeded"), &json!("charge_disputed"))
+    );
+    // Refundable again, under the refund's next key at the processor.
+    let again = app.refund_top_up(&new_key(), &id).await;
+    assert_eq!(again.status, 200, "{}", again.body);
+    assert_eq!(app.balance("main").await, MAIN_BALANCE);
+    assert!(proxy
+        .seen()
+        .iter()
+        .any(|s| s.key.as_deref() == Some(&format!("oncepay-top-up-{id}-refund-1") as &str)));
+    assert_eq!(audit(&app, &stripe).await["clean"], true);
+}
+
+/// A top-up left unfinished by a server whose `ONCEPAY_PROCESSOR_URL` is spelled otherwise
+/// (`localhost` for `127.0.0.1`, a trailing slash): the same processor, named alike, so the
+/// other replica's completer finishes it.
+#[tokio::test]
+async fn another_spelling_of_the_processors_url_strands_no_top_up() {
+    let Rig { stripe, proxy, app } = rig(first(Call::Confirm, 1, Action::Swallow), |s| {
+        s.completer_after = Duration::from_secs(1);
+    })
+    .await;
+    let respelled = format!("{}/", proxy.url.replace("127.0.0.1", "localhost"));
+    let doomed = ServerProcess::start_named(&respelled, &crate::top_ups::processor_name(&proxy.url)).await;
+    let key = new_key();
+    let client = reqwest::Client::new();
+    let request = client
+        .post(format!("{}/accounts/main/top-ups", doomed.url()))
+        .bearer_auth(&app.api_key)
+        .header("Idempotency-Key", &key)
+        .json(&json!({ "amount": AMOUNT, "payment_method": VISA }))
+        .send();
+    let sent = tokio::spawn(request);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !proxy.arrived().iter().any(|(_, path)| path.ends_with("/confirm")) {
+        assert!(Instant::now() < deadline, "the confirmation never left");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    doomed.kill_9().await;
+    sent.abort();
+    wait_for_status(&app, &key, "succeeded").await;
+    let (id, _) = app.top_up_of_key(&key).await.unwrap();
+    assert_exactly_once(&app, &stripe, &id, true).await;
+}
+
+/// The completer drives one top-up at a time and holds the lease of that one alone: three
+/// top-ups left unfinished, each look held 400 ms, never two leased at once.
+#[tokio::test]
+async fn the_completer_leases_one_top_up_at_a_time() {
+    let plan = {
+        let lost = first(Call::Confirm, 3, Action::DropAnswer);
+        move |incoming: &Incoming| {
+            if incoming.method == "GET" && incoming.path.starts_with("/v1/payment_intents/") {
+                Action::HoldRequest(Duration::from_millis(400))
+            } else {
+                lost(incoming)
+            }
+        }
+    };
+    let Rig {
+        stripe,
+        app,
+        proxy: _proxy,
+    } = rig(plan, |s| s.completer_after = Duration::from_secs(1)).await;
+    let mut keys = Vec::new();
+    for _ in 0..3 {
+        let key = new_key();
+        app.top_up(&key, "main", AMOUNT, VISA)
+            .await
+            .assert_problem(503, "temporarily_unavailable");
+        keys.push(key);
+    }
+    let mut most = 0;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (leased, unfinished): (i64, i64) = sqlx::query_as(
+            "SELECT count(*) FILTER (WHERE lease_expires_at > now()), count(*) FILTER (WHERE status = 'processing')
+               FROM top_ups WHERE tenant_id = $1",
+        )
+        .bind(app.tenant_id)
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+        most = most.max(leased);
+        if unfinished == 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the completer did not finish them");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert_eq!(most, 1, "leased at once");
+    for key in &keys {
+        let (id, _) = app.top_up_of_key(key).await.unwrap();
+        assert_eq!(stripe.succeeded_of(&id).await, 1);
+    }
+    assert_eq!(app.balance("main").await, MAIN_BALANCE + 3 * AMOUNT);
+}
