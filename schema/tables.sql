@@ -73,7 +73,9 @@ CREATE TYPE public.oncepay_decline AS ENUM (
     'account_exists',
     'card_declined',
     'invalid_payment_method',
-    'too_many_endpoints'
+    'too_many_endpoints',
+    'invalid_request',
+    'refund_failed'
 );
 
 
@@ -171,7 +173,7 @@ CREATE DOMAIN public.oncepay_top_up_status AS text
 --
 
 CREATE DOMAIN public.oncepay_webhook_event_type AS text
-	CONSTRAINT oncepay_webhook_event_type_check CHECK ((VALUE = ANY (ARRAY['payment.succeeded'::text, 'payment.refunded'::text, 'deposit.succeeded'::text, 'transfer.succeeded'::text, 'top_up.succeeded'::text, 'top_up.failed'::text, 'top_up.refunded'::text])));
+	CONSTRAINT oncepay_webhook_event_type_check CHECK ((VALUE = ANY (ARRAY['payment.succeeded'::text, 'payment.refunded'::text, 'deposit.succeeded'::text, 'transfer.succeeded'::text, 'top_up.succeeded'::text, 'top_up.failed'::text, 'top_up.refunded'::text, 'top_up.refund_failed'::text])));
 
 
 --
@@ -326,10 +328,76 @@ CREATE TABLE public.top_ups (
     finished_at timestamp with time zone,
     refunded_at timestamp with time zone,
     processor text NOT NULL,
+    processor_status text,
+    next_check_at timestamp with time zone,
+    checks integer DEFAULT 0 NOT NULL,
+    create_key_series integer DEFAULT 0 NOT NULL,
+    confirm_key_series integer DEFAULT 0 NOT NULL,
+    cancel_key_series integer DEFAULT 0 NOT NULL,
+    refund_key_series integer DEFAULT 0 NOT NULL,
+    refund_status text,
+    refund_failure_code text,
+    refund_requested_at timestamp with time zone,
     CONSTRAINT top_ups_refund_check CHECK (((refund_state IS NULL) OR ((status)::text = ANY (ARRAY['succeeded'::text, 'refunded'::text])))),
     CONSTRAINT top_ups_refunded_check CHECK ((((status)::text = 'refunded'::text) = (NOT ((refund_state)::text IS DISTINCT FROM 'refunded'::text)))),
     CONSTRAINT top_ups_succeeded_check CHECK ((((status)::text = ANY (ARRAY['succeeded'::text, 'refunded'::text])) = (balance_after IS NOT NULL)))
 );
+
+
+--
+-- Name: COLUMN top_ups.processor; Type: COMMENT; Schema: public; Owner: -
+--
+
+COMMENT ON COLUMN public.top_ups.processor IS 'the processor the top-up was made with: its ONCEPAY_PROCESSOR_NAME (before V23: its URL)';
+
+
+--
+-- Name: COLUMN top_ups.processor_status; Type: COMMENT; Schema: public; Owner: -
+--
+
+COMMENT ON COLUMN public.top_ups.processor_status IS 'the PaymentIntent''s status when a driver last looked (requires_action, requires_capture, processing while the top-up waits)';
+
+
+--
+-- Name: COLUMN top_ups.next_check_at; Type: COMMENT; Schema: public; Owner: -
+--
+
+COMMENT ON COLUMN public.top_ups.next_check_at IS 'when the completer looks again at a top-up (or refund) that waits for the processor; NULL: once untouched for ONCEPAY_COMPLETER_AFTER_SECS';
+
+
+--
+-- Name: COLUMN top_ups.checks; Type: COMMENT; Schema: public; Owner: -
+--
+
+COMMENT ON COLUMN public.top_ups.checks IS 'looks at a waiting status so far (the interval to the next one grows with it)';
+
+
+--
+-- Name: COLUMN top_ups.create_key_series; Type: COMMENT; Schema: public; Owner: -
+--
+
+COMMENT ON COLUMN public.top_ups.create_key_series IS 'the Idempotency-Key in use for creating the PaymentIntent: 0 is ...-create-intent, n is ...-create-intent-n (moved on after a saved 5xx)';
+
+
+--
+-- Name: COLUMN top_ups.refund_status; Type: COMMENT; Schema: public; Owner: -
+--
+
+COMMENT ON COLUMN public.top_ups.refund_status IS 'the processor''s refund status when last seen: pending, succeeded, failed, canceled';
+
+
+--
+-- Name: COLUMN top_ups.refund_failure_code; Type: COMMENT; Schema: public; Owner: -
+--
+
+COMMENT ON COLUMN public.top_ups.refund_failure_code IS 'why the last refund failed (the refund''s failure_reason, or the processor''s error code); the amount was credited back';
+
+
+--
+-- Name: COLUMN top_ups.refund_requested_at; Type: COMMENT; Schema: public; Owner: -
+--
+
+COMMENT ON COLUMN public.top_ups.refund_requested_at IS 'when the last refund debited the balance';
 
 
 --

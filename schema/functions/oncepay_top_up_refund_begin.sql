@@ -29,7 +29,11 @@ BEGIN
                    SET refund_state = 'debited', refund_key = p.key, balance_after_refund = v_balance,
                        lease_owner = p_owner,
                        lease_expires_at = now() + make_interval(secs => p_lease_secs),
-                       attempts = 1, updated_at = now()
+                       attempts = 1, updated_at = now(),
+                       refund_requested_at = now(), refund_status = NULL, refund_failure_code = NULL,
+                       processor_refund_id = NULL, checks = 0, next_check_at = NULL,
+                       refund_key_series = CASE WHEN r.refund_key IS NULL THEN r.refund_key_series
+                                                ELSE r.refund_key_series + 1 END
                  WHERE r.tenant_id = p_tenant AND r.top_up_id = p_top_up
                 RETURNING r.* INTO resource;
                 owned := true;

@@ -1,0 +1,22 @@
+CREATE OR REPLACE FUNCTION public.oncepay_top_up_wait(p_tenant uuid, p_top_up uuid, p_owner uuid, p_processor_status text, p_next_check_secs integer)
+ RETURNS top_ups
+ LANGUAGE plpgsql
+AS $function$
+DECLARE
+    r top_ups;
+BEGIN
+    UPDATE top_ups t
+       SET processor_status = p_processor_status, checks = t.checks + 1,
+           next_check_at = now() + make_interval(secs => p_next_check_secs),
+           lease_expires_at = now(), updated_at = now()
+     WHERE t.tenant_id = p_tenant AND t.top_up_id = p_top_up AND t.status = 'processing'
+       AND t.lease_owner = p_owner
+    RETURNING t.* INTO r;
+    IF NOT FOUND THEN
+        SELECT t.* INTO r FROM top_ups t WHERE t.tenant_id = p_tenant AND t.top_up_id = p_top_up;
+    END IF;
+    RETURN r;
+END
+$function$
+
+
