@@ -39,7 +39,9 @@ CREATE TYPE public.oncepay_operation AS ENUM (
     'refund_top_up',
     'create_webhook_endpoint',
     'rotate_webhook_secret',
-    'enable_webhook_endpoint'
+    'enable_webhook_endpoint',
+    'resend_webhook_event',
+    'recover_webhook_endpoint'
 );
 
 
@@ -299,6 +301,21 @@ CREATE TABLE public.payments (
 
 
 --
+-- Name: webhook_recoveries; Type: TABLE; Schema: public; Owner: -
+--
+
+CREATE TABLE public.webhook_recoveries (
+    tenant_id uuid NOT NULL,
+    recovery_id uuid NOT NULL,
+    endpoint_id uuid NOT NULL,
+    since timestamp with time zone NOT NULL,
+    deliveries integer NOT NULL,
+    idempotency_key text,
+    created_at timestamp with time zone NOT NULL
+);
+
+
+--
 -- Name: top_ups; Type: TABLE; Schema: public; Owner: -
 --
 
@@ -532,10 +549,18 @@ CREATE TABLE public.webhook_deliveries (
     finished_at timestamp with time zone,
     last_status smallint,
     last_error text,
+    schedule_start integer DEFAULT 0 NOT NULL,
     CONSTRAINT webhook_deliveries_finished_check CHECK (((state = 'pending'::text) = (finished_at IS NULL))),
     CONSTRAINT webhook_deliveries_state_check CHECK ((state = ANY (ARRAY['pending'::text, 'delivered'::text, 'given_up'::text, 'cancelled'::text, 'held'::text])))
 )
 WITH (fillfactor='80', autovacuum_vacuum_scale_factor='0', autovacuum_vacuum_threshold='5000', autovacuum_vacuum_cost_delay='0');
+
+
+--
+-- Name: COLUMN webhook_deliveries.schedule_start; Type: COMMENT; Schema: public; Owner: -
+--
+
+COMMENT ON COLUMN public.webhook_deliveries.schedule_start IS 'attempts made before the delivery was last reopened (resend, recover, enable): its retry schedule starts again after them';
 
 
 --
@@ -691,10 +716,46 @@ ALTER TABLE ONLY public.webhook_events
 
 
 --
+-- Name: webhook_recoveries webhook_recoveries_pkey; Type: CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.webhook_recoveries
+    ADD CONSTRAINT webhook_recoveries_pkey PRIMARY KEY (tenant_id, recovery_id);
+
+
+--
+-- Name: accounts_list_idx; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE INDEX accounts_list_idx ON public.accounts USING btree (tenant_id, created_at, account_id);
+
+
+--
 -- Name: idempotency_keys_created_at_idx; Type: INDEX; Schema: public; Owner: -
 --
 
 CREATE INDEX idempotency_keys_created_at_idx ON public.idempotency_keys USING btree (created_at);
+
+
+--
+-- Name: payments_account_list_idx; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE INDEX payments_account_list_idx ON public.payments USING btree (tenant_id, account_id, created_at, payment_id);
+
+
+--
+-- Name: payments_list_idx; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE INDEX payments_list_idx ON public.payments USING btree (tenant_id, created_at, payment_id);
+
+
+--
+-- Name: top_ups_list_idx; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE INDEX top_ups_list_idx ON public.top_ups USING btree (tenant_id, created_at, top_up_id);
 
 
 --
@@ -712,10 +773,45 @@ CREATE INDEX top_ups_unfinished ON public.top_ups USING btree (updated_at) WHERE
 
 
 --
+-- Name: transfers_from_list_idx; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE INDEX transfers_from_list_idx ON public.transfers USING btree (tenant_id, from_account_id, created_at, transfer_id);
+
+
+--
+-- Name: transfers_list_idx; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE INDEX transfers_list_idx ON public.transfers USING btree (tenant_id, created_at, transfer_id);
+
+
+--
+-- Name: transfers_to_list_idx; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE INDEX transfers_to_list_idx ON public.transfers USING btree (tenant_id, to_account_id, created_at, transfer_id);
+
+
+--
+-- Name: webhook_attempts_list_idx; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE INDEX webhook_attempts_list_idx ON public.webhook_attempts USING btree (tenant_id, endpoint_id, started_at, event_id, attempt);
+
+
+--
 -- Name: webhook_deliveries_endpoint_idx; Type: INDEX; Schema: public; Owner: -
 --
 
 CREATE INDEX webhook_deliveries_endpoint_idx ON public.webhook_deliveries USING btree (tenant_id, endpoint_id, sequence) WHERE (state = 'pending'::text);
+
+
+--
+-- Name: webhook_deliveries_failed_idx; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE INDEX webhook_deliveries_failed_idx ON public.webhook_deliveries USING btree (tenant_id, endpoint_id, created_at) WHERE (state = ANY (ARRAY['given_up'::text, 'cancelled'::text]));
 
 
 --
@@ -751,6 +847,20 @@ CREATE INDEX webhook_deliveries_resource_idx ON public.webhook_deliveries USING 
 --
 
 CREATE INDEX webhook_events_fan_out_idx ON public.webhook_events USING btree (sequence) WHERE (awaiting_fan_out IS NOT NULL);
+
+
+--
+-- Name: webhook_events_list_idx; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE INDEX webhook_events_list_idx ON public.webhook_events USING btree (tenant_id, created_at, event_id);
+
+
+--
+-- Name: webhook_recoveries_created_idx; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE INDEX webhook_recoveries_created_idx ON public.webhook_recoveries USING btree (created_at);
 
 
 --

@@ -9,6 +9,8 @@
 # over three instances with the replay cache on and off. Card top-ups through oncepay are
 # measured against the same processor (localstripe) driven directly. Writes results.jsonl, REPORT.md and
 # PNG charts to $BENCH_OUT (docs/bench for the full run, target/bench-quick for the quick one).
+# The list steps (issue 39) page one tenant's 10 million payments (300,000 quick) against
+# pgbench's bare SELECT of the same page, and pay while a client pages through every list.
 #
 # It builds in release mode, starts the local PostgreSQL if needed (scripts/db.sh, port
 # ONCEPAY_PG_PORT), recreates the databases oncepay_bench, oncepay_bench_empty and
@@ -30,15 +32,18 @@ yard="$(cd "$yard" && pwd)"
 
 quick="${BENCH_QUICK:-0}"
 if [ "$quick" = 1 ]; then
-  secs=2; rounds=1; small=100000; big=300000; out="${BENCH_OUT:-target/bench-quick}"
+  secs=2; rounds=1; small=100000; big=300000; list_rows=300000; out="${BENCH_OUT:-target/bench-quick}"
 else
-  secs=6; rounds=2; small=1000000; big=10000000; out="${BENCH_OUT:-docs/bench}"
+  secs=6; rounds=2; small=1000000; big=10000000; list_rows=10000000; out="${BENCH_OUT:-docs/bench}"
 fi
 port="${BENCH_PORT:-18131}"
 db="${BENCH_DB:-oncepay_bench}"
 ydb="${BENCH_YARDSTICK_DB:-oncepay_yardstick}"
 # An empty key table measured next to the largest one (growth, below).
 edb="${db}_empty"
+# One tenant with list_rows payments, for the list steps (issue 39, below), paged at list_c.
+ldb="${db}_lists"
+list_c=8
 replay_keys=10000
 accounts=10000
 # The retry storm replays each of its 10,000 keys this many times.
@@ -81,7 +86,7 @@ cleanup() {
   stop_pids
   scripts/localstripe.sh stop "$stripe_dir"
   psql -X -q "$admin_url" -c "DROP DATABASE IF EXISTS $db WITH (FORCE)" -c "DROP DATABASE IF EXISTS $ydb WITH (FORCE)" \
-    -c "DROP DATABASE IF EXISTS $edb WITH (FORCE)" >/dev/null 2>&1 || true
+    -c "DROP DATABASE IF EXISTS $edb WITH (FORCE)" -c "DROP DATABASE IF EXISTS $ldb WITH (FORCE)" >/dev/null 2>&1 || true
 }
 trap cleanup EXIT
 
@@ -97,6 +102,7 @@ say() { echo "bench: $(date +%T) $*" >&2; }
   echo "load average at start: $(cut -d' ' -f1-3 /proc/loadavg)"
   echo "mode: $([ "$quick" = 1 ] && echo quick || echo full), ${secs} s per step, $rounds round(s)"
   echo "yardstick: $(cat "$yard"/*.sql | sha256sum | cut -c1-12) (sha256 of its SQL files)"
+  echo "lists: $list_rows payments of one tenant (the list steps' pages, c=$list_c)"
   [ -n "${BENCH_NOTE:-}" ] && echo "note: $BENCH_NOTE"
 } >"$out/machine.txt"
 
@@ -642,6 +648,89 @@ servers=("${pids[@]}")
 psql -X -q -v ON_ERROR_STOP=1 "$eurl" -c "VACUUM (ANALYZE)"
 settle
 growth "$big" beside
+
+# Lists (issue 39), on a database of their own: one tenant with list_rows payments (and a
+# tenth as many transfers and events, a hundredth as many top-ups, its 10,000 accounts), so
+# that no other step's table grows by them. Per round, alternated (odd rounds pgbench first):
+#   1. a page of 100 payments, the first and one deep in the list (the items after the
+#      payment halfway through), GET /payments through oncepay at c=8, against the same rows
+#      read by a bare indexed SELECT ... LIMIT 100 by pgbench (bench/sql/list_page.sql), given
+#      the cursor's (created_at, id): the report compares their p99 (goal <= 1.5);
+#   2. that tenant's new payments at c=32, without and with a client (oncepay-loadgen
+#      page-lists, one connection) paging through every list meanwhile, ABBA (goal >= 0.9).
+list_note="one tenant's payments"
+paging_none="lists: no client paging"
+paging_meanwhile="lists: a client paging through every list"
+lists_setup() {
+  local main_tenant="$tenant" main_api_key="$api_key"
+  lurl="$(scripts/db.sh url "$ldb")"
+  bench_database "$admin_url" "$lurl" "$bin" "$accounts"
+  ltenant="$tenant" lapi_key="$api_key" tenant="$main_tenant" api_key="$main_api_key"
+  say "filling $list_rows payments of one tenant (and its transfers, top-ups, events)"
+  # A payment every quarter of a second, back from now: 10 million over 29 days.
+  psql -X -q -v ON_ERROR_STOP=1 "$lurl" \
+    -c "INSERT INTO payments (tenant_id, payment_id, account_id, amount, balance_after, created_at)
+        SELECT '$ltenant', gen_random_uuid(), (g % $accounts)::text, 1, 1, now() - make_interval(secs => g / 4.0)
+          FROM generate_series(1, $list_rows) g" \
+    -c "INSERT INTO transfers (tenant_id, transfer_id, from_account_id, to_account_id, amount, from_balance_after,
+                               to_balance_after, created_at)
+        SELECT '$ltenant', gen_random_uuid(), (g % $accounts)::text, ((g + 1) % $accounts)::text, 1, 1, 1,
+               now() - make_interval(secs => g * 2.5)
+          FROM generate_series(1, $list_rows / 10) g" \
+    -c "INSERT INTO top_ups (tenant_id, top_up_id, account_id, amount, currency, payment_method, status, recovery_point,
+                             balance_after, created_at, updated_at, processor)
+        SELECT '$ltenant', gen_random_uuid(), (g % $accounts)::text, 100, 'usd', 'pm_card_visa', 'succeeded', 'finished',
+               100, now() - make_interval(secs => g * 25), now(), 'bench'
+          FROM generate_series(1, $list_rows / 100) g" \
+    -c "INSERT INTO webhook_events (tenant_id, event_id, event_type, resource_id, data, created_at)
+        SELECT '$ltenant', gen_random_uuid(), 'deposit.succeeded', 'bench-' || g, '{}', now() - make_interval(secs => g * 2.5)
+          FROM generate_series(1, $list_rows / 10) g" \
+    -c "VACUUM (ANALYZE)" >/dev/null
+  # The deep page's cursor: the payment halfway through, newest first.
+  IFS='|' read -r deep_id deep_at < <(psql -X -qtA "$lurl" -c "SELECT payment_id, created_at FROM payments
+      WHERE tenant_id = '$ltenant' ORDER BY created_at DESC, payment_id DESC OFFSET $list_rows / 2 LIMIT 1")
+  [ -n "$deep_id" ] || { echo "bench: the lists' deep cursor is missing" >&2; exit 1; }
+  start 10 DATABASE_URL="$lurl"
+  lu="http://127.0.0.1:$((port + 10))" lpid="${pids[-1]}"
+  servers=("${pids[@]}")
+  # Warm, unmeasured: the pool's connections and the list's plans.
+  "$lg" http --urls "$lu" --api-key "$lapi_key" --scenario list-first --concurrency "$list_c" --duration-secs 2 >/dev/null
+  "$lg" http --urls "$lu" --api-key "$lapi_key" --scenario new --concurrency 32 --duration-secs 2 \
+    --accounts "$accounts" >/dev/null
+}
+list_page_steps() { # round scenario cursor_id cursor_at
+  local oncepay_args=() pgbench_args=(-D "cursor_at=$4" -D "cursor_id=$3" --note "$list_note")
+  [ "$2" = list-deep ] && oncepay_args=(--cursor "$3")
+  if [ $(($1 % 2)) = 1 ]; then url="$lurl" tenant="$ltenant" pgb list_page "$2" "$list_c" 0 "$1" "${pgbench_args[@]}"; fi
+  api_key="$lapi_key" http "$2" "$list_c" 0 "$1" oncepay "$lu" "$lpid" --note "$list_note" "${oncepay_args[@]}"
+  if [ $(($1 % 2)) = 0 ]; then url="$lurl" tenant="$ltenant" pgb list_page "$2" "$list_c" 0 "$1" "${pgbench_args[@]}"; fi
+}
+paging_step() { # round with_pager
+  local pager=""
+  if [ "$2" = yes ]; then
+    "$lg" http --urls "$lu" --api-key "$lapi_key" --scenario page-lists --concurrency 1 \
+      --duration-secs "$(awk "BEGIN { print $secs + 2 }")" >/dev/null &
+    pager=$!
+    sleep 1
+    api_key="$lapi_key" http new 32 0 "$1" oncepay "$lu" "$lpid" --note "$paging_meanwhile"
+    wait "$pager"
+  else
+    api_key="$lapi_key" http new 32 0 "$1" oncepay "$lu" "$lpid" --note "$paging_none"
+  fi
+}
+list_steps() { # round
+  list_page_steps "$1" list-first ffffffff-ffff-ffff-ffff-ffffffffffff infinity
+  list_page_steps "$1" list-deep "$deep_id" "$deep_at"
+  paging_step "$1" no
+  paging_step "$1" yes
+  paging_step "$1" yes
+  paging_step "$1" no
+}
+lists_setup
+for round in $(seq "$rounds"); do
+  say "round $round: lists: a page of $list_rows payments, first and deep; payments while a client pages"
+  list_steps "$round"
+done
 
 say "report"
 "$tdir/release/oncepay-bench-report" --input "$results" --machine "$out/machine.txt" --out "$out" --font "$font"

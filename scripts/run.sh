@@ -20,6 +20,9 @@ if [ -z "${ONCEPAY_WEBHOOK_SECRET_KEY:-}" ]; then
   ONCEPAY_WEBHOOK_SECRET_KEY="$(cat "$demo/webhook_secret_key")"
 fi
 export ONCEPAY_WEBHOOK_SECRET_KEY
+# The demo serves on this machine, and the README's recovery walkthrough registers a receiver
+# on it (127.0.0.1), which a real deployment refuses (docs/webhooks.md).
+export ONCEPAY_WEBHOOK_ALLOW_PRIVATE="${ONCEPAY_WEBHOOK_ALLOW_PRIVATE:-1}"
 
 tenant_id=""
 if [ -s "$demo/tenant.json" ]; then

@@ -18,6 +18,9 @@ pub struct Settings {
     pub admin_token: Option<String>,
     pub replay_window: Duration,
     pub retention: Duration,
+    /// How long events are kept, delivered or not, with their deliveries and attempts
+    /// (`ONCEPAY_EVENT_RETENTION_DAYS`, default 30).
+    pub event_retention: Duration,
     pub inflight_wait: Duration,
     pub fingerprint_window: Duration,
     pub max_body_bytes: usize,
@@ -224,6 +227,9 @@ impl Settings {
             admin_token: var("ONCEPAY_ADMIN_TOKEN").filter(|t| !t.is_empty()),
             replay_window: Duration::from_secs(number("ONCEPAY_REPLAY_WINDOW_SECS", 86_400)?),
             retention: Duration::from_secs(number("ONCEPAY_RETENTION_SECS", 604_800)?),
+            event_retention: Duration::from_secs(
+                number::<u64>("ONCEPAY_EVENT_RETENTION_DAYS", 30)?.saturating_mul(86_400),
+            ),
             inflight_wait: Duration::from_millis(number("ONCEPAY_INFLIGHT_WAIT_MS", 5_000)?),
             fingerprint_window: Duration::from_secs(number("ONCEPAY_FINGERPRINT_WINDOW_SECS", 60)?),
             max_body_bytes: number("ONCEPAY_MAX_BODY_BYTES", 65_536)?,
@@ -296,6 +302,9 @@ impl Settings {
         }
         if self.replay_window.as_secs() > i32::MAX as u64 || self.fingerprint_window.as_secs() > i32::MAX as u64 {
             bail!("replay windows above {} seconds are not supported", i32::MAX);
+        }
+        if self.event_retention.is_zero() || self.event_retention.as_secs() > 3_650 * 86_400 {
+            bail!("ONCEPAY_EVENT_RETENTION_DAYS must be between 1 and 3650");
         }
         if self.inflight_wait.is_zero() || self.statement_timeout <= self.inflight_wait {
             bail!("ONCEPAY_STATEMENT_TIMEOUT_MS must exceed ONCEPAY_INFLIGHT_WAIT_MS, which must be positive");
@@ -380,6 +389,7 @@ impl std::fmt::Debug for Settings {
             admin_token,
             replay_window,
             retention,
+            event_retention,
             inflight_wait,
             fingerprint_window,
             max_body_bytes,
@@ -412,6 +422,7 @@ impl std::fmt::Debug for Settings {
             .field("admin_token", &admin_token.as_ref().map(|_| REDACTED))
             .field("replay_window", replay_window)
             .field("retention", retention)
+            .field("event_retention", event_retention)
             .field("inflight_wait", inflight_wait)
             .field("fingerprint_window", fingerprint_window)
             .field("max_body_bytes", max_body_bytes)

@@ -36,7 +36,8 @@ enum ServerCommand {
     Serve,
     /// Apply the embedded migrations to DATABASE_URL (safe to run twice or concurrently).
     Migrate,
-    /// Delete idempotency-key rows older than ONCEPAY_RETENTION_SECS; prints `deleted=N`.
+    /// Delete idempotency-key rows older than ONCEPAY_RETENTION_SECS (prints `deleted=N`) and
+    /// webhook events older than ONCEPAY_EVENT_RETENTION_DAYS.
     Purge,
     /// Reconcile balances, key rows and effects (docs/audit.md). Exit 0 clean (warnings
     /// allowed), 3 when an invariant is broken, 1 when the audit could not run.
@@ -156,7 +157,7 @@ async fn run(command: ServerCommand) -> anyhow::Result<()> {
         ServerCommand::Purge => {
             let db = db::Db::new(&settings)?;
             db::check_schema(&db).await?;
-            let deleted = purge::purge(&db, settings.retention, settings.purge_batch_size).await?;
+            let deleted = purge::purge(&db, purge::Retention::of(&settings), settings.purge_batch_size).await?;
             println!("deleted={deleted}");
         }
         ServerCommand::Audit {

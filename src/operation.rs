@@ -31,6 +31,8 @@ pub enum Operation {
     CreateWebhookEndpoint,
     RotateWebhookSecret,
     EnableWebhookEndpoint,
+    ResendWebhookEvent,
+    RecoverWebhookEndpoint,
 }
 
 /// A deterministic failure (PostgreSQL `oncepay_decline`): stored with the key and replayed
@@ -93,7 +95,31 @@ pub struct Spec {
     pub declines: &'static [Decline],
     pub summary: &'static str,
     pub tag: &'static str,
+    /// What the key's `resource_id` names (`GET /idempotency-keys/{key}`).
+    pub resource: Resource,
 }
+
+/// The kind of resource an operation's key names, and the route that reads it (`None`: there
+/// is none to read one by its id).
+#[derive(Debug)]
+pub struct Resource {
+    /// Its `type` in `GET /idempotency-keys/{key}`.
+    pub kind: &'static str,
+    pub read: Option<routes::Route>,
+}
+
+const PAYMENT: Resource = Resource {
+    kind: "payment",
+    read: Some(routes::GET_PAYMENT),
+};
+const WEBHOOK_ENDPOINT: Resource = Resource {
+    kind: "webhook_endpoint",
+    read: None,
+};
+const TOP_UP_RESOURCE: Resource = Resource {
+    kind: "top_up",
+    read: Some(routes::GET_TOP_UP),
+};
 
 const PAY: Spec = Spec {
     operation: Operation::Pay,
@@ -105,6 +131,7 @@ const PAY: Spec = Spec {
     declines: &[Decline::InsufficientFunds, Decline::AccountNotFound],
     summary: "Charges an account, at most once per `Idempotency-Key` (`POST /pay` is an alias).",
     tag: "payments",
+    resource: PAYMENT,
 };
 
 const REFUND: Spec = Spec {
@@ -117,6 +144,7 @@ const REFUND: Spec = Spec {
     declines: &[Decline::NotFound, Decline::AlreadyRefunded],
     summary: "Refunds a whole payment, at most once.",
     tag: "payments",
+    resource: PAYMENT,
 };
 
 const DEPOSIT: Spec = Spec {
@@ -129,6 +157,10 @@ const DEPOSIT: Spec = Spec {
     declines: &[Decline::AccountNotFound],
     summary: "Credits an account, at most once per `Idempotency-Key`.",
     tag: "accounts",
+    resource: Resource {
+        kind: "deposit",
+        read: None,
+    },
 };
 
 const OPEN_ACCOUNT: Spec = Spec {
@@ -141,6 +173,10 @@ const OPEN_ACCOUNT: Spec = Spec {
     declines: &[Decline::AccountExists],
     summary: "Opens an account, at most once per `Idempotency-Key`.",
     tag: "accounts",
+    resource: Resource {
+        kind: "account",
+        read: Some(routes::GET_ACCOUNT),
+    },
 };
 
 const TRANSFER: Spec = Spec {
@@ -153,6 +189,10 @@ const TRANSFER: Spec = Spec {
     declines: &[Decline::InsufficientFunds, Decline::AccountNotFound],
     summary: "Moves an amount between two accounts of the tenant, atomically, at most once per `Idempotency-Key`.",
     tag: "transfers",
+    resource: Resource {
+        kind: "transfer",
+        read: Some(routes::GET_TRANSFER),
+    },
 };
 
 const TOP_UP: Spec = Spec {
@@ -170,6 +210,7 @@ const TOP_UP: Spec = Spec {
     ],
     summary: "Charges a card at the processor and credits the account, the card charged at most once and the account credited exactly once iff it was.",
     tag: "top-ups",
+    resource: TOP_UP_RESOURCE,
 };
 
 const REFUND_TOP_UP: Spec = Spec {
@@ -187,6 +228,7 @@ const REFUND_TOP_UP: Spec = Spec {
     ],
     summary: "Debits the top-up's amount from its account, then refunds the card at the processor, at most once; a refund the processor refuses or fails is credited back.",
     tag: "top-ups",
+    resource: TOP_UP_RESOURCE,
 };
 
 const CREATE_WEBHOOK_ENDPOINT: Spec = Spec {
@@ -199,6 +241,7 @@ const CREATE_WEBHOOK_ENDPOINT: Spec = Spec {
     declines: &[Decline::TooManyEndpoints],
     summary: "Registers a webhook endpoint; the answer shows its `whsec_` signing secret (a replay shows the same one, until the secret is rotated).",
     tag: "webhooks",
+    resource: WEBHOOK_ENDPOINT,
 };
 
 const ROTATE_WEBHOOK_SECRET: Spec = Spec {
@@ -211,6 +254,7 @@ const ROTATE_WEBHOOK_SECRET: Spec = Spec {
     declines: &[Decline::NotFound],
     summary: "Gives an endpoint a new `whsec_` secret; the previous one keeps signing too (two signatures per message) for `overlap_secs` (default a day).",
     tag: "webhooks",
+    resource: WEBHOOK_ENDPOINT,
 };
 
 const ENABLE_WEBHOOK_ENDPOINT: Spec = Spec {
@@ -223,10 +267,43 @@ const ENABLE_WEBHOOK_ENDPOINT: Spec = Spec {
     declines: &[Decline::NotFound],
     summary: "Enables a disabled webhook endpoint: deliveries resume, the events kept while it was disabled first.",
     tag: "webhooks",
+    resource: WEBHOOK_ENDPOINT,
+};
+
+const RESEND_WEBHOOK_EVENT: Spec = Spec {
+    operation: Operation::ResendWebhookEvent,
+    name: "resend_webhook_event",
+    method: routes::RESEND_WEBHOOK_EVENT.method,
+    path: routes::RESEND_WEBHOOK_EVENT.path,
+    aliases: &[],
+    success_status: 202,
+    declines: &[Decline::NotFound],
+    summary: "Delivers an event once more to an endpoint, with its `webhook-id`, in its place among its resource's events not yet delivered, with a new retry schedule.",
+    tag: "webhooks",
+    resource: Resource {
+        kind: "event",
+        read: Some(routes::GET_EVENT),
+    },
+};
+
+const RECOVER_WEBHOOK_ENDPOINT: Spec = Spec {
+    operation: Operation::RecoverWebhookEndpoint,
+    name: "recover_webhook_endpoint",
+    method: routes::RECOVER_WEBHOOK_ENDPOINT.method,
+    path: routes::RECOVER_WEBHOOK_ENDPOINT.path,
+    aliases: &[],
+    success_status: 202,
+    declines: &[Decline::NotFound],
+    summary: "Delivers again every event since `since` that the endpoint was sent and never acknowledged with a 2xx, each with its `webhook-id` and a new retry schedule.",
+    tag: "webhooks",
+    resource: Resource {
+        kind: "webhook_recovery",
+        read: None,
+    },
 };
 
 impl Operation {
-    pub const ALL: [Self; 10] = [
+    pub const ALL: [Self; 12] = [
         Self::Pay,
         Self::Refund,
         Self::Deposit,
@@ -237,6 +314,8 @@ impl Operation {
         Self::CreateWebhookEndpoint,
         Self::RotateWebhookSecret,
         Self::EnableWebhookEndpoint,
+        Self::ResendWebhookEvent,
+        Self::RecoverWebhookEndpoint,
     ];
 
     pub const fn spec(self) -> &'static Spec {
@@ -251,6 +330,8 @@ impl Operation {
             Self::CreateWebhookEndpoint => &CREATE_WEBHOOK_ENDPOINT,
             Self::RotateWebhookSecret => &ROTATE_WEBHOOK_SECRET,
             Self::EnableWebhookEndpoint => &ENABLE_WEBHOOK_ENDPOINT,
+            Self::ResendWebhookEvent => &RESEND_WEBHOOK_EVENT,
+            Self::RecoverWebhookEndpoint => &RECOVER_WEBHOOK_ENDPOINT,
         }
     }
 }
@@ -309,7 +390,7 @@ impl Decline {
         match self {
             Self::InsufficientFunds => "the account's balance is lower than the amount",
             Self::AccountNotFound => "no such account",
-            Self::NotFound => "no such payment or webhook endpoint for this tenant",
+            Self::NotFound => "no such payment, webhook endpoint or event for this tenant",
             Self::AlreadyRefunded => "the payment was already refunded",
             Self::AccountExists => "an account with this id already exists",
             Self::CardDeclined => "the card processor declined the charge; nothing was charged",
@@ -342,6 +423,15 @@ impl Spec {
     /// The canonical path with its `{id}` filled in.
     pub fn path_with(&self, id: &str) -> String {
         self.path.replace("{id}", id)
+    }
+
+    /// The canonical path with its parameters filled in, in their order.
+    pub fn path_with_all(&self, params: &[&str]) -> String {
+        routes::Route {
+            method: self.method,
+            path: self.path,
+        }
+        .with_params(params)
     }
 }
 

@@ -1,5 +1,6 @@
 //! The purge (contract section 5, rule 11): deletes idempotency-key rows older than the
-//! retention, in bounded batches of short transactions, safely from several replicas at once.
+//! retention, and webhook events older than theirs (contract section 4d), in bounded batches
+//! of short transactions, safely from several replicas at once.
 //!
 //! Each batch is one `DELETE` of at most `batch` rows picked through the `created_at` index
 //! with `FOR UPDATE SKIP LOCKED`: concurrent purgers take disjoint rows (the sum of their
@@ -10,6 +11,7 @@
 
 use std::time::{Duration, Instant};
 
+use crate::config::Settings;
 use crate::db::{Db, DbError};
 
 /// Advisory lock key taken by the replica running a batch of the in-process schedule ("purge").
@@ -18,21 +20,47 @@ const SCHEDULE_LOCK: i64 = 0x0070_7572_6765;
 /// How often a long purge reports progress.
 const PROGRESS_EVERY: Duration = Duration::from_secs(5);
 
-/// Deletes every key row whose `created_at` is older than `retention`; returns the count.
-/// Also purges the webhooks' finished deliveries and their events ([`purge_webhooks`]).
-pub async fn purge(db: &Db, retention: Duration, batch: i64) -> Result<u64, DbError> {
-    let deleted = purge_batches(db, retention, batch, false).await?.unwrap_or(0);
-    purge_webhooks(db, retention, batch).await?;
+/// How long the purge keeps what it deletes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Retention {
+    /// Key rows, by their `created_at` (`ONCEPAY_RETENTION_SECS`).
+    pub keys: Duration,
+    /// Events, delivered or not, with their deliveries and attempts
+    /// (`ONCEPAY_EVENT_RETENTION_DAYS`).
+    pub events: Duration,
+}
+
+impl Retention {
+    pub fn of(settings: &Settings) -> Self {
+        Self {
+            keys: settings.retention,
+            events: settings.event_retention,
+        }
+    }
+}
+
+/// The longest one run of the events' purge goes on; the next run takes up what is left (the
+/// first run after a long pause, or on a table that grew faster than it is purged, would
+/// otherwise hold a replica's purge for as long as the backlog lasts).
+const EVENTS_RUN_LIMIT: Duration = Duration::from_secs(15 * 60);
+
+/// Deletes every key row whose `created_at` is older than `retention.keys`; returns the count.
+/// Also purges the webhooks' events past `retention.events` ([`purge_webhooks`]).
+pub async fn purge(db: &Db, retention: Retention, batch: i64) -> Result<u64, DbError> {
+    let deleted = purge_batches(db, retention.keys, batch, false).await?.unwrap_or(0);
+    purge_webhooks(db, retention.events, batch).await?;
     Ok(deleted)
 }
 
-/// The webhooks' bounded growth: deliveries finished (delivered, given up, cancelled) longer
-/// than `retention` ago are deleted with their attempts, then events left with no delivery,
-/// and events older than `retention` that no endpoint took when they were fanned out;
-/// and a delivery still pending or held for an endpoint deleted meanwhile (written by a
-/// fan-out that raced the deletion) is cancelled. (A disabled endpoint's deliveries are held,
-/// not cancelled: they are finished, as far as this is concerned, when they were held, and go
-/// after the retention like the others.) Batches as for the keys; returns the events deleted.
+/// The webhooks' bounded growth (contract section 4d): events older than `retention` are
+/// deleted, delivered or not, with their deliveries and their attempts, which are kept exactly
+/// as long (the attempts list and `recover` read them). The events are found through their
+/// list index, tenant by tenant (migrations/V24: no index of their own for the purge, which
+/// would cost every event's insert an entry). A delivery still pending or held when its event
+/// goes (an endpoint disabled for the whole retention, or failing past it) goes with it: it is
+/// counted and logged, never sent. A delivery still pending or held for an endpoint deleted
+/// meanwhile (written by a fan-out that raced the deletion) is cancelled first. Recoveries go
+/// after the same retention. Batches as for the keys; returns the events deleted.
 pub async fn purge_webhooks(db: &Db, retention: Duration, batch: i64) -> Result<u64, DbError> {
     let retention_secs = retention.as_secs_f64();
     db.run(async |c| {
@@ -46,65 +74,68 @@ pub async fn purge_webhooks(db: &Db, retention: Duration, batch: i64) -> Result<
         .await
     })
     .await?;
-    let mut events: u64 = 0;
+    let started = Instant::now();
+    let (mut events, mut undelivered): (u64, u64) = (0, 0);
     loop {
-        let (deliveries, deleted_events) = db
+        let (deleted, dropped) = db
             .run(async |c| {
                 let r = sqlx::query!(
                     r#"WITH doomed AS (
-                           SELECT tenant_id, event_id, endpoint_id FROM webhook_deliveries
-                            WHERE finished_at < now() - make_interval(secs => $1)
-                            ORDER BY finished_at
-                            LIMIT $2
-                              FOR UPDATE SKIP LOCKED),
+                           SELECT old.tenant_id, old.event_id
+                             FROM tenants t
+                            CROSS JOIN LATERAL (
+                                  SELECT ev.tenant_id, ev.event_id FROM webhook_events ev
+                                   WHERE ev.tenant_id = t.tenant_id
+                                     AND ev.created_at < now() - make_interval(secs => $1)
+                                   ORDER BY ev.created_at
+                                   LIMIT $2
+                                     FOR UPDATE SKIP LOCKED) AS old
+                            LIMIT $2),
                        attempts AS (
                            DELETE FROM webhook_attempts a USING doomed
-                            WHERE a.tenant_id = doomed.tenant_id AND a.event_id = doomed.event_id
-                              AND a.endpoint_id = doomed.endpoint_id),
+                            WHERE a.tenant_id = doomed.tenant_id AND a.event_id = doomed.event_id),
                        deliveries AS (
                            DELETE FROM webhook_deliveries d USING doomed
                             WHERE d.tenant_id = doomed.tenant_id AND d.event_id = doomed.event_id
-                              AND d.endpoint_id = doomed.endpoint_id
-                           RETURNING d.tenant_id, d.event_id),
+                           RETURNING d.state),
                        events AS (
-                           DELETE FROM webhook_events e
-                            WHERE (e.tenant_id, e.event_id) IN (SELECT tenant_id, event_id FROM deliveries)
-                              AND NOT EXISTS (SELECT FROM webhook_deliveries o
-                                               WHERE o.tenant_id = e.tenant_id AND o.event_id = e.event_id
-                                                 AND (o.tenant_id, o.event_id, o.endpoint_id) NOT IN
-                                                     (SELECT tenant_id, event_id, endpoint_id FROM doomed))
+                           DELETE FROM webhook_events e USING doomed
+                            WHERE e.tenant_id = doomed.tenant_id AND e.event_id = doomed.event_id
                            RETURNING 1)
-                   SELECT (SELECT count(*) FROM deliveries) AS "deliveries!",
-                          (SELECT count(*) FROM events) AS "events!""#,
+                   SELECT (SELECT count(*) FROM events) AS "events!",
+                          (SELECT count(*) FROM deliveries WHERE state IN ('pending', 'held')) AS "undelivered!""#,
                     retention_secs,
                     batch,
                 )
                 .fetch_one(c)
                 .await?;
-                Ok((r.deliveries, r.events))
+                Ok((r.events, r.undelivered))
             })
             .await?;
-        events += deleted_events as u64;
-        if deliveries < batch {
+        events += deleted as u64;
+        undelivered += dropped as u64;
+        // A short batch means nothing older is left that another purger is not already on.
+        if deleted < batch {
+            break;
+        }
+        if started.elapsed() >= EVENTS_RUN_LIMIT {
+            tracing::warn!(
+                events,
+                "the events' purge stopped after its run limit; the next run goes on"
+            );
             break;
         }
     }
-    // Events that no endpoint took when they were fanned out (every endpoint deleted or
-    // disabled between the change and its fan-out: migrations/V14) have no delivery to be
-    // purged with; they go by their own age, found by the fan-out's index (V19: its predicate
-    // is `awaiting_fan_out IS NOT NULL`, written out so the planner can use it).
     loop {
-        let unsent = db
+        let recoveries = db
             .run(async |c| {
                 let r = sqlx::query!(
-                    r#"DELETE FROM webhook_events e
-                        USING (SELECT tenant_id, event_id FROM webhook_events
-                                WHERE awaiting_fan_out IS NOT NULL AND NOT awaiting_fan_out
-                                  AND created_at < now() - make_interval(secs => $1)
-                                ORDER BY sequence
-                                LIMIT $2
-                                  FOR UPDATE SKIP LOCKED) doomed
-                        WHERE e.tenant_id = doomed.tenant_id AND e.event_id = doomed.event_id"#,
+                    r#"DELETE FROM webhook_recoveries r
+                        WHERE r.ctid = ANY (ARRAY(SELECT o.ctid FROM webhook_recoveries o
+                                                   WHERE o.created_at < now() - make_interval(secs => $1)
+                                                   ORDER BY o.created_at
+                                                   LIMIT $2
+                                                     FOR UPDATE SKIP LOCKED))"#,
                     retention_secs,
                     batch,
                 )
@@ -113,13 +144,18 @@ pub async fn purge_webhooks(db: &Db, retention: Duration, batch: i64) -> Result<
                 Ok(r.rows_affected())
             })
             .await?;
-        events += unsent;
-        if unsent < batch as u64 {
+        if recoveries < batch as u64 || started.elapsed() >= EVENTS_RUN_LIMIT {
             break;
         }
     }
+    if undelivered > 0 {
+        tracing::warn!(
+            undelivered,
+            "webhook deliveries never made (held for a disabled endpoint, or still failing) were purged with their events, past ONCEPAY_EVENT_RETENTION_DAYS"
+        );
+    }
     if events > 0 {
-        tracing::info!(events, "purged delivered webhook events");
+        tracing::info!(events, "purged webhook events past their retention");
     }
     Ok(events)
 }
@@ -188,11 +224,11 @@ async fn purge_batches(db: &Db, retention: Duration, batch: i64, scheduled: bool
     Ok(Some(deleted))
 }
 
-/// What the in-process schedule needs: the database and two settings.
+/// What the in-process schedule needs: the database and its settings.
 #[derive(Clone, Debug)]
 pub struct Schedule {
     pub db: Db,
-    pub retention: Duration,
+    pub retention: Retention,
     pub batch: i64,
     pub every: Duration,
 }
@@ -205,10 +241,10 @@ pub async fn schedule(schedule: Schedule, on_purged: impl Fn(u64)) {
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         ticker.tick().await;
-        match purge_batches(&schedule.db, schedule.retention, schedule.batch, true).await {
+        match purge_batches(&schedule.db, schedule.retention.keys, schedule.batch, true).await {
             Ok(Some(deleted)) => {
                 on_purged(deleted);
-                if let Err(err) = purge_webhooks(&schedule.db, schedule.retention, schedule.batch).await {
+                if let Err(err) = purge_webhooks(&schedule.db, schedule.retention.events, schedule.batch).await {
                     tracing::warn!(error = %err, "scheduled purge of webhook events failed; will try again");
                 }
             }

@@ -225,7 +225,7 @@ fn start_workers(state: &web::Data<AppState>, deliverer: Option<Arc<Deliverer>>)
         let state = state.clone();
         let schedule = purge::Schedule {
             db: state.db.clone(),
-            retention: state.settings.retention,
+            retention: purge::Retention::of(&state.settings),
             batch: state.settings.purge_batch_size,
             every,
         };

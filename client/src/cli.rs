@@ -1,8 +1,11 @@
 //! The client commands of the `oncepay` binary: `pay`, `refund`, `deposit`, `transfer`,
 //! `top-up`, `refund-top-up`, `account create`, `balance`, `get-payment`, `get-transfer`,
-//! `get-top-up`. The answer's JSON goes to
-//! stdout; retries, replays and errors to stderr. Every read takes the id of what it reads as
-//! its argument (`balance u1`, `get-payment ID`, `get-transfer ID`), like `account create ID`.
+//! `get-top-up`, `get-idempotency-key`, and the lists and repairs of `lists` (`payments list`,
+//! `transfers list`, `top-ups list`, `account list`, `events list`,
+//! `webhooks attempts|resend|recover|enable`). The answer's JSON goes to stdout (a list: one
+//! item a line); retries, replays and errors to stderr. Every read takes the id of what it
+//! reads as its argument (`balance u1`, `get-payment ID`, `get-transfer ID`), like
+//! `account create ID`.
 //!
 //! Exit status: 0 success; 2 bad usage; 3 the server refused the request (a 4xx problem that
 //! a retry would not change) or the client refused the server's TLS certificate; 4 the outcome is unknown (no final answer within the attempts,
@@ -19,6 +22,10 @@ use serde::Serialize;
 use uuid::Uuid;
 
 use crate::{Client, ClientConfig, ClientError, IdempotencyKey, Reply, RetryNote};
+
+mod lists;
+
+use lists::{EventsCommand, ListArgs, PaymentsCommand, TopUpsCommand, TransfersCommand, WebhooksCommand};
 
 pub const EXIT_USAGE: i32 = 2;
 pub const EXIT_REFUSED: i32 = 3;
@@ -143,6 +150,28 @@ pub enum ClientCommand {
         /// The transfer's id.
         id: Uuid,
     },
+    /// What the requests with an Idempotency-Key did: GET /idempotency-keys/{key}.
+    GetIdempotencyKey {
+        #[command(flatten)]
+        server: ServerArgs,
+        /// The key.
+        key: String,
+    },
+    /// Payments of the tenant.
+    #[command(subcommand)]
+    Payments(PaymentsCommand),
+    /// Transfers of the tenant.
+    #[command(subcommand)]
+    Transfers(TransfersCommand),
+    /// Top-ups of the tenant.
+    #[command(subcommand)]
+    TopUps(TopUpsCommand),
+    /// The tenant's event log (its events, kept ONCEPAY_EVENT_RETENTION_DAYS).
+    #[command(subcommand)]
+    Events(EventsCommand),
+    /// Webhook deliveries: attempts, resend, recover, enable.
+    #[command(subcommand)]
+    Webhooks(WebhooksCommand),
 }
 
 #[derive(Subcommand)]
@@ -158,6 +187,13 @@ pub enum AccountCommand {
         balance: Option<i64>,
         #[command(flatten)]
         key: KeyArg,
+    },
+    /// The tenant's accounts, newest first: GET /accounts, every page.
+    List {
+        #[command(flatten)]
+        server: ServerArgs,
+        #[command(flatten)]
+        list: ListArgs,
     },
 }
 
@@ -302,6 +338,13 @@ async fn execute(command: ClientCommand) -> Result<(), Failed> {
             print_keyed(client(&server)?.refund_top_up(top_up, &key).await, &key)
         }
         ClientCommand::GetTopUp { server, id } => print(client(&server)?.get_top_up(id).await?, None),
+        ClientCommand::GetIdempotencyKey { server, key } => lists::idempotency_key(&server, &key).await,
+        ClientCommand::Account(AccountCommand::List { server, list }) => lists::accounts(&server, &list).await,
+        ClientCommand::Payments(command) => lists::payments(command).await,
+        ClientCommand::Transfers(command) => lists::transfers(command).await,
+        ClientCommand::TopUps(command) => lists::top_ups(command).await,
+        ClientCommand::Events(command) => lists::events(command).await,
+        ClientCommand::Webhooks(command) => lists::webhooks(command).await,
     }
 }
 

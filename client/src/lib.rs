@@ -25,7 +25,10 @@ pub mod cli;
 mod config;
 mod error;
 mod key;
+mod keys;
+mod lists;
 pub mod policy;
+mod recovery;
 mod retry;
 mod tls;
 mod top_ups;
@@ -42,6 +45,12 @@ pub use calls::{Account, AccountCreated, Deposit, Payment, PaymentState, Refund}
 pub use config::{Backoff, BudgetConfig, ClientConfig};
 pub use error::{ClientError, Problem};
 pub use key::IdempotencyKey;
+pub use keys::{KeyInfo, KeyResource};
+pub use lists::{
+    Attempt, AttemptListParams, EventListParams, List, ListParams, ListRequest, Listed, Lists, PaymentListParams,
+    TopUpListParams, TransferListParams,
+};
+pub use recovery::{Recovery, Resent};
 pub use top_ups::{TopUp, TopUpRefund, TopUpState};
 pub use transfers::{Transfer, TransferState};
 

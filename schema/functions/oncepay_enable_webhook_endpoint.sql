@@ -16,7 +16,7 @@ BEGIN
             c := oncepay_decline(p_tenant, p, 'not_found');
         ELSE
             UPDATE webhook_deliveries d
-               SET state = 'pending', finished_at = NULL, next_attempt_at = now()
+               SET state = 'pending', finished_at = NULL, next_attempt_at = now(), schedule_start = d.attempts
              WHERE d.tenant_id = p_tenant AND d.endpoint_id = p_endpoint AND d.state = 'held';
         END IF;
     ELSIF c.resource_id IS NOT NULL THEN

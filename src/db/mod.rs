@@ -215,7 +215,10 @@ mod tests {
         let db = Db::new(&settings).unwrap();
         let schedule = crate::purge::Schedule {
             db: db.clone(),
-            retention: Duration::from_secs(1),
+            retention: crate::purge::Retention {
+                keys: Duration::from_secs(1),
+                events: Duration::from_secs(1),
+            },
             batch: 1,
             every: Duration::from_secs(1),
         };

@@ -2,7 +2,8 @@
 //! by type. The bottom layer: it knows neither HTTP nor the database layer.
 
 mod ids;
+pub mod page;
 mod values;
 
-pub use ids::{DepositId, EndpointId, EventId, PaymentId, TenantId, TopUpId, TransferId};
+pub use ids::{AttemptId, DepositId, EndpointId, EventId, PaymentId, TenantId, TopUpId, TransferId};
 pub use values::{AccountId, Amount, MissingKeyPolicy, OpeningBalance, MAX_AMOUNT};

@@ -7,6 +7,7 @@
 //! [`Outcome`], for every operation.
 
 mod effects;
+pub mod lists;
 mod reads;
 mod rows;
 pub mod top_ups;
@@ -14,7 +15,7 @@ pub mod top_ups;
 use chrono::{DateTime, Utc};
 
 pub use effects::{Batched, Deposit, Effect, OpenAccount, Pay, Refund, SameAccount, Transfer};
-pub use reads::{balance, payment_state, transfer};
+pub use reads::{balance, key, payment_state, transfer, KeyRow};
 pub use rows::{AccountRow, DepositRow, PaymentRow, TopUpRow, TransferRow};
 
 use crate::idempotency::Claim;

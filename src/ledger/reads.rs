@@ -1,10 +1,12 @@
 //! The current state of resources, for the `GET` endpoints. Rows are read whole, as the
 //! operations' functions return them, so both decode through the same row types.
 
+use chrono::{DateTime, Utc};
 use sqlx::PgConnection;
 
 use super::rows::{PaymentRow, TransferRow};
 use crate::domain::{AccountId, PaymentId, TenantId, TransferId};
+use crate::operation::{Decline, Operation};
 
 /// A payment's row, for `GET /payments/{id}`.
 pub async fn payment_state(
@@ -49,4 +51,40 @@ pub async fn balance(
     )
     .fetch_optional(conn)
     .await
+}
+
+/// An idempotency key's row, as `GET /idempotency-keys/{key}` shows it.
+#[derive(Clone, Debug)]
+pub struct KeyRow {
+    pub key: String,
+    pub operation: Operation,
+    /// The status its requests are answered with (the success's, or a stored decline's).
+    pub status: i16,
+    pub resource_id: Option<String>,
+    pub decline: Option<Decline>,
+    pub created_at: DateTime<Utc>,
+    pub expires_at: DateTime<Utc>,
+}
+
+/// The tenant's key row `key`, if the tenant has one by that name (another tenant's is none).
+pub async fn key(conn: &mut PgConnection, tenant: TenantId, key: &str) -> Result<Option<KeyRow>, sqlx::Error> {
+    let row = sqlx::query!(
+        r#"SELECT key::text AS "key!", operation AS "operation!: Operation", status::smallint AS "status!",
+                  resource_id, error_code AS "decline: Decline", created_at, expires_at
+             FROM idempotency_keys
+            WHERE tenant_id = $1 AND key = $2"#,
+        tenant.get(),
+        key,
+    )
+    .fetch_optional(conn)
+    .await?;
+    Ok(row.map(|r| KeyRow {
+        key: r.key,
+        operation: r.operation,
+        status: r.status,
+        resource_id: r.resource_id,
+        decline: r.decline,
+        created_at: r.created_at,
+        expires_at: r.expires_at,
+    }))
 }

@@ -1,4 +1,5 @@
-//! `POST /accounts`, `GET /accounts/{id}`, `POST /accounts/{id}/deposits`.
+//! `POST /accounts`, `GET /accounts/{id}`, `POST /accounts/{id}/deposits`, `GET /accounts`
+//! (contract section 4d).
 
 use actix_web::{web, HttpRequest, HttpResponse};
 use chrono::{DateTime, Utc};
@@ -7,7 +8,8 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 use super::intake::present;
-use super::pipeline::{route, Endpoint};
+use super::lists::{self, ListOut};
+use super::pipeline::{corrupt, route, Endpoint};
 use super::schemas::{BadRequest, NotFound, Overloaded, Unauthorized, Unavailable};
 use crate::domain::{AccountId, Amount, DepositId, OpeningBalance};
 use crate::error::ApiError;
@@ -18,6 +20,7 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
     route::<OpenAccount>(cfg);
     route::<CreateDeposit>(cfg);
     cfg.route(routes::GET_ACCOUNT.path, web::get().to(show));
+    cfg.route(routes::LIST_ACCOUNTS.path, web::get().to(list));
 }
 
 /// Body of `POST /accounts`.
@@ -48,7 +51,7 @@ pub struct AccountCreatedOut {
 
 /// An account's current balance.
 #[derive(Serialize, ToSchema)]
-struct AccountOut {
+pub(super) struct AccountOut {
     id: AccountId,
     balance: i64,
 }
@@ -143,4 +146,42 @@ pub(super) async fn show(req: HttpRequest, state: web::Data<AppState>) -> Result
         .await?
         .ok_or(ApiError::AccountNotFound)?;
     Ok(HttpResponse::Ok().json(AccountOut { id, balance }))
+}
+
+/// The query parameters of `GET /accounts`.
+pub(super) struct AccountListParams;
+
+impl utoipa::IntoParams for AccountListParams {
+    fn into_params(
+        _: impl Fn() -> Option<utoipa::openapi::path::ParameterIn>,
+    ) -> Vec<utoipa::openapi::path::Parameter> {
+        lists::parameters(&[])
+    }
+}
+
+/// The tenant's accounts, newest first (contract section 4d; `main` is the oldest).
+#[utoipa::path(
+    get, path = "/accounts", tag = "accounts", operation_id = "list_accounts", security(("api_key" = [])),
+    params(AccountListParams),
+    responses(
+        (status = 200, description = "A page of accounts, each as `GET /accounts/{id}` shows it.", body = ListOut<AccountOut>),
+        (status = 400, response = BadRequest), (status = 401, response = Unauthorized),
+        (status = 429, response = Overloaded), (status = 503, response = Unavailable),
+    )
+)]
+pub(super) async fn list(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+    let tenant = state.tenant(&req).await?;
+    let (page, _) = lists::query(&req, &[], |raw| AccountId::parse(raw).ok())?;
+    let mut conn = state.conn().await?;
+    let page = conn
+        .run(async |c| ledger::lists::accounts(c, tenant.id, &page).await)
+        .await?
+        .ok_or_else(lists::unknown_cursor)?;
+    let page = page.try_map(|a| {
+        Ok::<_, ApiError>(AccountOut {
+            id: AccountId::parse(&a.account_id.0).map_err(|_| corrupt("a stored account id the syntax refuses"))?,
+            balance: a.balance.0,
+        })
+    })?;
+    Ok(lists::answer(routes::LIST_ACCOUNTS.path.to_owned(), page))
 }

@@ -226,7 +226,12 @@ struct PurgedOut {
 )]
 pub(super) async fn run_purge(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     state.admin(&req)?;
-    let deleted = purge::purge(&state.db, state.settings.retention, state.settings.purge_batch_size).await?;
+    let deleted = purge::purge(
+        &state.db,
+        purge::Retention::of(&state.settings),
+        state.settings.purge_batch_size,
+    )
+    .await?;
     state.metrics.record_purge(deleted);
     Ok(HttpResponse::Ok().json(PurgedOut { deleted }))
 }

@@ -21,7 +21,7 @@ use super::schemas::{
     AdminDisabled, BadRequest, BodyTooLarge, Conflict, IdempotencyKeyHeader, InsufficientFunds, KeyRefused, NotFound,
     Overloaded, Problem, RequestTimeout, Unauthorized, Unavailable, UnsupportedMediaType,
 };
-use super::{accounts, admin, health, payments, top_ups, transfers, webhooks};
+use super::{accounts, admin, health, keys, payments, recovery, top_ups, transfers, webhooks};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -33,8 +33,10 @@ use super::{accounts, admin, health, payments, top_ups, transfers, webhooks};
     ),
     paths(
         payments::show, accounts::show, transfers::show,
+        payments::list, transfers::list, accounts::list, top_ups::list,
         top_ups::create, top_ups::show, top_ups::refund,
         webhooks::list, webhooks::delete, webhooks::show_event,
+        recovery::list_events, recovery::list_attempts, keys::show,
         admin::create_tenant, admin::update_tenant, admin::create_api_key, admin::list_api_keys,
         admin::revoke_api_key, admin::run_purge,
         health::healthz, health::readyz, openapi_json,
@@ -95,6 +97,8 @@ impl Modify for Operations {
         document_operation::<webhooks::CreateWebhookEndpoint>(openapi);
         document_operation::<webhooks::RotateWebhookSecret>(openapi);
         document_operation::<webhooks::EnableWebhookEndpoint>(openapi);
+        document_operation::<recovery::ResendWebhookEvent>(openapi);
+        document_operation::<recovery::RecoverWebhookEndpoint>(openapi);
     }
 }
 
@@ -179,10 +183,14 @@ fn document_operation<E: Endpoint>(openapi: &mut utoipa::openapi::OpenApi) {
         .parameters(Some(IdempotencyKeyHeader::into_params(|| None)))
         .securities(Some([SecurityRequirement::new("api_key", Vec::<String>::new())]))
         .response(spec.success_status.to_string(), success.build());
-    if spec.path.contains("{id}") {
+    let parameters = spec
+        .path
+        .split('/')
+        .filter_map(|segment| segment.strip_prefix('{')?.strip_suffix('}'));
+    for name in parameters {
         operation = operation.parameter(
             ParameterBuilder::new()
-                .name("id")
+                .name(name)
                 .parameter_in(ParameterIn::Path)
                 .required(Required::True)
                 .schema(Some(ObjectBuilder::new().schema_type(Type::String)))
@@ -266,16 +274,23 @@ mod tests {
             [
                 "DELETE /admin/tenants/{tenant_id}/api-keys/{key_id}",
                 "DELETE /webhook-endpoints/{id}",
+                "GET /accounts",
                 "GET /accounts/{id}",
                 "GET /admin/tenants/{tenant_id}/api-keys",
+                "GET /events",
                 "GET /events/{id}",
                 "GET /healthz",
+                "GET /idempotency-keys/{key}",
                 "GET /openapi.json",
+                "GET /payments",
                 "GET /payments/{id}",
                 "GET /readyz",
+                "GET /top-ups",
                 "GET /top-ups/{id}",
+                "GET /transfers",
                 "GET /transfers/{id}",
                 "GET /webhook-endpoints",
+                "GET /webhook-endpoints/{id}/attempts",
                 "PATCH /admin/tenants/{tenant_id}",
                 "POST /accounts",
                 "POST /accounts/{id}/deposits",
@@ -290,6 +305,8 @@ mod tests {
                 "POST /transfers",
                 "POST /webhook-endpoints",
                 "POST /webhook-endpoints/{id}/enable",
+                "POST /webhook-endpoints/{id}/events/{event_id}/resend",
+                "POST /webhook-endpoints/{id}/recover",
                 "POST /webhook-endpoints/{id}/rotate-secret",
             ]
         );

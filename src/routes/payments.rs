@@ -1,4 +1,5 @@
-//! `POST /payments` (alias `POST /pay`), `GET /payments/{id}`, `POST /payments/{id}/refund`.
+//! `POST /payments` (alias `POST /pay`), `GET /payments/{id}`, `POST /payments/{id}/refund`,
+//! `GET /payments` (contract section 4d).
 
 use actix_web::{web, HttpRequest, HttpResponse};
 use chrono::{DateTime, Utc};
@@ -7,11 +8,13 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 use super::intake::{present, EmptyBody};
+use super::lists::{self, Filter, ListOut};
 use super::pipeline::{corrupt, route, Endpoint};
-use super::schemas::{NotFound, Overloaded, Unauthorized, Unavailable};
+use super::schemas::{BadRequest, NotFound, Overloaded, Unauthorized, Unavailable};
 use crate::db::DbError;
 use crate::domain::{AccountId, Amount, PaymentId, TenantId};
 use crate::error::ApiError;
+use crate::ledger::lists::PaymentStatus as StatusFilter;
 use crate::ledger::{self, ClaimArgs, Outcome, PaymentRow};
 use crate::state::AppState;
 
@@ -19,6 +22,7 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
     route::<CreatePayment>(cfg);
     route::<RefundPayment>(cfg);
     cfg.route(routes::GET_PAYMENT.path, web::get().to(show));
+    cfg.route(routes::LIST_PAYMENTS.path, web::get().to(list));
 }
 
 /// Body of `POST /payments` and `POST /pay`.
@@ -69,7 +73,7 @@ pub struct RefundOut {
 
 /// A payment's current state.
 #[derive(Serialize, ToSchema)]
-struct PaymentStateOut {
+pub(super) struct PaymentStateOut {
     id: PaymentId,
     account: String,
     amount: i64,
@@ -175,16 +179,61 @@ pub(super) async fn show(req: HttpRequest, state: web::Data<AppState>) -> Result
         .run(async |c| ledger::payment_state(c, tenant.id, id).await)
         .await?
         .ok_or(ApiError::NotFound)?;
-    Ok(HttpResponse::Ok().json(PaymentStateOut {
-        id,
-        account: p.account_id,
-        amount: p.amount.0,
-        status: if p.refunded_at.is_some() {
-            PaymentStatus::Refunded
-        } else {
-            PaymentStatus::Succeeded
-        },
-        created_at: p.created_at,
-        refunded_at: p.refunded_at,
-    }))
+    Ok(HttpResponse::Ok().json(PaymentStateOut::from(p)))
+}
+
+impl From<PaymentRow> for PaymentStateOut {
+    fn from(p: PaymentRow) -> Self {
+        Self {
+            id: PaymentId::from_uuid(p.payment_id),
+            account: p.account_id,
+            amount: p.amount.0,
+            status: if p.refunded_at.is_some() {
+                PaymentStatus::Refunded
+            } else {
+                PaymentStatus::Succeeded
+            },
+            created_at: p.created_at,
+            refunded_at: p.refunded_at,
+        }
+    }
+}
+
+pub(super) const LIST_FILTERS: &[Filter] = &[Filter::Account, Filter::Status(&["succeeded", "refunded"])];
+
+/// The query parameters of `GET /payments`.
+pub(super) struct PaymentListParams;
+
+impl utoipa::IntoParams for PaymentListParams {
+    fn into_params(
+        _: impl Fn() -> Option<utoipa::openapi::path::ParameterIn>,
+    ) -> Vec<utoipa::openapi::path::Parameter> {
+        lists::parameters(LIST_FILTERS)
+    }
+}
+
+/// The tenant's payments, newest first (contract section 4d).
+#[utoipa::path(
+    get, path = "/payments", tag = "payments", operation_id = "list_payments", security(("api_key" = [])),
+    params(PaymentListParams),
+    responses(
+        (status = 200, description = "A page of payments, each as `GET /payments/{id}` shows it.", body = ListOut<PaymentStateOut>),
+        (status = 400, response = BadRequest), (status = 401, response = Unauthorized),
+        (status = 429, response = Overloaded), (status = 503, response = Unavailable),
+    )
+)]
+pub(super) async fn list(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+    let tenant = state.tenant(&req).await?;
+    let (page, filters) = lists::query(&req, LIST_FILTERS, PaymentId::parse)?;
+    let account = lists::account(&filters)?;
+    let status = filters.status.as_deref().and_then(StatusFilter::parse);
+    let mut conn = state.conn().await?;
+    let page = conn
+        .run(async |c| ledger::lists::payments(c, tenant.id, account.as_ref(), status, &page).await)
+        .await?
+        .ok_or_else(lists::unknown_cursor)?;
+    Ok(lists::answer(
+        routes::LIST_PAYMENTS.path.to_owned(),
+        page.map(PaymentStateOut::from),
+    ))
 }

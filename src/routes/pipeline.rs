@@ -49,6 +49,13 @@ pub trait Endpoint: 'static {
         std::future::ready(Ok(()))
     }
 
+    /// The canonical path with its parameters filled in (the fingerprint's, and the key
+    /// row's): by default the `{id}` that [`Endpoint::effect`] gave. A path with a second
+    /// parameter fills it from the effect.
+    fn path(spec: &Spec, id: Option<String>, _effect: &Self::Effect) -> String {
+        id.map_or_else(|| spec.path.to_owned(), |id| spec.path_with(&id))
+    }
+
     /// Rebuilds the answer from the row the SQL function returned.
     fn render(row: <Self::Effect as Effect>::Row) -> Result<Self::Out, ApiError>;
 
@@ -97,7 +104,7 @@ async fn handle<E: Endpoint>(
     let (effect, id) = E::effect(&req, input)?;
     E::verify(&req, &effect).await?;
 
-    let path = id.map_or_else(|| spec.path.to_owned(), |id| spec.path_with(&id));
+    let path = E::path(spec, id, &effect);
     let fingerprint = idempotency::fingerprint(spec.method, &path, &body);
     let claim = idempotency::claim_for(key, tenant.policy, fingerprint, state.windows());
     if claim.is_none() {

@@ -16,6 +16,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 use super::intake::{parse_body, read_body, EmptyBody};
+use super::lists::{self, Filter, ListOut};
 use super::schemas::{
     BadRequest, BodyTooLarge, Conflict, IdempotencyKeyHeader, KeyRefused, NotFound, Overloaded, PaymentRequired,
     ProcessorNotConfigured, Unauthorized, Unavailable, UnsupportedMediaType,
@@ -34,6 +35,7 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
     cfg.route(routes::CREATE_TOP_UP.path, web::post().to(create));
     cfg.route(routes::GET_TOP_UP.path, web::get().to(show));
     cfg.route(routes::REFUND_TOP_UP.path, web::post().to(refund));
+    cfg.route(routes::LIST_TOP_UPS.path, web::get().to(list));
 }
 
 /// Longest payment method id accepted (Stripe's are about 30 characters).
@@ -290,19 +292,66 @@ pub(super) async fn show(req: HttpRequest, state: web::Data<AppState>) -> Result
         .run(async |c| ledger::top_ups::top_up(c, tenant.id, id).await)
         .await?
         .ok_or(ApiError::NotFound)?;
-    Ok(HttpResponse::Ok().json(TopUpStateOut {
-        id,
-        account: row.account_id.0.clone(),
-        amount: row.amount.0,
-        currency: row.currency.clone(),
-        status: row.shown_status().to_owned(),
-        processor_payment_id: row.processor_payment_id,
-        processor_status: row.processor_status,
-        failure_code: row.failure_code,
-        decline_code: row.decline_code,
-        refund_failure_code: row.refund_failure_code,
-        created_at: row.created_at,
-    }))
+    Ok(HttpResponse::Ok().json(TopUpStateOut::from(row)))
+}
+
+impl From<TopUpRow> for TopUpStateOut {
+    fn from(row: TopUpRow) -> Self {
+        Self {
+            id: TopUpId::from_uuid(row.top_up_id),
+            status: row.shown_status().to_owned(),
+            account: row.account_id.0,
+            amount: row.amount.0,
+            currency: row.currency,
+            processor_payment_id: row.processor_payment_id,
+            processor_status: row.processor_status,
+            failure_code: row.failure_code,
+            decline_code: row.decline_code,
+            refund_failure_code: row.refund_failure_code,
+            created_at: row.created_at,
+        }
+    }
+}
+
+/// The statuses `GET /top-ups/{id}` shows (`oncepay_top_up_status`, migrations/V8, and
+/// `refund_pending`, V23), which `GET /top-ups` filters by.
+const STATUSES: &[&str] = &["processing", "succeeded", "failed", "refund_pending", "refunded"];
+
+const LIST_FILTERS: &[Filter] = &[Filter::Status(STATUSES)];
+
+/// The query parameters of `GET /top-ups`.
+pub(super) struct TopUpListParams;
+
+impl utoipa::IntoParams for TopUpListParams {
+    fn into_params(
+        _: impl Fn() -> Option<utoipa::openapi::path::ParameterIn>,
+    ) -> Vec<utoipa::openapi::path::Parameter> {
+        lists::parameters(LIST_FILTERS)
+    }
+}
+
+/// The tenant's top-ups, newest first (contract section 4d).
+#[utoipa::path(
+    get, path = "/top-ups", tag = "top-ups", operation_id = "list_top_ups", security(("api_key" = [])),
+    params(TopUpListParams),
+    responses(
+        (status = 200, description = "A page of top-ups, each as `GET /top-ups/{id}` shows it.", body = ListOut<TopUpStateOut>),
+        (status = 400, response = BadRequest), (status = 401, response = Unauthorized),
+        (status = 429, response = Overloaded), (status = 503, response = Unavailable),
+    )
+)]
+pub(super) async fn list(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+    let tenant = state.tenant(&req).await?;
+    let (page, filters) = lists::query(&req, LIST_FILTERS, TopUpId::parse)?;
+    let mut conn = state.conn().await?;
+    let page = conn
+        .run(async |c| ledger::lists::top_ups(c, tenant.id, filters.status.as_deref(), &page).await)
+        .await?
+        .ok_or_else(lists::unknown_cursor)?;
+    Ok(lists::answer(
+        routes::LIST_TOP_UPS.path.to_owned(),
+        page.map(TopUpStateOut::from),
+    ))
 }
 
 /// The answer's status, body (its fields in declaration order, as every answer) and

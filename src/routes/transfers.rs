@@ -1,4 +1,4 @@
-//! `POST /transfers`, `GET /transfers/{id}`.
+//! `POST /transfers`, `GET /transfers/{id}`, `GET /transfers` (contract section 4d).
 
 use actix_web::{web, HttpRequest, HttpResponse};
 use chrono::{DateTime, Utc};
@@ -6,8 +6,9 @@ use oncepay_protocol::routes;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
+use super::lists::{self, Filter, ListOut};
 use super::pipeline::{route, Endpoint};
-use super::schemas::{NotFound, Overloaded, Unauthorized, Unavailable};
+use super::schemas::{BadRequest, NotFound, Overloaded, Unauthorized, Unavailable};
 use crate::domain::{AccountId, Amount, TransferId};
 use crate::error::ApiError;
 use crate::ledger::{self, TransferRow};
@@ -16,6 +17,7 @@ use crate::state::AppState;
 pub fn configure(cfg: &mut web::ServiceConfig) {
     route::<CreateTransfer>(cfg);
     cfg.route(routes::GET_TRANSFER.path, web::get().to(show));
+    cfg.route(routes::LIST_TRANSFERS.path, web::get().to(list));
 }
 
 /// Body of `POST /transfers`: two different accounts of the tenant.
@@ -43,7 +45,7 @@ pub struct TransferOut {
 
 /// A transfer (transfers never change).
 #[derive(Serialize, ToSchema)]
-struct TransferStateOut {
+pub(super) struct TransferStateOut {
     id: TransferId,
     from: String,
     to: String,
@@ -103,11 +105,56 @@ pub(super) async fn show(req: HttpRequest, state: web::Data<AppState>) -> Result
         .run(async |c| ledger::transfer(c, tenant.id, id).await)
         .await?
         .ok_or(ApiError::NotFound)?;
-    Ok(HttpResponse::Ok().json(TransferStateOut {
-        id,
-        from: t.from_account_id,
-        to: t.to_account_id,
-        amount: t.amount.0,
-        created_at: t.created_at,
-    }))
+    Ok(HttpResponse::Ok().json(TransferStateOut::from(t)))
+}
+
+impl From<TransferRow> for TransferStateOut {
+    fn from(t: TransferRow) -> Self {
+        Self {
+            id: TransferId::from_uuid(t.transfer_id),
+            from: t.from_account_id,
+            to: t.to_account_id,
+            amount: t.amount.0,
+            created_at: t.created_at,
+        }
+    }
+}
+
+pub(super) const LIST_FILTERS: &[Filter] = &[Filter::Account];
+
+/// The query parameters of `GET /transfers`.
+pub(super) struct TransferListParams;
+
+impl utoipa::IntoParams for TransferListParams {
+    fn into_params(
+        _: impl Fn() -> Option<utoipa::openapi::path::ParameterIn>,
+    ) -> Vec<utoipa::openapi::path::Parameter> {
+        lists::parameters(LIST_FILTERS)
+    }
+}
+
+/// The tenant's transfers, newest first (contract section 4d); `account` keeps those with the
+/// account on either side.
+#[utoipa::path(
+    get, path = "/transfers", tag = "transfers", operation_id = "list_transfers", security(("api_key" = [])),
+    params(TransferListParams),
+    responses(
+        (status = 200, description = "A page of transfers, each as `GET /transfers/{id}` shows it.", body = ListOut<TransferStateOut>),
+        (status = 400, response = BadRequest), (status = 401, response = Unauthorized),
+        (status = 429, response = Overloaded), (status = 503, response = Unavailable),
+    )
+)]
+pub(super) async fn list(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+    let tenant = state.tenant(&req).await?;
+    let (page, filters) = lists::query(&req, LIST_FILTERS, TransferId::parse)?;
+    let account = lists::account(&filters)?;
+    let mut conn = state.conn().await?;
+    let page = conn
+        .run(async |c| ledger::lists::transfers(c, tenant.id, account.as_ref(), &page).await)
+        .await?
+        .ok_or_else(lists::unknown_cursor)?;
+    Ok(lists::answer(
+        routes::LIST_TRANSFERS.path.to_owned(),
+        page.map(TransferStateOut::from),
+    ))
 }

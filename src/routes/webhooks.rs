@@ -15,7 +15,7 @@ use crate::domain::{EndpointId, EventId};
 use crate::error::ApiError;
 use crate::state::AppState;
 use crate::webhooks::endpoints::{self, EVENT_TYPES};
-use crate::webhooks::{target, CreateEndpoint, EnableEndpoint, EndpointRow, RotateSecret};
+use crate::webhooks::{target, CreateEndpoint, EnableEndpoint, EndpointRow, EventRow, RotateSecret};
 
 pub fn configure(cfg: &mut web::ServiceConfig) {
     route::<CreateWebhookEndpoint>(cfg);
@@ -88,7 +88,7 @@ struct WebhookEndpointListed {
 
 /// An event as delivered (its `id` is the `webhook-id`).
 #[derive(Serialize, ToSchema)]
-struct EventOut {
+pub(super) struct EventOut {
     id: EventId,
     #[serde(rename = "type")]
     kind: String,
@@ -307,7 +307,7 @@ pub(super) async fn delete(req: HttpRequest, state: web::Data<AppState>) -> Resu
     }
 }
 
-/// An event as delivered (until purged, a retention after its deliveries finished).
+/// An event as delivered (kept `ONCEPAY_EVENT_RETENTION_DAYS`, delivered or not).
 #[utoipa::path(
     get, path = "/events/{id}", tag = "webhooks", operation_id = "get_event", security(("api_key" = [])),
     params(("id" = EventId, Path, description = "The event's id (its `webhook-id`); another tenant's answers 404.")),
@@ -329,10 +329,16 @@ pub(super) async fn show_event(req: HttpRequest, state: web::Data<AppState>) -> 
         .run(async |c| endpoints::event(c, tenant.id, id).await)
         .await?
         .ok_or(ApiError::NotFound)?;
-    Ok(HttpResponse::Ok().json(EventOut {
-        id: event.id,
-        kind: event.event_type,
-        timestamp: event.created_at.to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
-        data: event.data,
-    }))
+    Ok(HttpResponse::Ok().json(EventOut::from(event)))
+}
+
+impl From<EventRow> for EventOut {
+    fn from(event: EventRow) -> Self {
+        Self {
+            id: event.id,
+            kind: event.event_type,
+            timestamp: event.created_at.to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+            data: event.data,
+        }
+    }
 }

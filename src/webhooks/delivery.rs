@@ -92,6 +92,9 @@ struct Claimed {
     event: Uuid,
     endpoint: Uuid,
     attempt: i32,
+    /// Its place in the retry schedule: the attempt number since the delivery was last
+    /// reopened (resend, recover, enable: migrations/V24), 1 for the first.
+    schedule_attempt: i32,
     url: String,
     secret: Vec<u8>,
     previous_secret: Option<Vec<u8>>,
@@ -307,8 +310,8 @@ impl Deliverer {
                     r#"SELECT tenant_id AS "tenant_id!", event_id AS "event_id!", endpoint_id AS "endpoint_id!",
                               attempt AS "attempt!", url AS "url!", secret_encrypted AS "secret_encrypted!",
                               previous_secret_encrypted, event_type AS "event_type!", data AS "data!",
-                              created_at AS "created_at!"
-                         FROM oncepay_webhook_claim($1, $2, $3, $4, $5, $6, $7)"#,
+                              created_at AS "created_at!", schedule_attempt AS "schedule_attempt!"
+                         FROM oncepay_webhook_claim_scheduled($1, $2, $3, $4, $5, $6, $7)"#,
                     limit,
                     per_endpoint,
                     lease_ms,
@@ -328,6 +331,7 @@ impl Deliverer {
                 event: r.event_id,
                 endpoint: r.endpoint_id,
                 attempt: r.attempt,
+                schedule_attempt: r.schedule_attempt,
                 url: r.url,
                 secret: r.secret_encrypted,
                 previous_secret: r.previous_secret_encrypted,
@@ -348,7 +352,7 @@ impl Deliverer {
             Verdict::Gone => Outcome::Gone,
             Verdict::Deferred => Outcome::Deferred(after(DEFER)),
             Verdict::Failed { retry_after } => {
-                match next_wait(&self.settings.retry_schedule, c.attempt, *retry_after) {
+                match next_wait(&self.settings.retry_schedule, c.schedule_attempt, *retry_after) {
                     Some(wait) => Outcome::Retry(after(wait)),
                     None => Outcome::GivenUp,
                 }

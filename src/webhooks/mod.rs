@@ -10,12 +10,14 @@
 //!   `ONCEPAY_WEBHOOK_ALLOW_PRIVATE=1`), checked at registration and again at every
 //!   connection (the resolver the deliveries use refuses them: DNS rebinding);
 //! - [`endpoints`]: the idempotent `POST /webhook-endpoints` effect and the reads;
+//! - [`recovery`]: the event log and the attempts listed, resend and recover;
 //! - [`delivery`]: the workers every replica runs, sharing the work through PostgreSQL only.
 //!
 //! Layer 4 (effects): SQL over the pool, an HTTP client; no type of the HTTP server.
 
 pub mod delivery;
 pub mod endpoints;
+pub mod recovery;
 pub mod secrets;
 pub mod signing;
 pub mod target;

@@ -6,7 +6,11 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use futures_util::stream::{self, StreamExt};
-use oncepay_client::{Backoff, BudgetConfig, Client, ClientConfig, ClientError, IdempotencyKey};
+use futures_util::TryStreamExt as _;
+use oncepay_client::{
+    AttemptListParams, Backoff, BudgetConfig, Client, ClientConfig, ClientError, EventListParams, IdempotencyKey,
+    ListParams, PaymentListParams, TopUpListParams, TransferListParams,
+};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use uuid::Uuid;
@@ -356,6 +360,29 @@ async fn every_tenant_endpoint_has_a_typed_call() {
         .unwrap();
     let event = client.event(event_id).await.unwrap();
     assert_eq!(event.value.event_type, "payment.succeeded");
+    // The event log and its repair (contract section 4d): listed, resent, recovered; the
+    // attempts listed (none: no worker delivers in this test).
+    let events = client.events().list(EventListParams::default()).page().await.unwrap();
+    assert_eq!(events.value.data[0].id, event_id);
+    let resent = client
+        .resend_webhook_event(endpoint.value.id, event_id, &IdempotencyKey::generate())
+        .await
+        .unwrap();
+    assert_eq!((resent.status, resent.value.event_id), (202, event_id));
+    let recovered = client
+        .recover_webhook_endpoint(endpoint.value.id, chrono::Utc::now(), &IdempotencyKey::generate())
+        .await
+        .unwrap();
+    assert_eq!(
+        (recovered.status, recovered.value.endpoint_id),
+        (202, endpoint.value.id)
+    );
+    let attempts = client
+        .webhook_attempts(endpoint.value.id, AttemptListParams::default())
+        .page()
+        .await
+        .unwrap();
+    assert!(attempts.value.data.is_empty() && !attempts.value.has_more);
     let deleted = client.delete_webhook_endpoint(endpoint.value.id).await.unwrap();
     assert_eq!(deleted.status, 204);
     assert!(client.webhook_endpoints().await.unwrap().value.is_empty());
@@ -382,6 +409,42 @@ async fn every_tenant_endpoint_has_a_typed_call() {
     );
     assert_eq!(account.value.balance, 700);
     assert_eq!(app.balance("u1").await, 699);
+    // The lists (contract section 4d), each streamed whole, newest first.
+    let payments: Vec<_> = client
+        .payments()
+        .list(PaymentListParams::default())
+        .stream()
+        .try_collect()
+        .await
+        .unwrap();
+    assert_eq!(payments.len(), 2);
+    assert_eq!(payments[1].id, payment.value.id);
+    let transfers: Vec<_> = client
+        .transfers()
+        .list(TransferListParams::default())
+        .stream()
+        .try_collect()
+        .await
+        .unwrap();
+    assert_eq!(transfers, std::slice::from_ref(&moved.value));
+    let top_ups = client.top_ups().list(TopUpListParams::default()).page().await.unwrap();
+    assert!(top_ups.value.data.is_empty());
+    let accounts: Vec<String> = client
+        .accounts()
+        .list(ListParams::default())
+        .stream()
+        .map_ok(|a| a.id)
+        .try_collect()
+        .await
+        .unwrap();
+    assert_eq!(accounts, ["u2", "u1", "main"]);
+    let key = IdempotencyKey::generate();
+    client.pay(5, Some("u1"), &key).await.unwrap();
+    let looked_up = client.idempotency_key(&key).await.unwrap();
+    assert_eq!(
+        (looked_up.value.status, looked_up.value.operation.as_str()),
+        (201, "create_payment")
+    );
 
     // Every documented tenant endpoint was reached through a typed call: the server counts
     // requests by route template, and only this client called it.

@@ -570,10 +570,18 @@ pub fn tenant_post_paths() -> Vec<String> {
         .collect()
 }
 
-/// `template` with its one path parameter (`{id}`, `{tenant_id}`) replaced by `id`.
+/// `template` with its path parameters (`{id}`, `{tenant_id}`, and a second one such as
+/// `{event_id}`) each replaced by `id`.
 pub fn fill(template: &str, id: &str) -> String {
-    match (template.find('{'), template.find('}')) {
-        (Some(start), Some(end)) => format!("{}{id}{}", &template[..start], &template[end + 1..]),
-        _ => template.to_owned(),
-    }
+    template
+        .split('/')
+        .map(|segment| {
+            if segment.starts_with('{') && segment.ends_with('}') {
+                id
+            } else {
+                segment
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("/")
 }

@@ -5,6 +5,7 @@
 use std::time::{Duration, Instant};
 
 use oncepay::db::Db;
+use oncepay::purge::Retention;
 use reqwest::Method;
 use sqlx::PgPool;
 
@@ -12,7 +13,10 @@ use crate::helpers::{
     drop_database, empty_database, new_key, server_url, spawn_app, spawn_app_with, TestApp, MAIN_BALANCE,
 };
 
-const RETENTION: Duration = Duration::from_secs(604_800);
+const RETENTION: Retention = Retention {
+    keys: Duration::from_secs(604_800),
+    events: Duration::from_secs(30 * 86_400),
+};
 
 async fn backdate_keys(app: &TestApp, keys: &[String], age: &str) {
     sqlx::query(&format!(

@@ -99,7 +99,8 @@ async fn another_tenants_ids_answer_404_on_every_endpoint_and_change_nothing() {
         .await;
     assert_eq!(hooked.status, 201, "{}", hooked.body);
     let endpoint = hooked.body["id"].as_str().unwrap().to_owned();
-    let paid = app.pay(Some(&new_key()), 100).await;
+    let pay_key = new_key();
+    let paid = app.pay(Some(&pay_key), 100).await;
     let payment = paid.body["id"].as_str().unwrap().to_owned();
     app.open_account("private", 50).await;
     app.open_account("private2", 0).await;
@@ -136,6 +137,52 @@ async fn another_tenants_ids_answer_404_on_every_endpoint_and_change_nothing() {
         };
         let path = fill(&template, id);
         let (body, expected) = match (method.as_str(), template.as_str()) {
+            ("GET", list @ ("/payments" | "/transfers" | "/top-ups" | "/accounts" | "/events")) => {
+                // A list: the intruder's own items, none of the victim's; a victim's item as
+                // a cursor is 400, like an unknown one.
+                let listed = app.get_as(&intruder, list).await;
+                assert_eq!(listed.status, 200, "{list}: {}", listed.body);
+                let own = if list == "/accounts" { 1 } else { 0 };
+                assert_eq!(
+                    listed.body["data"].as_array().unwrap().len(),
+                    own,
+                    "{list}: {}",
+                    listed.body
+                );
+                let victims = match list {
+                    "/payments" => &payment,
+                    "/transfers" => &transfer,
+                    "/top-ups" => &top_up,
+                    "/events" => &event,
+                    _ => "private2",
+                };
+                for cursor in ["starting_after", "ending_before"] {
+                    app.get_as(&intruder, &format!("{list}?{cursor}={victims}"))
+                        .await
+                        .assert_problem(400, "invalid_request");
+                }
+                covered.insert((method.to_string(), template));
+                continue;
+            }
+            ("GET", "/idempotency-keys/{key}") => {
+                // The victim's key is unknown to the intruder, exactly like a key never used.
+                let theirs = app.get_as(&intruder, &format!("/idempotency-keys/{pay_key}")).await;
+                let never = app.get_as(&intruder, &format!("/idempotency-keys/{}", new_key())).await;
+                theirs.assert_problem(404, "not_found");
+                never.assert_problem(404, "not_found");
+                assert_eq!(theirs.body, never.body);
+                covered.insert((method.to_string(), template));
+                continue;
+            }
+            ("POST", "/webhook-endpoints/{id}/events/{event_id}/resend") => {
+                let path = format!("/webhook-endpoints/{endpoint}/events/{event}/resend");
+                app.post_as(&intruder, &path, Some(&new_key()), &json!({}))
+                    .await
+                    .assert_problem(404, "not_found");
+                covered.insert((method.to_string(), template));
+                continue;
+            }
+            ("POST", t) if t.ends_with("/recover") => (Some(json!({ "since": 0 })), "not_found"),
             ("GET", "/webhook-endpoints") => {
                 // A list: the intruder's own endpoints, none of the victim's.
                 let listed = app.get_as(&intruder, &path).await;

@@ -72,7 +72,7 @@ pub(crate) async fn refund(app: &TestApp, payment: &str) {
 
 /// Every event the database holds for the tenant's committed changes, as `check` wants them:
 /// each payment (and its refund), deposit and transfer.
-async fn committed(app: &TestApp) -> BTreeMap<String, Vec<&'static str>> {
+pub(crate) async fn committed(app: &TestApp) -> BTreeMap<String, Vec<&'static str>> {
     let mut expected = BTreeMap::new();
     let payments: Vec<(Uuid, bool)> =
         sqlx::query_as("SELECT payment_id, refunded_at IS NOT NULL FROM payments WHERE tenant_id = $1")
@@ -744,46 +744,86 @@ async fn three_replicas_deliver_every_event_with_bounded_concurrency_per_endpoin
     println!("three replicas: {} messages for {} events, {} duplicates, max in flight {}, replicas that attempted {replicas}", report.messages, report.events, report.duplicates, receiver.max_in_flight());
 }
 
+/// Events are kept `ONCEPAY_EVENT_RETENTION_DAYS` (30) from their creation, delivered or not
+/// (contract section 4d), then purged with their deliveries and attempts: one delivered long
+/// ago but created within the retention stays (before V24 it went a key retention after its
+/// delivery), one created before goes even with a delivery still pending.
 #[tokio::test]
-async fn delivered_events_are_purged_after_the_retention_and_pending_ones_kept() {
+async fn events_are_purged_after_their_retention_delivered_or_not_with_their_deliveries() {
     let app = delivering_app().await;
     let receiver = Receiver::start().await;
     subscribe(&app, &receiver, None).await;
-    pay(&app, 10).await;
-    all_delivered(&app, &receiver).await;
     let down = Receiver::unstarted().await;
     subscribe(&app, &down, None).await;
-    pay(&app, 10).await;
-    // Its event fanned out to both endpoints: delivered to the first, pending for the second.
+    let old = pay(&app, 10).await;
+    let young = pay(&app, 10).await;
+    // Each event fanned out to both endpoints: delivered to the first, pending for the second.
     all_delivered(&app, &receiver).await;
-    // Age every finished delivery past the retention.
-    sqlx::query("UPDATE webhook_deliveries SET finished_at = now() - interval '30 days' WHERE tenant_id = $1 AND finished_at IS NOT NULL")
-        .bind(app.tenant_id)
-        .execute(&app.pool)
-        .await
-        .unwrap();
+    sqlx::query(
+        "WITH e AS (UPDATE webhook_events SET created_at = now() - interval '31 days'
+                     WHERE tenant_id = $1 AND resource_id = $2 RETURNING event_id)
+         UPDATE webhook_deliveries d SET created_at = now() - interval '31 days'
+           FROM e WHERE d.tenant_id = $1 AND d.event_id = e.event_id",
+    )
+    .bind(app.tenant_id)
+    .bind(&old)
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "UPDATE webhook_deliveries SET finished_at = now() - interval '29 days'
+          WHERE tenant_id = $1 AND resource_id = $2 AND finished_at IS NOT NULL",
+    )
+    .bind(app.tenant_id)
+    .bind(&young)
+    .execute(&app.pool)
+    .await
+    .unwrap();
+
     let purged = app.admin(Method::POST, "/admin/purge", None).await;
     assert_eq!(purged.status, 200);
-    let counts = || async {
-        let r: (i64, i64, i64) = sqlx::query_as(
-            "SELECT (SELECT count(*) FROM webhook_events WHERE tenant_id = $1),
-                    (SELECT count(*) FROM webhook_deliveries WHERE tenant_id = $1),
-                    (SELECT count(*) FROM webhook_attempts a WHERE tenant_id = $1
-                        AND NOT EXISTS (SELECT FROM webhook_deliveries d WHERE d.tenant_id = a.tenant_id
-                                         AND d.event_id = a.event_id AND d.endpoint_id = a.endpoint_id))",
-        )
-        .bind(app.tenant_id)
-        .fetch_one(&app.pool)
-        .await
-        .unwrap();
-        r
+
+    let counts = |resource: String| {
+        let app = app.clone();
+        async move {
+            let r: (i64, i64, i64) = sqlx::query_as(
+                "SELECT (SELECT count(*) FROM webhook_events WHERE tenant_id = $1 AND resource_id = $2),
+                        (SELECT count(*) FROM webhook_deliveries WHERE tenant_id = $1 AND resource_id = $2),
+                        (SELECT count(*) FROM webhook_attempts a JOIN webhook_events e USING (tenant_id, event_id)
+                          WHERE a.tenant_id = $1 AND e.resource_id = $2)",
+            )
+            .bind(app.tenant_id)
+            .bind(resource)
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+            r
+        }
     };
-    let (events, deliveries, orphans) = counts().await;
-    // The first payment's event (delivered to the one endpoint) is gone; the second's stays
-    // while its delivery to the endpoint that is down is pending.
-    assert_eq!(orphans, 0);
-    assert_eq!(events, 1, "events left");
-    assert!(deliveries >= 1, "the pending delivery to the endpoint that is down");
+    let (events, deliveries, _) = counts(old.clone()).await;
+    assert_eq!(
+        (events, deliveries),
+        (0, 0),
+        "the old event went with both its deliveries"
+    );
+    let orphans: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM webhook_attempts a WHERE tenant_id = $1
+            AND NOT EXISTS (SELECT FROM webhook_events e WHERE e.tenant_id = a.tenant_id AND e.event_id = a.event_id)",
+    )
+    .bind(app.tenant_id)
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(orphans, 0, "attempts go with their event");
+    let (events, deliveries, attempts) = counts(young.clone()).await;
+    assert_eq!(
+        (events, deliveries),
+        (1, 2),
+        "the young event is kept, delivered or not"
+    );
+    assert!(attempts >= 1, "with its attempts");
+    let listed = app.get("/events").await;
+    assert_eq!(listed.body["data"].as_array().unwrap().len(), 1, "{}", listed.body);
 }
 
 /// A rotation: the new secret signs at once, the previous one beside it during the overlap

@@ -393,7 +393,9 @@ async fn the_operation_enum_lists_operation_all_in_order() {
             "refund_top_up",
             "create_webhook_endpoint",
             "rotate_webhook_secret",
-            "enable_webhook_endpoint"
+            "enable_webhook_endpoint",
+            "resend_webhook_event",
+            "recover_webhook_endpoint"
         ]
     );
 }

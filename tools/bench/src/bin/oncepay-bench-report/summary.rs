@@ -172,6 +172,42 @@ fn webhook_ratio(groups: &Groups, note: &str) -> Option<f64> {
         .map(|(one, none)| one.throughput / none.throughput)
 }
 
+/// The list steps of scripts/bench.sh (issue 39): a page of 100 of one tenant's payments
+/// (10 million in the full bench), the first one and one deep in the list (after a cursor
+/// halfway through), through oncepay (`GET /payments`) and as a bare indexed `SELECT ...
+/// LIMIT 100` of the same rows by pgbench, same concurrency, same rounds; and that tenant's new
+/// payments (c=32) with and without a client paging through every list meanwhile.
+pub const LISTS: &str = "one tenant's payments";
+pub const LIST_FIRST: &str = "list-first";
+pub const LIST_DEEP: &str = "list-deep";
+const LIST_CONCURRENCY: u32 = 8;
+pub const PAGING_NONE: &str = "lists: no client paging";
+pub const PAGING_MEANWHILE: &str = "lists: a client paging through every list";
+
+/// A page's p99 through oncepay over pgbench's bare SELECT of the same rows.
+fn list_p99_ratio(groups: &Groups, scenario: &str) -> Option<f64> {
+    let get = |side: &str| {
+        groups.get(&Key {
+            note: LISTS.to_owned(),
+            ..key(side, scenario, LIST_CONCURRENCY, 0)
+        })
+    };
+    get("oncepay").zip(get("pgbench")).map(|(o, p)| o.p99_ms / p.p99_ms)
+}
+
+/// New payments per second while a client pages through every list, over without.
+fn paging_ratio(groups: &Groups) -> Option<f64> {
+    let get = |note: &str| {
+        groups.get(&Key {
+            note: note.to_owned(),
+            ..key("oncepay", "new", 32, 0)
+        })
+    };
+    get(PAGING_MEANWHILE)
+        .zip(get(PAGING_NONE))
+        .map(|(paging, none)| paging.throughput / none.throughput)
+}
+
 /// The top-up steps of scripts/bench.sh (issue 24): card top-ups through oncepay (side
 /// `oncepay`), and the same two processor calls (create + confirm) sent to the same localstripe
 /// directly (this side), same concurrency, same rounds.
@@ -469,6 +505,27 @@ fn targets(groups: &Groups) -> Vec<Target> {
                 .map(|(beside, alone)| beside.p99_ms / alone.p99_ms),
             limit: None,
             met: |v| v <= 2.0,
+        },
+        Target {
+            what: "the first page of 100 of one tenant's payments, c=8: p99 of GET /payments / of a bare indexed SELECT ... LIMIT 100 (pgbench)",
+            goal: "<= 1.5",
+            value: list_p99_ratio(groups, LIST_FIRST),
+            limit: None,
+            met: |v| v <= 1.5,
+        },
+        Target {
+            what: "a page of 100 deep in the list (a cursor halfway through), c=8: p99 of GET /payments / of a bare indexed SELECT ... LIMIT 100 (pgbench)",
+            goal: "<= 1.5",
+            value: list_p99_ratio(groups, LIST_DEEP),
+            limit: None,
+            met: |v| v <= 1.5,
+        },
+        Target {
+            what: "new payments, c=32: while a client pages through every list / without (same rounds)",
+            goal: ">= 0.9",
+            value: paging_ratio(groups),
+            limit: None,
+            met: |v| v >= 0.9,
         },
     ]
 }
@@ -932,6 +989,40 @@ mod tests {
         let (value, met) = top_up_target(&[record(PROCESSOR_DIRECT, 1, 100, 0), record("oncepay", 1, 75, 25)]);
         assert!((value.expect("measured") - 0.75).abs() < 1e-9, "{value:?}");
         assert!(!met);
+    }
+
+    #[test]
+    fn the_list_targets_compare_p99_with_pgbench_and_payments_with_and_without_paging() {
+        let list = |side: &str, scenario: &str, p99_ms: f64| Record {
+            scenario: scenario.to_owned(),
+            concurrency: LIST_CONCURRENCY,
+            p99_ms,
+            note: LISTS.to_owned(),
+            ..record(side, 1, 100, 0)
+        };
+        let new = |note: &str, requests: u64| Record {
+            scenario: "new".to_owned(),
+            concurrency: 32,
+            note: note.to_owned(),
+            ..record("oncepay", 1, requests, 0)
+        };
+        let records = [
+            list("oncepay", LIST_FIRST, 3.0),
+            list("pgbench", LIST_FIRST, 2.0),
+            list("oncepay", LIST_DEEP, 4.0),
+            list("pgbench", LIST_DEEP, 2.0),
+            new(PAGING_NONE, 100),
+            new(PAGING_MEANWHILE, 95),
+        ];
+        let targets = targets(&group(&records));
+        let value = |prefix: &str| {
+            let t = targets.iter().find(|t| t.what.starts_with(prefix)).expect("listed");
+            (t.value.expect("measured"), (t.met)(t.value.unwrap_or(f64::NAN)))
+        };
+        assert_eq!(value("the first page"), (1.5, true));
+        assert_eq!(value("a page of 100 deep"), (2.0, false));
+        let (paging, met) = value("new payments, c=32: while a client pages");
+        assert!((paging - 0.95).abs() < 1e-9 && met, "{paging}");
     }
 
     #[test]

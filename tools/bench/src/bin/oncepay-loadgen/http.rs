@@ -84,7 +84,19 @@ pub struct Args {
     /// than not (e.g. the processor behind oncepay cannot be reached).
     #[arg(long)]
     fail_if_mostly_errors: bool,
+    /// `list-deep`: the id of the payment whose page (the items after it) every request reads.
+    #[arg(long)]
+    cursor: Option<String>,
+    /// `page-lists`: pages a worker reads of one list before it turns to the next.
+    #[arg(long, default_value_t = 50)]
+    pages_per_list: u32,
 }
+
+/// Items per page of the list scenarios: the most a page holds.
+const PAGE_LIMIT: u32 = 100;
+
+/// The lists `page-lists` walks, in turn (contract section 4d).
+const LISTS: [&str; 5] = ["/payments", "/transfers", "/top-ups", "/accounts", "/events"];
 
 /// The amount of every top-up (cents), through oncepay and at the processor directly.
 const TOP_UP_AMOUNT: u64 = 5_000;
@@ -102,6 +114,8 @@ impl Args {
 
 /// What one request of a scenario sends and expects back.
 struct Request {
+    /// A GET (a list's page, answered 200) rather than a keyed POST (answered 201).
+    get: bool,
     key: Option<String>,
     /// `/payments`, or an account's `/accounts/{id}/top-ups`.
     path: String,
@@ -124,6 +138,7 @@ fn request(scenario: &str, worker: u64, seq: u64, args: &Args) -> anyhow::Result
     Ok(match scenario {
         // Made by real payments, key k on instance k mod n ...
         "storm-seed" => Request {
+            get: false,
             key: Some(format!("{}{}", args.key_prefix, REPLAY_KEY_BASE + storm_key)),
             path: PAYMENTS.to_owned(),
             body: storm_body,
@@ -133,6 +148,7 @@ fn request(scenario: &str, worker: u64, seq: u64, args: &Args) -> anyhow::Result
         // ... and replayed on another instance in every pass, as retries after a brownout
         // land wherever the balancer sends them; or, with `--affinity`, on its maker.
         "storm" => Request {
+            get: false,
             key: Some(format!("{}{}", args.key_prefix, REPLAY_KEY_BASE + storm_key)),
             path: PAYMENTS.to_owned(),
             body: storm_body,
@@ -144,6 +160,7 @@ fn request(scenario: &str, worker: u64, seq: u64, args: &Args) -> anyhow::Result
             }),
         },
         "new" => Request {
+            get: false,
             key: Some(uuid::Uuid::new_v4().to_string()),
             path: PAYMENTS.to_owned(),
             body: json!({"amount": 1, "account": account(&mut rng)}),
@@ -151,6 +168,7 @@ fn request(scenario: &str, worker: u64, seq: u64, args: &Args) -> anyhow::Result
             instance: None,
         },
         "hot" => Request {
+            get: false,
             key: Some(uuid::Uuid::new_v4().to_string()),
             path: PAYMENTS.to_owned(),
             body: json!({"amount": 1, "account": "0"}),
@@ -158,6 +176,7 @@ fn request(scenario: &str, worker: u64, seq: u64, args: &Args) -> anyhow::Result
             instance: None,
         },
         "replay" => Request {
+            get: false,
             key: Some((REPLAY_KEY_BASE + rng.gen_range(0..args.replay_keys)).to_string()),
             path: PAYMENTS.to_owned(),
             body: json!({"amount": 1, "account": "0"}),
@@ -167,6 +186,7 @@ fn request(scenario: &str, worker: u64, seq: u64, args: &Args) -> anyhow::Result
         // Keys the replay scenario replays, each sent once: worker w takes w, w + n, ...;
         // made by `seed`, replayed once each by `warm` (which fills a replay cache).
         "seed" | "warm" => Request {
+            get: false,
             key: Some((REPLAY_KEY_BASE + seq * u64::from(args.step.concurrency) + worker).to_string()),
             path: PAYMENTS.to_owned(),
             body: json!({"amount": 1, "account": "0"}),
@@ -175,6 +195,7 @@ fn request(scenario: &str, worker: u64, seq: u64, args: &Args) -> anyhow::Result
         },
         // No key, policy `fingerprint`: a unique amount keeps every body (and so its derived key) new.
         "keyless" => Request {
+            get: false,
             key: None,
             path: PAYMENTS.to_owned(),
             body: json!({"amount": worker * 10_000_000 + seq + 1, "account": account(&mut rng)}),
@@ -183,16 +204,38 @@ fn request(scenario: &str, worker: u64, seq: u64, args: &Args) -> anyhow::Result
         },
         // A card top-up of a random account through oncepay (create + confirm at its processor).
         "top-up" => Request {
+            get: false,
             key: Some(uuid::Uuid::new_v4().to_string()),
             path: format!("/accounts/{}/top-ups", account(&mut rng)),
             body: json!({"amount": TOP_UP_AMOUNT, "payment_method": args.payment_method}),
             replayed: Some(false),
             instance: None,
         },
+        // A page of the tenant's payments (GET /payments, the list's largest page): the first,
+        // or the one after `--cursor`, deep in the list.
+        "list-first" => Request {
+            get: true,
+            key: None,
+            path: format!("{PAYMENTS}?limit={PAGE_LIMIT}"),
+            body: serde_json::Value::Null,
+            replayed: None,
+            instance: None,
+        },
+        "list-deep" => Request {
+            get: true,
+            key: None,
+            path: format!(
+                "{PAYMENTS}?limit={PAGE_LIMIT}&starting_after={}",
+                args.cursor.as_deref().context("list-deep needs --cursor")?
+            ),
+            body: serde_json::Value::Null,
+            replayed: None,
+            instance: None,
+        },
         other => {
             bail!(
                 "unknown scenario {other:?} (new, hot, replay, seed, warm, keyless, one-key, storm-seed, storm, \
-                 top-up)"
+                 top-up, list-first, list-deep, page-lists)"
             )
         }
     })
@@ -252,6 +295,33 @@ impl Conns {
         }
     }
 
+    /// The keep-alive connection to instance `i`, opened if there is none (or it closed).
+    async fn sender(&mut self, shared: &Shared, i: usize) -> anyhow::Result<&mut SendRequest<Full<Bytes>>> {
+        if self.senders[i].as_ref().is_none_or(SendRequest::is_closed) {
+            let host = shared.hosts[i].to_str()?;
+            let stream = tokio::net::TcpStream::connect(host).await?;
+            stream.set_nodelay(true)?;
+            let (sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+            tokio::task::spawn_local(connection);
+            self.senders[i] = Some(sender);
+        }
+        self.senders[i].as_mut().context("no connection to the instance")
+    }
+
+    /// Sends one GET to instance `i`: its status and its body.
+    async fn get(&mut self, shared: &Shared, i: usize, path: &str) -> anyhow::Result<(u16, Bytes)> {
+        let request = hyper::Request::get(path)
+            .header(HOST, shared.hosts[i].clone())
+            .header(AUTHORIZATION, shared.auth.clone())
+            .body(Full::new(Bytes::new()))?;
+        let sender = self.sender(shared, i).await?;
+        sender.ready().await?;
+        let response = sender.send_request(request).await?;
+        let status = response.status().as_u16();
+        let body = response.into_body().collect().await?.to_bytes();
+        Ok((status, body))
+    }
+
     /// Sends one POST to instance `i`: its status, whether it was a replay, its body.
     async fn post(
         &mut self,
@@ -262,17 +332,6 @@ impl Conns {
         key: Option<&str>,
         body: Bytes,
     ) -> anyhow::Result<(u16, bool, Bytes)> {
-        let sender = match &mut self.senders[i] {
-            Some(sender) if !sender.is_closed() => sender,
-            slot => {
-                let host = shared.hosts[i].to_str()?;
-                let stream = tokio::net::TcpStream::connect(host).await?;
-                stream.set_nodelay(true)?;
-                let (sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
-                tokio::task::spawn_local(connection);
-                slot.insert(sender)
-            }
-        };
         let mut request = hyper::Request::post(path)
             .header(HOST, shared.hosts[i].clone())
             .header(AUTHORIZATION, shared.auth.clone())
@@ -281,6 +340,7 @@ impl Conns {
             request = request.header("Idempotency-Key", key);
         }
         let request = request.body(Full::new(body))?;
+        let sender = self.sender(shared, i).await?;
         sender.ready().await?;
         let response = sender.send_request(request).await?;
         let status = response.status().as_u16();
@@ -297,14 +357,21 @@ impl Conns {
 /// failed or timed-out request drops its connection (the next one opens a new one).
 async fn send(shared: &Shared, conns: &mut Conns, i: usize, req: &Request, tally: &mut Tally) {
     let started = Instant::now();
-    let body = Bytes::from(req.body.to_string());
-    let answer = match tokio::time::timeout(
-        REQUEST_TIMEOUT,
-        conns.post(shared, i, &req.path, JSON, req.key.as_deref(), body),
-    )
-    .await
-    {
-        Ok(Ok((status, replayed, _))) => Some((status, replayed)),
+    let answer = if req.get {
+        tokio::time::timeout(REQUEST_TIMEOUT, conns.get(shared, i, &req.path))
+            .await
+            .map(|r| r.map(|(status, _)| (status, false)))
+    } else {
+        let body = Bytes::from(req.body.to_string());
+        tokio::time::timeout(
+            REQUEST_TIMEOUT,
+            conns.post(shared, i, &req.path, JSON, req.key.as_deref(), body),
+        )
+        .await
+        .map(|r| r.map(|(status, replayed, _)| (status, replayed)))
+    };
+    let answer = match answer {
+        Ok(Ok(answer)) => Some(answer),
         _ => {
             conns.senders[i] = None;
             None
@@ -312,12 +379,63 @@ async fn send(shared: &Shared, conns: &mut Conns, i: usize, req: &Request, tally
     };
     let micros = started.elapsed().as_micros().max(1) as u64;
     tally.latencies.saturating_record(micros);
+    let expected = if req.get { 200 } else { 201 };
     match answer {
-        Some((201, replayed)) if req.replayed.is_none_or(|want| want == replayed) => {
+        Some((status, replayed)) if status == expected && req.replayed.is_none_or(|want| want == replayed) => {
             tally.ok += 1;
             tally.created += u64::from(!replayed);
         }
         _ => tally.errors += 1,
+    }
+}
+
+/// A page as `page-lists` reads it: the last item's id and whether more follow.
+#[derive(Deserialize)]
+struct Page {
+    data: Vec<Item>,
+    has_more: bool,
+}
+
+#[derive(Deserialize)]
+struct Item {
+    id: String,
+}
+
+/// `page-lists`: one worker reading every list in turn, page after page by `starting_after`
+/// (at most `pages_per_list` pages of each before the next list, then from the top again),
+/// as a client reconciling the tenant's books would; each page is one request of the step.
+async fn page_lists(shared: &Shared, conns: &mut Conns, i: usize, args: &Args, deadline: Instant, tally: &mut Tally) {
+    for list in LISTS.iter().cycle() {
+        let mut cursor: Option<String> = None;
+        for _ in 0..args.pages_per_list {
+            if Instant::now() >= deadline {
+                return;
+            }
+            let path = match &cursor {
+                Some(after) => format!("{list}?limit={PAGE_LIMIT}&starting_after={after}"),
+                None => format!("{list}?limit={PAGE_LIMIT}"),
+            };
+            let started = Instant::now();
+            let page = match tokio::time::timeout(REQUEST_TIMEOUT, conns.get(shared, i, &path)).await {
+                Ok(Ok((200, body))) => serde_json::from_slice::<Page>(&body).ok(),
+                _ => {
+                    conns.senders[i] = None;
+                    None
+                }
+            };
+            tally
+                .latencies
+                .saturating_record(started.elapsed().as_micros().max(1) as u64);
+            let Some(page) = page else {
+                tally.errors += 1;
+                break;
+            };
+            tally.ok += 1;
+            match page.data.last() {
+                Some(last) if page.has_more => cursor = Some(last.id.clone()),
+                _ => break,
+            }
+        }
     }
 }
 
@@ -557,6 +675,10 @@ async fn closed_loop(shared: &Rc<Shared>, args: &Rc<Args>) -> anyhow::Result<Tal
                     processor_direct(&shared, &mut conns, own, &args, &mut tally).await;
                     continue;
                 }
+                if args.step.scenario == "page-lists" {
+                    page_lists(&shared, &mut conns, own, &args, deadline, &mut tally).await;
+                    break;
+                }
                 let req = request(&args.step.scenario, worker, seq, &args)?;
                 send(&shared, &mut conns, req.instance.unwrap_or(own), &req, &mut tally).await;
             }
@@ -591,6 +713,7 @@ async fn one_key_rounds(shared: &Rc<Shared>, args: &Rc<Args>) -> Tally {
             let (shared, args, key) = (shared.clone(), args.clone(), key.clone());
             handles.push(local.spawn_local(async move {
                 let req = Request {
+                    get: false,
                     key: Some(key),
                     path: PAYMENTS.to_owned(),
                     body: json!({"amount": 1, "account": "1"}),

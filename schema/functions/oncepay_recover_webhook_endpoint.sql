@@ -1,0 +1,52 @@
+CREATE OR REPLACE FUNCTION public.oncepay_recover_webhook_endpoint(p_tenant uuid, p oncepay_claim_args, p_endpoint uuid, p_since timestamp with time zone)
+ RETURNS TABLE(outcome oncepay_outcome, decline oncepay_decline, expires_at timestamp with time zone, resource webhook_recoveries)
+ LANGUAGE plpgsql
+AS $function$
+#variable_conflict use_column
+DECLARE
+    c oncepay_claimed := oncepay_claim(p_tenant, p, NULL);
+    ep webhook_endpoints;
+    v_reopened int;
+    v_due int;
+BEGIN
+    IF c.outcome = 'created' THEN
+        SELECT e.* INTO ep FROM webhook_endpoints e
+         WHERE e.tenant_id = p_tenant AND e.endpoint_id = p_endpoint AND e.deleted_at IS NULL
+           FOR SHARE;
+        IF NOT FOUND THEN
+            c := oncepay_decline(p_tenant, p, 'not_found');
+        ELSE
+            UPDATE webhook_deliveries d
+               SET state = CASE WHEN ep.disabled_at IS NULL THEN 'pending' ELSE 'held' END,
+                   finished_at = CASE WHEN ep.disabled_at IS NULL THEN NULL ELSE now() END,
+                   next_attempt_at = now(), leased_until = NULL, schedule_start = d.attempts
+             WHERE d.tenant_id = p_tenant AND d.endpoint_id = p_endpoint
+               AND d.state IN ('given_up', 'cancelled') AND d.created_at >= p_since
+               AND NOT EXISTS (SELECT FROM webhook_attempts a
+                                WHERE a.tenant_id = d.tenant_id AND a.event_id = d.event_id
+                                  AND a.endpoint_id = d.endpoint_id AND a.status BETWEEN 200 AND 299);
+            GET DIAGNOSTICS v_reopened = ROW_COUNT;
+            -- By row address, the rows locked first: an attempt out now is not waited for.
+            UPDATE webhook_deliveries d SET next_attempt_at = now(), schedule_start = d.attempts
+             WHERE d.ctid = ANY (ARRAY(
+                       SELECT w.ctid FROM webhook_deliveries w
+                        WHERE w.tenant_id = p_tenant AND w.endpoint_id = p_endpoint AND w.state = 'pending'
+                          AND w.created_at >= p_since AND w.next_attempt_at > now()
+                          AND (w.leased_until IS NULL OR w.leased_until <= now())
+                          FOR UPDATE SKIP LOCKED));
+            GET DIAGNOSTICS v_due = ROW_COUNT;
+            INSERT INTO webhook_recoveries AS r (tenant_id, recovery_id, endpoint_id, since, deliveries,
+                                                 idempotency_key, created_at)
+            VALUES (p_tenant, c.resource_id::uuid, p_endpoint, p_since, v_reopened + v_due, p.key, now())
+            RETURNING r.* INTO resource;
+        END IF;
+    ELSIF c.resource_id IS NOT NULL THEN
+        SELECT r.* INTO resource FROM webhook_recoveries r
+         WHERE r.tenant_id = p_tenant AND r.recovery_id = c.resource_id::uuid;
+    END IF;
+    outcome := c.outcome; decline := c.decline; expires_at := c.expires_at;
+    RETURN NEXT;
+END
+$function$
+
+

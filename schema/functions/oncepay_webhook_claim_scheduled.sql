@@ -1,0 +1,105 @@
+CREATE OR REPLACE FUNCTION public.oncepay_webhook_claim_scheduled(p_limit integer, p_per_endpoint integer, p_lease_ms integer, p_fan_out boolean, p_tenants uuid[], p_tenant_rooms integer[], p_room integer)
+ RETURNS TABLE(tenant_id uuid, event_id uuid, endpoint_id uuid, attempt integer, url text, secret_encrypted bytea, previous_secret_encrypted bytea, event_type text, data jsonb, created_at timestamp with time zone, schedule_attempt integer)
+ LANGUAGE plpgsql
+AS $function$
+#variable_conflict use_column
+DECLARE
+    v_pivot uuid := gen_random_uuid();
+    v_nil uuid := '00000000-0000-0000-0000-000000000000';
+    v_past uuid := 'ffffffff-ffff-ffff-ffff-ffffffffffff';
+    v_tenant uuid := v_pivot;
+    v_endpoint uuid := v_nil;
+    v_wrapped boolean := false;
+    v_next record;
+    ep record;
+    v_in_flight int;
+    v_taken int := 0;
+    v_n int;
+    -- Endpoints looked at: bounds a claim's work when many endpoints are at their bound.
+    v_seen int := 0;
+    v_room_of uuid;
+    v_room int;
+BEGIN
+    PERFORM set_config('synchronous_commit', 'off', true);
+    IF p_fan_out THEN
+        PERFORM oncepay_webhook_fan_out(1000);
+    END IF;
+    WHILE v_taken < p_limit AND v_seen < 1000 LOOP
+        -- The next endpoint with pending deliveries after (v_tenant, v_endpoint): one descent.
+        SELECT d.tenant_id, d.endpoint_id INTO v_next FROM webhook_deliveries d
+         WHERE d.state = 'pending' AND (d.tenant_id, d.endpoint_id) > (v_tenant, v_endpoint)
+         ORDER BY d.tenant_id, d.endpoint_id
+         LIMIT 1;
+        IF NOT FOUND THEN
+            EXIT WHEN v_wrapped;
+            -- From the start, up to the pivot. (nil, nil) itself is no endpoint.
+            v_wrapped := true;
+            v_tenant := v_nil;
+            v_endpoint := v_nil;
+            CONTINUE;
+        END IF;
+        EXIT WHEN v_wrapped AND v_next.tenant_id >= v_pivot;
+        v_tenant := v_next.tenant_id;
+        v_endpoint := v_next.endpoint_id;
+        v_seen := v_seen + 1;
+        IF v_room_of IS DISTINCT FROM v_tenant THEN
+            v_room_of := v_tenant;
+            v_room := coalesce(p_tenant_rooms[array_position(p_tenants, v_tenant)], p_room);
+        END IF;
+        IF v_room <= 0 THEN
+            -- The tenant has its share: past its last endpoint, to the next tenant.
+            v_endpoint := v_past;
+            CONTINUE;
+        END IF;
+
+        -- Another replica claiming for this endpoint holds its row: skip it this time.
+        SELECT e.tenant_id, e.endpoint_id, e.url, e.secret_encrypted,
+               CASE WHEN e.previous_secret_expires_at > now() THEN e.previous_secret_encrypted END AS previous
+          INTO ep
+          FROM webhook_endpoints e
+         WHERE e.tenant_id = v_tenant AND e.endpoint_id = v_endpoint
+           AND e.disabled_at IS NULL AND e.deleted_at IS NULL
+           FOR NO KEY UPDATE SKIP LOCKED;
+        CONTINUE WHEN NOT FOUND;
+
+        SELECT count(*) INTO v_in_flight FROM webhook_deliveries d
+         WHERE d.tenant_id = v_tenant AND d.endpoint_id = v_endpoint
+           AND d.state = 'pending' AND d.leased_until IS NOT NULL AND d.leased_until > now();
+        v_n := least(p_per_endpoint - v_in_flight, p_limit - v_taken, v_room);
+        CONTINUE WHEN v_n <= 0;
+
+        RETURN QUERY
+        WITH picked AS (
+            SELECT d.tenant_id, d.event_id, d.endpoint_id FROM webhook_deliveries d
+             WHERE d.tenant_id = v_tenant AND d.endpoint_id = v_endpoint
+               AND d.state = 'pending' AND d.next_attempt_at <= now()
+               -- The first unfinished delivery of its resource to this endpoint, by the
+               -- resource's index alone (V11, V16).
+               AND (SELECT min(o.sequence) FROM webhook_deliveries o
+                     WHERE o.tenant_id = d.tenant_id AND o.endpoint_id = d.endpoint_id
+                       AND o.resource_id = d.resource_id AND o.finished_at IS NULL) = d.sequence
+             ORDER BY d.sequence
+             LIMIT v_n
+               FOR UPDATE SKIP LOCKED),
+        leased AS (
+            UPDATE webhook_deliveries d
+               SET attempts = d.attempts + 1,
+                   leased_until = now() + make_interval(secs => p_lease_ms / 1000.0),
+                   next_attempt_at = now() + make_interval(secs => p_lease_ms / 1000.0)
+              FROM picked
+             WHERE d.tenant_id = picked.tenant_id AND d.event_id = picked.event_id
+               AND d.endpoint_id = picked.endpoint_id
+            RETURNING d.tenant_id, d.event_id, d.endpoint_id, d.attempts, d.schedule_start)
+        SELECT l.tenant_id, l.event_id, l.endpoint_id, l.attempts, ep.url, ep.secret_encrypted,
+               ep.previous, ev.event_type, coalesce(ev.data, oncepay_event_data(ev)), ev.created_at,
+               l.attempts - l.schedule_start
+          FROM leased l
+          JOIN webhook_events ev ON ev.tenant_id = l.tenant_id AND ev.event_id = l.event_id;
+        GET DIAGNOSTICS v_n = ROW_COUNT;
+        v_taken := v_taken + v_n;
+        v_room := v_room - v_n;
+    END LOOP;
+END
+$function$
+
+

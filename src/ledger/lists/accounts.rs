@@ -1,0 +1,68 @@
+//! `GET /accounts`: by `(tenant, created_at, account_id)`.
+
+use sqlx::PgConnection;
+
+use crate::domain::page::{Page, PageRequest};
+use crate::domain::{AccountId, TenantId};
+use crate::ledger::rows::AccountRow;
+
+/// `GET /accounts`: the tenant's accounts. `None`: the cursor is no account of the tenant's.
+pub async fn accounts(
+    conn: &mut PgConnection,
+    tenant: TenantId,
+    page: &PageRequest<AccountId>,
+) -> Result<Option<Page<AccountRow>>, sqlx::Error> {
+    let cursor = page.cursor_id().map(AccountId::as_str);
+    let (from, until) = (page.created.from, page.created.until);
+    let rows = if page.newer() {
+        sqlx::query_scalar!(
+            r#"SELECT r AS "r!: AccountRow" FROM accounts r
+                WHERE r.tenant_id = $1
+                  AND (r.created_at, r.account_id) >
+                      ((SELECT c.created_at FROM accounts c WHERE c.tenant_id = $1 AND c.account_id = $2), $2::text)
+                  AND r.created_at >= coalesce($3::timestamptz, '-infinity') AND r.created_at < coalesce($4::timestamptz, 'infinity')
+                ORDER BY r.created_at, r.account_id
+                LIMIT $5"#,
+            tenant.get(),
+            cursor,
+            from,
+            until,
+            page.fetch(),
+        )
+        .fetch_all(&mut *conn)
+        .await?
+    } else {
+        // Without a cursor, ('infinity', '') is after every account.
+        sqlx::query_scalar!(
+            r#"SELECT r AS "r!: AccountRow" FROM accounts r
+                WHERE r.tenant_id = $1
+                  AND (r.created_at, r.account_id) <
+                      (CASE WHEN $2::text IS NULL THEN 'infinity'::timestamptz
+                            ELSE (SELECT c.created_at FROM accounts c WHERE c.tenant_id = $1 AND c.account_id = $2) END,
+                       coalesce($2, ''))
+                  AND r.created_at >= coalesce($3::timestamptz, '-infinity') AND r.created_at < coalesce($4::timestamptz, 'infinity')
+                ORDER BY r.created_at DESC, r.account_id DESC
+                LIMIT $5"#,
+            tenant.get(),
+            cursor,
+            from,
+            until,
+            page.fetch(),
+        )
+        .fetch_all(&mut *conn)
+        .await?
+    };
+    if let (true, Some(id)) = (rows.is_empty(), cursor) {
+        let known = sqlx::query_scalar!(
+            r#"SELECT EXISTS (SELECT FROM accounts WHERE tenant_id = $1 AND account_id = $2) AS "known!""#,
+            tenant.get(),
+            id,
+        )
+        .fetch_one(&mut *conn)
+        .await?;
+        if !known {
+            return Ok(None);
+        }
+    }
+    Ok(Some(page.page(rows)))
+}

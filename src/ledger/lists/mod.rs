@@ -1,0 +1,21 @@
+//! The lists of payments, transfers, top-ups and accounts (contract section 4d), each read
+//! through one index in its order (migrations/V24): `(tenant, created_at, id)`, or
+//! `(tenant, account, created_at, id)` for an account's payments and transfers.
+//!
+//! Each query reads at most one row more than its page (`PageRequest::fetch`), older than its
+//! cursor from the newest down, or newer than it from the oldest up. The cursor's
+//! `(created_at, id)` is looked up within the tenant in the same statement (an uncorrelated
+//! subquery, run once before the scan); an unknown cursor compares as NULL and reads nothing,
+//! and only then does a second statement tell an unknown cursor from the end of the list.
+//! Conditions that are not columns of the index (a payment's status) are checked on the rows
+//! the index gives. Every query states its tenant first.
+
+mod accounts;
+mod payments;
+mod top_ups;
+mod transfers;
+
+pub use accounts::accounts;
+pub use payments::{payments, PaymentStatus};
+pub use top_ups::top_ups;
+pub use transfers::transfers;

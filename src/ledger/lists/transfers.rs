@@ -1,0 +1,138 @@
+//! `GET /transfers`: by `(tenant, created_at, transfer_id)`, or for one account by the two
+//! indexes of its sides, merged.
+
+use sqlx::PgConnection;
+
+use crate::domain::page::{Page, PageRequest};
+use crate::domain::{AccountId, TenantId, TransferId};
+use crate::ledger::rows::TransferRow;
+
+/// `GET /transfers`: the tenant's transfers, of one account (on either side) if given: the
+/// two indexes of its sides, each read as far as the page goes, merged. `None`: the cursor
+/// is no transfer of the tenant's.
+pub async fn transfers(
+    conn: &mut PgConnection,
+    tenant: TenantId,
+    account: Option<&AccountId>,
+    page: &PageRequest<TransferId>,
+) -> Result<Option<Page<TransferRow>>, sqlx::Error> {
+    let cursor = page.cursor_id().map(|id| id.get());
+    let (from, until) = (page.created.from, page.created.until);
+    let rows = match (account, page.newer()) {
+        (None, false) => {
+            sqlx::query_scalar!(
+                r#"SELECT r AS "r!: TransferRow" FROM transfers r
+                    WHERE r.tenant_id = $1
+                      AND (r.created_at, r.transfer_id) <
+                          (CASE WHEN $2::uuid IS NULL THEN 'infinity'::timestamptz
+                                ELSE (SELECT c.created_at FROM transfers c WHERE c.tenant_id = $1 AND c.transfer_id = $2) END,
+                           coalesce($2, 'ffffffff-ffff-ffff-ffff-ffffffffffff'))
+                      AND r.created_at >= coalesce($3::timestamptz, '-infinity') AND r.created_at < coalesce($4::timestamptz, 'infinity')
+                    ORDER BY r.created_at DESC, r.transfer_id DESC
+                    LIMIT $5"#,
+                tenant.get(),
+                cursor,
+                from,
+                until,
+                page.fetch(),
+            )
+            .fetch_all(&mut *conn)
+            .await?
+        }
+        (None, true) => {
+            sqlx::query_scalar!(
+                r#"SELECT r AS "r!: TransferRow" FROM transfers r
+                    WHERE r.tenant_id = $1
+                      AND (r.created_at, r.transfer_id) >
+                          ((SELECT c.created_at FROM transfers c WHERE c.tenant_id = $1 AND c.transfer_id = $2), $2)
+                      AND r.created_at >= coalesce($3::timestamptz, '-infinity') AND r.created_at < coalesce($4::timestamptz, 'infinity')
+                    ORDER BY r.created_at, r.transfer_id
+                    LIMIT $5"#,
+                tenant.get(),
+                cursor,
+                from,
+                until,
+                page.fetch(),
+            )
+            .fetch_all(&mut *conn)
+            .await?
+        }
+        (Some(account), false) => {
+            sqlx::query_scalar!(
+                r#"SELECT u.r AS "r!: TransferRow" FROM (
+                       (SELECT t AS r FROM transfers t
+                         WHERE t.tenant_id = $1 AND t.from_account_id = $6
+                           AND (t.created_at, t.transfer_id) <
+                               (CASE WHEN $2::uuid IS NULL THEN 'infinity'::timestamptz
+                                     ELSE (SELECT c.created_at FROM transfers c WHERE c.tenant_id = $1 AND c.transfer_id = $2) END,
+                                coalesce($2, 'ffffffff-ffff-ffff-ffff-ffffffffffff'))
+                           AND t.created_at >= coalesce($3::timestamptz, '-infinity') AND t.created_at < coalesce($4::timestamptz, 'infinity')
+                         ORDER BY t.created_at DESC, t.transfer_id DESC
+                         LIMIT $5)
+                       UNION ALL
+                       (SELECT t AS r FROM transfers t
+                         WHERE t.tenant_id = $1 AND t.to_account_id = $6
+                           AND (t.created_at, t.transfer_id) <
+                               (CASE WHEN $2::uuid IS NULL THEN 'infinity'::timestamptz
+                                     ELSE (SELECT c.created_at FROM transfers c WHERE c.tenant_id = $1 AND c.transfer_id = $2) END,
+                                coalesce($2, 'ffffffff-ffff-ffff-ffff-ffffffffffff'))
+                           AND t.created_at >= coalesce($3::timestamptz, '-infinity') AND t.created_at < coalesce($4::timestamptz, 'infinity')
+                         ORDER BY t.created_at DESC, t.transfer_id DESC
+                         LIMIT $5)) AS u
+                    ORDER BY (u.r).created_at DESC, (u.r).transfer_id DESC
+                    LIMIT $5"#,
+                tenant.get(),
+                cursor,
+                from,
+                until,
+                page.fetch(),
+                account.as_str(),
+            )
+            .fetch_all(&mut *conn)
+            .await?
+        }
+        (Some(account), true) => {
+            sqlx::query_scalar!(
+                r#"SELECT u.r AS "r!: TransferRow" FROM (
+                       (SELECT t AS r FROM transfers t
+                         WHERE t.tenant_id = $1 AND t.from_account_id = $6
+                           AND (t.created_at, t.transfer_id) >
+                               ((SELECT c.created_at FROM transfers c WHERE c.tenant_id = $1 AND c.transfer_id = $2), $2)
+                           AND t.created_at >= coalesce($3::timestamptz, '-infinity') AND t.created_at < coalesce($4::timestamptz, 'infinity')
+                         ORDER BY t.created_at, t.transfer_id
+                         LIMIT $5)
+                       UNION ALL
+                       (SELECT t AS r FROM transfers t
+                         WHERE t.tenant_id = $1 AND t.to_account_id = $6
+                           AND (t.created_at, t.transfer_id) >
+                               ((SELECT c.created_at FROM transfers c WHERE c.tenant_id = $1 AND c.transfer_id = $2), $2)
+                           AND t.created_at >= coalesce($3::timestamptz, '-infinity') AND t.created_at < coalesce($4::timestamptz, 'infinity')
+                         ORDER BY t.created_at, t.transfer_id
+                         LIMIT $5)) AS u
+                    ORDER BY (u.r).created_at, (u.r).transfer_id
+                    LIMIT $5"#,
+                tenant.get(),
+                cursor,
+                from,
+                until,
+                page.fetch(),
+                account.as_str(),
+            )
+            .fetch_all(&mut *conn)
+            .await?
+        }
+    };
+    if let (true, Some(id)) = (rows.is_empty(), cursor) {
+        let known = sqlx::query_scalar!(
+            r#"SELECT EXISTS (SELECT FROM transfers WHERE tenant_id = $1 AND transfer_id = $2) AS "known!""#,
+            tenant.get(),
+            id,
+        )
+        .fetch_one(&mut *conn)
+        .await?;
+        if !known {
+            return Ok(None);
+        }
+    }
+    Ok(Some(page.page(rows)))
+}

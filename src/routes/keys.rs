@@ -1,0 +1,93 @@
+//! `GET /idempotency-keys/{key}` (contract section 4d): "did this request go through?",
+//! answered from the key's row as the tenant may see it. Another tenant's key is the same 404
+//! as an unknown one: the key space is per tenant (contract section 5, rule 2).
+
+use actix_web::{web, HttpRequest, HttpResponse};
+use chrono::{DateTime, Utc};
+use oncepay_protocol::routes;
+use serde::Serialize;
+use utoipa::ToSchema;
+
+use super::schemas::{NotFound, Overloaded, Unauthorized, Unavailable};
+use crate::error::ApiError;
+use crate::ledger;
+use crate::state::AppState;
+
+pub fn configure(cfg: &mut web::ServiceConfig) {
+    cfg.route(routes::GET_IDEMPOTENCY_KEY.path, web::get().to(show));
+}
+
+/// An idempotency key and what its requests did.
+#[derive(Serialize, ToSchema)]
+struct KeyOut {
+    key: String,
+    /// The operation it was used for (`create_payment`, `refund_payment`, ...).
+    operation: &'static str,
+    created_at: DateTime<Utc>,
+    /// Until when a retry with it replays its answer; after that, until the purge, it answers
+    /// 422 `idempotency_key_expired`.
+    expires_at: DateTime<Utc>,
+    /// The HTTP status its requests are answered with: the operation's success, or a stored
+    /// decline's (see `code`).
+    status: i16,
+    /// The problem `code` of a stored decline; `null` for a success.
+    code: Option<&'static str>,
+    /// What the operation created or changed; `null` for a stored decline.
+    resource: Option<ResourceOut>,
+}
+
+/// A resource named by a key.
+#[derive(Serialize, ToSchema)]
+struct ResourceOut {
+    /// `payment`, `deposit`, `account`, `transfer`, `top_up`, `webhook_endpoint`, `event` or
+    /// `webhook_recovery`.
+    #[serde(rename = "type")]
+    kind: &'static str,
+    id: String,
+    /// Where `GET` reads it; `null` for a resource without a `GET` of its own (a deposit, a
+    /// webhook endpoint, a recovery).
+    path: Option<String>,
+}
+
+/// An idempotency key of the tenant's: what its requests did.
+#[utoipa::path(
+    get, path = "/idempotency-keys/{key}", tag = "payments", operation_id = "get_idempotency_key",
+    security(("api_key" = [])),
+    params(("key" = String, Path, description = "The key, percent-encoded as a path segment (`order/42` as `order%2F42`); \
+        another tenant's answers 404 like an unknown one.")),
+    responses(
+        (status = 200, description = "The key's row.", body = KeyOut),
+        (status = 401, response = Unauthorized), (status = 404, response = NotFound),
+        (status = 429, response = Overloaded), (status = 503, response = Unavailable),
+    )
+)]
+pub(super) async fn show(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+    let tenant = state.tenant(&req).await?;
+    let raw = req.match_info().get("key").unwrap_or_default();
+    let key = percent_encoding::percent_decode_str(raw)
+        .decode_utf8()
+        .ok()
+        .filter(|key| oncepay_protocol::validate_key(key.as_bytes()).is_ok())
+        // A string that cannot be a key names none.
+        .ok_or(ApiError::NotFound)?;
+    let mut conn = state.conn().await?;
+    let row = conn
+        .run(async |c| ledger::key(c, tenant.id, &key).await)
+        .await?
+        .ok_or(ApiError::NotFound)?;
+    let spec = row.operation.spec();
+    let resource = row.resource_id.map(|id| ResourceOut {
+        kind: spec.resource.kind,
+        path: spec.resource.read.map(|route| route.with_id(&id)),
+        id,
+    });
+    Ok(HttpResponse::Ok().json(KeyOut {
+        key: row.key,
+        operation: spec.name,
+        created_at: row.created_at,
+        expires_at: row.expires_at,
+        status: row.status,
+        code: row.decline.map(|d| d.code().as_str()),
+        resource,
+    }))
+}

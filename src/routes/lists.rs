@@ -1,0 +1,344 @@
+//! What every list shares (contract section 4d): Stripe's parameters read from the query
+//! string into a [`PageRequest`] and the list's filters (400 `invalid_request`, naming the
+//! parameter, for anything else), the answer `{"object":"list","data","has_more","url"}`, and
+//! their OpenAPI description.
+
+use actix_web::{web, HttpRequest, HttpResponse};
+use chrono::{DateTime, TimeZone, Utc};
+use serde::{Deserialize, Serialize};
+use utoipa::openapi::path::{Parameter, ParameterBuilder, ParameterIn};
+use utoipa::openapi::schema::{KnownFormat, ObjectBuilder, SchemaFormat, Type};
+use utoipa::openapi::Required;
+use utoipa::ToSchema;
+
+use crate::domain::page::{Created, Cursor, Page, PageRequest, DEFAULT_LIMIT, MAX_LIMIT};
+use crate::domain::AccountId;
+use crate::error::ApiError;
+
+/// A list's answer.
+#[derive(Serialize, ToSchema)]
+pub struct ListOut<T> {
+    /// Always `list`.
+    object: &'static str,
+    /// The page's items, newest first, each as its single `GET` shows it.
+    data: Vec<T>,
+    /// More items lie beyond this page, in the direction it was read: older after
+    /// `starting_after` (or with no cursor), newer before `ending_before`.
+    has_more: bool,
+    /// The list's path.
+    url: String,
+}
+
+/// Answers a page of the list at `url`.
+pub fn answer<T: Serialize>(url: String, page: Page<T>) -> HttpResponse {
+    HttpResponse::Ok().json(ListOut {
+        object: "list",
+        data: page.items,
+        has_more: page.has_more,
+        url,
+    })
+}
+
+/// A cursor that names no item of the list (unknown, another tenant's, or purged since).
+pub fn unknown_cursor() -> ApiError {
+    ApiError::InvalidRequest("the cursor is not the id of an item of this list".to_owned())
+}
+
+/// An `account` filter, parsed.
+pub fn account(filters: &Filters) -> Result<Option<AccountId>, ApiError> {
+    filters
+        .account
+        .as_deref()
+        .map(AccountId::parse)
+        .transpose()
+        .map_err(|e| ApiError::InvalidRequest(format!("`account`: {e}")))
+}
+
+/// The filters a list may take besides the page's parameters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Filter {
+    /// `account`: an account id.
+    Account,
+    /// `status`: one of these.
+    Status(&'static [&'static str]),
+    /// `type`: an event type.
+    Type(&'static [&'static str]),
+    /// `outcome`: `succeeded` or `failed`.
+    Outcome,
+}
+
+impl Filter {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Account => "account",
+            Self::Status(_) => "status",
+            Self::Type(_) => "type",
+            Self::Outcome => "outcome",
+        }
+    }
+}
+
+/// Every parameter any list takes; each list refuses those it does not.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawQuery {
+    limit: Option<String>,
+    starting_after: Option<String>,
+    ending_before: Option<String>,
+    #[serde(rename = "created[gte]")]
+    created_gte: Option<String>,
+    #[serde(rename = "created[gt]")]
+    created_gt: Option<String>,
+    #[serde(rename = "created[lte]")]
+    created_lte: Option<String>,
+    #[serde(rename = "created[lt]")]
+    created_lt: Option<String>,
+    account: Option<String>,
+    status: Option<String>,
+    #[serde(rename = "type")]
+    event_type: Option<String>,
+    outcome: Option<String>,
+}
+
+/// The filters a request gave (each already one of its allowed values, but for `account`,
+/// which the caller parses).
+#[derive(Debug, Default)]
+pub struct Filters {
+    pub account: Option<String>,
+    pub status: Option<String>,
+    pub event_type: Option<String>,
+    pub outcome: Option<String>,
+}
+
+/// Reads a list's query string: the page (its cursor parsed by `cursor`, `None` for an id
+/// that cannot name an item of the list) and the filters of `allowed`.
+pub fn query<Id>(
+    req: &HttpRequest,
+    allowed: &[Filter],
+    cursor: impl Fn(&str) -> Option<Id>,
+) -> Result<(PageRequest<Id>, Filters), ApiError> {
+    let raw = web::Query::<RawQuery>::from_query(req.query_string())
+        .map_err(|e| ApiError::InvalidRequest(format!("the query string: {}", inner(&e.to_string()))))?
+        .into_inner();
+    let limit = match raw.limit.as_deref() {
+        None => DEFAULT_LIMIT,
+        Some(raw) => raw
+            .parse()
+            .map_err(|_| ApiError::InvalidRequest(format!("`limit` must be an integer between 1 and {MAX_LIMIT}")))?,
+    };
+    let parse_cursor = |name: &str, raw: &str| {
+        cursor(raw)
+            .ok_or_else(|| ApiError::InvalidRequest(format!("`{name}`: {raw:?} is not the id of an item of this list")))
+    };
+    let cursor = match (raw.starting_after.as_deref(), raw.ending_before.as_deref()) {
+        (Some(_), Some(_)) => {
+            return Err(ApiError::InvalidRequest(
+                "give `starting_after` or `ending_before`, not both".to_owned(),
+            ))
+        }
+        (Some(after), None) => Some(Cursor::After(parse_cursor("starting_after", after)?)),
+        (None, Some(before)) => Some(Cursor::Before(parse_cursor("ending_before", before)?)),
+        (None, None) => None,
+    };
+    let created = created(&raw)?;
+    let page = PageRequest::new(limit, cursor, created).map_err(ApiError::InvalidRequest)?;
+
+    let mut filters = Filters::default();
+    for (name, value, slot) in [
+        ("account", raw.account, &mut filters.account),
+        ("status", raw.status, &mut filters.status),
+        ("type", raw.event_type, &mut filters.event_type),
+        ("outcome", raw.outcome, &mut filters.outcome),
+    ] {
+        let Some(value) = value else { continue };
+        let filter = allowed
+            .iter()
+            .find(|f| f.name() == name)
+            .ok_or_else(|| ApiError::InvalidRequest(format!("`{name}` is not a parameter of this list")))?;
+        let values: &[&str] = match filter {
+            Filter::Status(values) | Filter::Type(values) => values,
+            Filter::Outcome => &["succeeded", "failed"],
+            Filter::Account => &[],
+        };
+        if !values.is_empty() && !values.contains(&value.as_str()) {
+            return Err(ApiError::InvalidRequest(format!(
+                "`{name}`: {value:?} is not one of {}",
+                values.join(", ")
+            )));
+        }
+        *slot = Some(value);
+    }
+    Ok((page, filters))
+}
+
+/// serde's message without the extractor's prefix.
+fn inner(message: &str) -> &str {
+    message.strip_prefix("Query deserialize error: ").unwrap_or(message)
+}
+
+/// `created[gte|gt|lte|lt]` in whole Unix seconds, as one range: `[from, until)`. A time in
+/// seconds names that whole second (Stripe's times have no fraction): `lte` includes it,
+/// `gt` excludes it.
+fn created(raw: &RawQuery) -> Result<Created, ApiError> {
+    let seconds = |name: &str, value: &Option<String>| -> Result<Option<i64>, ApiError> {
+        value
+            .as_deref()
+            .map(|v| {
+                v.parse::<i64>()
+                    .ok()
+                    .filter(|s| time(*s).is_some() && time(s.saturating_add(1)).is_some())
+                    .ok_or_else(|| {
+                        ApiError::InvalidRequest(format!("`created[{name}]` must be a time in Unix seconds"))
+                    })
+            })
+            .transpose()
+    };
+    let from = [
+        seconds("gte", &raw.created_gte)?,
+        seconds("gt", &raw.created_gt)?.map(|s| s + 1),
+    ]
+    .into_iter()
+    .flatten()
+    .max();
+    let until = [
+        seconds("lt", &raw.created_lt)?,
+        seconds("lte", &raw.created_lte)?.map(|s| s + 1),
+    ]
+    .into_iter()
+    .flatten()
+    .min();
+    Ok(Created {
+        from: from.and_then(time),
+        until: until.and_then(time),
+    })
+}
+
+fn time(seconds: i64) -> Option<DateTime<Utc>> {
+    Utc.timestamp_opt(seconds, 0).single()
+}
+
+/// The query parameters of a list taking `filters`, for the OpenAPI document.
+pub fn parameters(filters: &[Filter]) -> Vec<Parameter> {
+    let integer = |min: i64, max: Option<i64>| {
+        ObjectBuilder::new()
+            .schema_type(Type::Integer)
+            .format(Some(SchemaFormat::KnownFormat(KnownFormat::Int64)))
+            .minimum(Some(min))
+            .maximum(max)
+    };
+    let string = || ObjectBuilder::new().schema_type(Type::String);
+    let param = |name: &str, schema: ObjectBuilder, description: &str| {
+        ParameterBuilder::new()
+            .name(name)
+            .parameter_in(ParameterIn::Query)
+            .required(Required::False)
+            .schema(Some(schema))
+            .description(Some(description))
+            .build()
+    };
+    let mut params = vec![
+        param(
+            "limit",
+            integer(1, Some(i64::from(MAX_LIMIT))).default(Some(DEFAULT_LIMIT.into())),
+            "Items per page, 1 to 100 (default 10).",
+        ),
+        param(
+            "starting_after",
+            string(),
+            "The id of an item of this list: the page holds the items after it (older). 400 \
+             `invalid_request` for an id that is malformed, unknown, or another tenant's.",
+        ),
+        param(
+            "ending_before",
+            string(),
+            "The id of an item of this list: the page holds the items before it (newer), still \
+             newest first. Not with `starting_after`.",
+        ),
+    ];
+    for (op, description) in [
+        ("gte", "Created at or after this Unix time (seconds)."),
+        ("gt", "Created after this Unix second."),
+        (
+            "lte",
+            "Created at or before this Unix second (the whole second included).",
+        ),
+        ("lt", "Created before this Unix time (seconds)."),
+    ] {
+        params.push(param(&format!("created[{op}]"), integer(0, None), description));
+    }
+    for filter in filters {
+        let (schema, description) = match filter {
+            Filter::Account => (
+                string().pattern(Some(super::schemas::ACCOUNT_ID_PATTERN)),
+                "Only this account's (for transfers: on either side).".to_owned(),
+            ),
+            Filter::Status(values) => (
+                string().enum_values(Some(values.iter().copied())),
+                "Only those of this status.".to_owned(),
+            ),
+            Filter::Type(values) => (
+                string().enum_values(Some(values.iter().copied())),
+                "Only events of this type.".to_owned(),
+            ),
+            Filter::Outcome => (
+                string().enum_values(Some(["succeeded", "failed"])),
+                "`failed`: attempts without a 2xx (another status, or no answer); `succeeded`: the 2xx ones."
+                    .to_owned(),
+            ),
+        };
+        params.push(param(filter.name(), schema, &description));
+    }
+    params
+}
+
+#[cfg(test)]
+mod tests {
+    use actix_web::test::TestRequest;
+
+    use super::*;
+
+    fn read(query: &str, allowed: &[Filter]) -> Result<(PageRequest<u32>, Filters), String> {
+        let req = TestRequest::get().uri(&format!("/x?{query}")).to_http_request();
+        query_of(&req, allowed).map_err(|e| e.to_string())
+    }
+
+    fn query_of(req: &HttpRequest, allowed: &[Filter]) -> Result<(PageRequest<u32>, Filters), ApiError> {
+        query(req, allowed, |raw| raw.parse().ok())
+    }
+
+    #[test]
+    fn the_page_is_read_from_stripes_parameters() {
+        let (page, _) = read("limit=3&starting_after=7&created%5Bgte%5D=100&created[lte]=200", &[]).unwrap();
+        assert_eq!(page.fetch(), 4);
+        assert_eq!(page.cursor, Some(Cursor::After(7)));
+        assert_eq!(page.created.from, time(100));
+        assert_eq!(page.created.until, time(201), "lte includes its whole second");
+        let (page, _) = read("ending_before=7&created[gt]=100&created[lt]=200", &[]).unwrap();
+        assert_eq!(page.cursor, Some(Cursor::Before(7)));
+        assert_eq!((page.created.from, page.created.until), (time(101), time(200)));
+        let (page, _) = read("", &[]).unwrap();
+        assert_eq!((page.fetch(), page.cursor), (11, None));
+    }
+
+    #[test]
+    fn bad_parameters_are_refused_naming_them() {
+        for (query, named) in [
+            ("limit=0", "limit"),
+            ("limit=101", "limit"),
+            ("limit=ten", "limit"),
+            ("starting_after=x", "starting_after"),
+            ("starting_after=1&ending_before=2", "starting_after"),
+            ("created[gte]=yesterday", "created[gte]"),
+            ("created[lt]=1.5", "created[lt]"),
+            ("account=u1", "account"),
+            ("colour=red", "colour"),
+            ("limit=1&limit=2", "limit"),
+            ("status=lost", "status"),
+        ] {
+            let err = read(query, &[Filter::Status(&["succeeded"])]).unwrap_err();
+            assert!(err.contains(named), "{query}: {err}");
+        }
+        let (_, filters) = read("status=succeeded", &[Filter::Status(&["succeeded"])]).unwrap();
+        assert_eq!(filters.status.as_deref(), Some("succeeded"));
+    }
+}

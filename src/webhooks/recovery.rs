@@ -1,0 +1,349 @@
+//! The event log and its repair (contract section 4d): the events kept
+//! (`ONCEPAY_EVENT_RETENTION_DAYS`, delivered or not) and an endpoint's attempts, listed like
+//! every list (`crate::ledger::lists` says how), and the two operations that deliver again:
+//! resend (one event to one endpoint) and recover (every event an endpoint never acknowledged
+//! since a time). Both reopen the event's delivery row, so that it goes out with its
+//! `webhook-id`, in its place among its resource's deliveries not yet made, and with a new
+//! retry schedule (migrations/V24).
+
+use chrono::{DateTime, Utc};
+use sqlx::PgConnection;
+use uuid::Uuid;
+
+use super::endpoints::EventRow;
+use crate::domain::page::{Page, PageRequest};
+use crate::domain::{AttemptId, EndpointId, EventId, TenantId};
+use crate::ledger::{settle, ClaimArgs, Effect, Outcome, Reply};
+use crate::operation::{ClaimOutcome, Decline, Operation};
+
+/// `GET /events`: the tenant's events, of one type if given. `None`: the cursor is no event
+/// of the tenant's.
+pub async fn events(
+    conn: &mut PgConnection,
+    tenant: TenantId,
+    event_type: Option<&str>,
+    page: &PageRequest<EventId>,
+) -> Result<Option<Page<EventRow>>, sqlx::Error> {
+    let cursor = page.cursor_id().map(|id| id.get());
+    let (from, until) = (page.created.from, page.created.until);
+    // A payment's event is stored without its data, rendered here (migrations/V18).
+    let rows = if page.newer() {
+        sqlx::query!(
+            r#"SELECT ev.event_id, ev.event_type, oncepay_event_data(ev) AS "data!", ev.created_at
+                 FROM webhook_events ev
+                WHERE ev.tenant_id = $1
+                  AND (ev.created_at, ev.event_id) >
+                      ((SELECT c.created_at FROM webhook_events c WHERE c.tenant_id = $1 AND c.event_id = $2), $2)
+                  AND ev.created_at >= coalesce($3::timestamptz, '-infinity') AND ev.created_at < coalesce($4::timestamptz, 'infinity')
+                  AND ($5::text IS NULL OR ev.event_type = $5)
+                ORDER BY ev.created_at, ev.event_id
+                LIMIT $6"#,
+            tenant.get(),
+            cursor,
+            from,
+            until,
+            event_type,
+            page.fetch(),
+        )
+        .fetch_all(&mut *conn)
+        .await?
+        .into_iter()
+        .map(|r| (r.event_id, r.event_type, r.data, r.created_at))
+        .collect::<Vec<_>>()
+    } else {
+        sqlx::query!(
+            r#"SELECT ev.event_id, ev.event_type, oncepay_event_data(ev) AS "data!", ev.created_at
+                 FROM webhook_events ev
+                WHERE ev.tenant_id = $1
+                  AND (ev.created_at, ev.event_id) <
+                      (CASE WHEN $2::uuid IS NULL THEN 'infinity'::timestamptz
+                            ELSE (SELECT c.created_at FROM webhook_events c WHERE c.tenant_id = $1 AND c.event_id = $2) END,
+                       coalesce($2, 'ffffffff-ffff-ffff-ffff-ffffffffffff'))
+                  AND ev.created_at >= coalesce($3::timestamptz, '-infinity') AND ev.created_at < coalesce($4::timestamptz, 'infinity')
+                  AND ($5::text IS NULL OR ev.event_type = $5)
+                ORDER BY ev.created_at DESC, ev.event_id DESC
+                LIMIT $6"#,
+            tenant.get(),
+            cursor,
+            from,
+            until,
+            event_type,
+            page.fetch(),
+        )
+        .fetch_all(&mut *conn)
+        .await?
+        .into_iter()
+        .map(|r| (r.event_id, r.event_type, r.data, r.created_at))
+        .collect::<Vec<_>>()
+    };
+    if let (true, Some(id)) = (rows.is_empty(), cursor) {
+        let known = sqlx::query_scalar!(
+            r#"SELECT EXISTS (SELECT FROM webhook_events WHERE tenant_id = $1 AND event_id = $2) AS "known!""#,
+            tenant.get(),
+            id,
+        )
+        .fetch_one(&mut *conn)
+        .await?;
+        if !known {
+            return Ok(None);
+        }
+    }
+    Ok(Some(page.page(rows).map(|(id, event_type, data, created_at)| {
+        EventRow {
+            id: EventId::from_uuid(id),
+            event_type,
+            data,
+            created_at,
+        }
+    })))
+}
+
+/// One attempt of a delivery, as listed.
+#[derive(Clone, Debug)]
+pub struct AttemptRow {
+    pub id: AttemptId,
+    pub attempted_at: DateTime<Utc>,
+    /// The receiver's status; `None` when no answer came (a timeout, a refused connection).
+    pub status: Option<i16>,
+    pub error: Option<String>,
+    pub latency_ms: i32,
+}
+
+/// Which attempts a list keeps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttemptOutcome {
+    /// A 2xx.
+    Succeeded,
+    /// Anything else: another status, or no answer.
+    Failed,
+}
+
+impl AttemptOutcome {
+    pub fn parse(raw: &str) -> Option<Self> {
+        match raw {
+            "succeeded" => Some(Self::Succeeded),
+            "failed" => Some(Self::Failed),
+            _ => None,
+        }
+    }
+}
+
+/// Why an endpoint's attempts cannot be listed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttemptsRefused {
+    /// No such endpoint of the tenant's (or deleted).
+    UnknownEndpoint,
+    /// The cursor is no attempt of this endpoint's.
+    UnknownCursor,
+}
+
+/// `GET /webhook-endpoints/{id}/attempts`: the endpoint's attempts, newest first, ordered by
+/// (start, event, number).
+pub async fn attempts(
+    conn: &mut PgConnection,
+    tenant: TenantId,
+    endpoint: EndpointId,
+    outcome: Option<AttemptOutcome>,
+    page: &PageRequest<AttemptId>,
+) -> Result<Result<Page<AttemptRow>, AttemptsRefused>, sqlx::Error> {
+    let known = sqlx::query_scalar!(
+        r#"SELECT EXISTS (SELECT FROM webhook_endpoints
+                           WHERE tenant_id = $1 AND endpoint_id = $2 AND deleted_at IS NULL) AS "known!""#,
+        tenant.get(),
+        endpoint.get(),
+    )
+    .fetch_one(&mut *conn)
+    .await?;
+    if !known {
+        return Ok(Err(AttemptsRefused::UnknownEndpoint));
+    }
+    let cursor_event = page.cursor_id().map(|id| id.event.get());
+    let cursor_attempt = page.cursor_id().map(|id| id.attempt);
+    let (from, until) = (page.created.from, page.created.until);
+    let failed = outcome.map(|o| o == AttemptOutcome::Failed);
+    let rows = if page.newer() {
+        sqlx::query!(
+            r#"SELECT a.event_id, a.attempt, a.started_at, a.status, a.error, a.latency_ms
+                 FROM webhook_attempts a
+                WHERE a.tenant_id = $1 AND a.endpoint_id = $2
+                  AND (a.started_at, a.event_id, a.attempt) >
+                      ((SELECT c.started_at FROM webhook_attempts c
+                         WHERE c.tenant_id = $1 AND c.event_id = $3 AND c.endpoint_id = $2 AND c.attempt = $4),
+                       $3, $4)
+                  AND a.started_at >= coalesce($5::timestamptz, '-infinity') AND a.started_at < coalesce($6::timestamptz, 'infinity')
+                  AND ($7::boolean IS NULL OR $7 = (a.status IS NULL OR a.status NOT BETWEEN 200 AND 299))
+                ORDER BY a.started_at, a.event_id, a.attempt
+                LIMIT $8"#,
+            tenant.get(),
+            endpoint.get(),
+            cursor_event,
+            cursor_attempt,
+            from,
+            until,
+            failed,
+            page.fetch(),
+        )
+        .fetch_all(&mut *conn)
+        .await?
+        .into_iter()
+        .map(|r| (r.event_id, r.attempt, r.started_at, r.status, r.error, r.latency_ms))
+        .collect::<Vec<_>>()
+    } else {
+        sqlx::query!(
+            r#"SELECT a.event_id, a.attempt, a.started_at, a.status, a.error, a.latency_ms
+                 FROM webhook_attempts a
+                WHERE a.tenant_id = $1 AND a.endpoint_id = $2
+                  AND (a.started_at, a.event_id, a.attempt) <
+                      (CASE WHEN $3::uuid IS NULL THEN 'infinity'::timestamptz
+                            ELSE (SELECT c.started_at FROM webhook_attempts c
+                                   WHERE c.tenant_id = $1 AND c.event_id = $3 AND c.endpoint_id = $2
+                                     AND c.attempt = $4) END,
+                       coalesce($3, 'ffffffff-ffff-ffff-ffff-ffffffffffff'), coalesce($4::int, 2147483647))
+                  AND a.started_at >= coalesce($5::timestamptz, '-infinity') AND a.started_at < coalesce($6::timestamptz, 'infinity')
+                  AND ($7::boolean IS NULL OR $7 = (a.status IS NULL OR a.status NOT BETWEEN 200 AND 299))
+                ORDER BY a.started_at DESC, a.event_id DESC, a.attempt DESC
+                LIMIT $8"#,
+            tenant.get(),
+            endpoint.get(),
+            cursor_event,
+            cursor_attempt,
+            from,
+            until,
+            failed,
+            page.fetch(),
+        )
+        .fetch_all(&mut *conn)
+        .await?
+        .into_iter()
+        .map(|r| (r.event_id, r.attempt, r.started_at, r.status, r.error, r.latency_ms))
+        .collect::<Vec<_>>()
+    };
+    if let (true, Some(id)) = (rows.is_empty(), page.cursor_id()) {
+        let known = sqlx::query_scalar!(
+            r#"SELECT EXISTS (SELECT FROM webhook_attempts
+                               WHERE tenant_id = $1 AND event_id = $2 AND endpoint_id = $3 AND attempt = $4) AS "known!""#,
+            tenant.get(),
+            id.event.get(),
+            endpoint.get(),
+            id.attempt,
+        )
+        .fetch_one(&mut *conn)
+        .await?;
+        if !known {
+            return Ok(Err(AttemptsRefused::UnknownCursor));
+        }
+    }
+    Ok(Ok(page.page(rows).map(
+        |(event, attempt, attempted_at, status, error, latency_ms)| AttemptRow {
+            id: AttemptId {
+                event: EventId::from_uuid(event),
+                attempt,
+            },
+            attempted_at,
+            status,
+            error,
+            latency_ms,
+        },
+    )))
+}
+
+/// Delivers an event once more to an endpoint (`oncepay_resend_webhook_event`).
+pub struct Resend {
+    pub endpoint: EndpointId,
+    pub event: EventId,
+}
+
+/// A resend, as answered (its first answer and its replays alike).
+#[derive(Clone, Debug)]
+pub struct Resent {
+    pub endpoint: EndpointId,
+    pub event: EventId,
+}
+
+impl Effect for Resend {
+    const OPERATION: Operation = Operation::ResendWebhookEvent;
+    type Row = Resent;
+
+    async fn run(
+        &self,
+        conn: &mut PgConnection,
+        tenant: TenantId,
+        claim: &ClaimArgs,
+    ) -> Result<Outcome<Resent>, sqlx::Error> {
+        let r = sqlx::query!(
+            r#"SELECT outcome AS "outcome!: ClaimOutcome", decline AS "decline: Decline", expires_at, resource
+               FROM oncepay_resend_webhook_event($1, $2, $3, $4)"#,
+            tenant.get(),
+            claim as _,
+            self.endpoint.get(),
+            self.event.get(),
+        )
+        .fetch_one(conn)
+        .await?;
+        let outcome = settle(r.outcome, r.decline, r.expires_at, r.resource)?;
+        Ok(resolved(outcome, |event| Resent {
+            endpoint: self.endpoint,
+            event: EventId::from_uuid(event),
+        }))
+    }
+}
+
+/// Delivers again whatever an endpoint never acknowledged since a time
+/// (`oncepay_recover_webhook_endpoint`).
+pub struct Recover {
+    pub endpoint: EndpointId,
+    pub since: DateTime<Utc>,
+}
+
+/// A recovery's row (`webhook_recoveries`): its answer.
+#[derive(Clone, Debug, sqlx::Type)]
+#[sqlx(type_name = "webhook_recoveries")]
+pub struct RecoveryRow {
+    pub tenant_id: Uuid,
+    pub recovery_id: Uuid,
+    pub endpoint_id: Uuid,
+    pub since: DateTime<Utc>,
+    /// The deliveries it made due: reopened (given up, cancelled) or due now (waiting for a
+    /// retry).
+    pub deliveries: i32,
+    pub idempotency_key: Option<String>,
+    pub created_at: DateTime<Utc>,
+}
+
+impl Effect for Recover {
+    const OPERATION: Operation = Operation::RecoverWebhookEndpoint;
+    type Row = RecoveryRow;
+
+    async fn run(
+        &self,
+        conn: &mut PgConnection,
+        tenant: TenantId,
+        claim: &ClaimArgs,
+    ) -> Result<Outcome<RecoveryRow>, sqlx::Error> {
+        let r = sqlx::query!(
+            r#"SELECT outcome AS "outcome!: ClaimOutcome", decline AS "decline: Decline", expires_at,
+                      resource AS "resource: RecoveryRow"
+               FROM oncepay_recover_webhook_endpoint($1, $2, $3, $4)"#,
+            tenant.get(),
+            claim as _,
+            self.endpoint.get(),
+            self.since,
+        )
+        .fetch_one(conn)
+        .await?;
+        settle(r.outcome, r.decline, r.expires_at, r.resource)
+    }
+}
+
+/// The outcome with its resource turned into the answer's row.
+fn resolved<A, B>(outcome: Outcome<A>, f: impl FnOnce(A) -> B) -> Outcome<B> {
+    let result = match outcome.result {
+        Ok(Reply::New(a)) => Ok(Reply::New(f(a))),
+        Ok(Reply::Replayed(a)) => Ok(Reply::Replayed(f(a))),
+        Err(refusal) => Err(refusal),
+    };
+    Outcome {
+        result,
+        expires_at: outcome.expires_at,
+    }
+}

@@ -1,0 +1,462 @@
+//! Delivery made visible and repairable (contract section 4d), against the tests' real
+//! receiver: the attempts listed, an event resent with its `webhook-id`, in its place among
+//! its resource's events, a recovery after an outage that outlasted the whole retry schedule
+//! delivering every missed event once, a disabled endpoint's recovery held until it is
+//! enabled, each POST idempotent by its key; and `GET /idempotency-keys/{key}`.
+
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use uuid::Uuid;
+
+use oncepay::domain::MissingKeyPolicy;
+
+use crate::helpers::{drop_database, new_key, new_tenant, spawn_app, spawn_app_on_own_database, TestApp};
+use crate::webhook_receiver::{Receiver, Reply};
+use crate::webhooks::{delivering, pay, refund, subscribe, WAIT};
+
+/// A replica that delivers, with a retry schedule this short: a receiver down for a second
+/// outlasts all of it, as one down for three hours outlasts the default schedule.
+async fn short_schedule_app() -> TestApp {
+    TestApp::builder()
+        .settings(|s| {
+            delivering(s);
+            s.webhooks.retry_schedule = [0.05, 0.1, 0.15].map(Duration::from_secs_f64).to_vec();
+        })
+        .spawn()
+        .await
+}
+
+/// Waits until the tenant has `n` deliveries in `state`.
+async fn wait_for_deliveries(app: &TestApp, state: &str, n: i64) {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let count: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM webhook_deliveries WHERE tenant_id = $1 AND state = $2")
+                .bind(app.tenant_id)
+                .bind(state)
+                .fetch_one(&app.pool)
+                .await
+                .unwrap();
+        if count >= n {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{count} of {n} deliveries {state} within {WAIT:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn unix_now() -> i64 {
+    chrono::Utc::now().timestamp()
+}
+
+#[tokio::test]
+async fn a_recovery_after_an_outage_longer_than_the_schedule_delivers_every_missed_event_once() {
+    let app = short_schedule_app().await;
+    let receiver = Receiver::start().await;
+    let endpoint = subscribe(&app, &receiver, None).await;
+    let since = unix_now() - 1;
+    for _ in 0..3 {
+        pay(&app, 10).await;
+    }
+    receiver.wait_for_acknowledged(3, WAIT).await;
+    let delivered_before: Vec<String> = receiver.messages().into_iter().map(|m| m.id).collect();
+
+    // The receiver goes down; every attempt of every event fails until the schedule is spent.
+    receiver.stop();
+    let mut missed_payments = Vec::new();
+    for i in 0..12 {
+        let payment = pay(&app, 10).await;
+        if i % 3 == 0 {
+            refund(&app, &payment).await;
+        }
+        missed_payments.push(payment);
+    }
+    let missed = 12 + 4;
+    wait_for_deliveries(&app, "given_up", missed).await;
+    let failed = app
+        .get(&format!(
+            "/webhook-endpoints/{endpoint}/attempts?outcome=failed&limit=100"
+        ))
+        .await;
+    // Every replica of the test run delivers (each with its own schedule): at least the four
+    // attempts of this one's schedule for each missed event, each refused.
+    let failures = failed.body["data"].as_array().unwrap();
+    assert!(
+        failures.len() >= 16 * 4,
+        "attempts of each missed event: {}",
+        failed.body
+    );
+    assert!(failures.iter().all(|a| a["status"].is_null() && a["error"].is_string()));
+    let listed = app.get("/webhook-endpoints").await;
+    assert_eq!(
+        listed.body[0]["status"], "enabled",
+        "a message given up disables nothing"
+    );
+
+    receiver.start_again().await;
+    let key = new_key();
+    let path = format!("/webhook-endpoints/{endpoint}/recover");
+    let recovered = app.post(&path, Some(&key), &json!({ "since": since })).await;
+    assert_eq!(recovered.status, 202, "{}", recovered.body);
+    assert_eq!(recovered.body["deliveries"], missed, "{}", recovered.body);
+    assert_eq!(recovered.body["endpoint_id"], endpoint.as_str());
+    receiver.wait_for_acknowledged(3 + missed as usize, WAIT).await;
+    // A retry of the same request replays its answer and recovers nothing more.
+    let replay = app.post(&path, Some(&key), &json!({ "since": since })).await;
+    assert!(replay.replayed());
+    assert_eq!((replay.status, &replay.body), (202, &recovered.body));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    let messages = receiver.messages();
+    let report = receiver.check(&crate::webhooks::committed(&app).await);
+    assert_eq!(report.events, 3 + missed as usize, "{report:?}");
+    assert_eq!(
+        report.duplicates, 0,
+        "every missed event once, nothing delivered before again: {report:?}"
+    );
+    assert!(delivered_before
+        .iter()
+        .all(|id| messages.iter().filter(|m| &m.id == id).count() == 1));
+    // Nothing is left to recover.
+    let again = app.post(&path, Some(&new_key()), &json!({ "since": since })).await;
+    assert_eq!((again.status, &again.body["deliveries"]), (202, &json!(0)));
+}
+
+#[tokio::test]
+async fn a_resent_event_arrives_again_with_its_webhook_id_and_once_per_key() {
+    let app = TestApp::builder().settings(delivering).spawn().await;
+    let receiver = Receiver::start().await;
+    let endpoint = subscribe(&app, &receiver, None).await;
+    let refunds_only = Receiver::start().await;
+    let other = subscribe(&app, &refunds_only, Some(&["payment.refunded"])).await;
+    pay(&app, 10).await;
+    receiver.wait_for_acknowledged(1, WAIT).await;
+    let event = app.get("/events").await.body["data"][0]["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+
+    let key = new_key();
+    let path = format!("/webhook-endpoints/{endpoint}/events/{event}/resend");
+    let resent = app.post(&path, Some(&key), &json!({})).await;
+    assert_eq!(resent.status, 202, "{}", resent.body);
+    assert_eq!(resent.body, json!({ "endpoint_id": endpoint, "event_id": event }));
+    wait_for_messages(&receiver, 2).await;
+    let replay = app.post(&path, Some(&key), &json!({})).await;
+    assert!(replay.replayed());
+    assert_eq!((replay.status, &replay.body), (202, &resent.body));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let messages = receiver.messages();
+    assert_eq!(messages.len(), 2, "one more delivery for the key, not two");
+    assert_eq!((messages[1].id.as_str(), messages[1].nth), (event.as_str(), 2));
+    assert_eq!(messages[1].raw_body, messages[0].raw_body);
+
+    // An event the endpoint was never sent, an unknown one: 404, stored with the key.
+    for path in [
+        format!("/webhook-endpoints/{other}/events/{event}/resend"),
+        format!("/webhook-endpoints/{endpoint}/events/{}/resend", Uuid::new_v4()),
+        format!("/webhook-endpoints/{}/events/{event}/resend", Uuid::new_v4()),
+        format!("/webhook-endpoints/{endpoint}/events/not-an-id/resend"),
+    ] {
+        let key = new_key();
+        app.post(&path, Some(&key), &json!({}))
+            .await
+            .assert_problem(404, "not_found");
+    }
+    let key = new_key();
+    let unknown = format!("/webhook-endpoints/{other}/events/{event}/resend");
+    app.post(&unknown, Some(&key), &json!({}))
+        .await
+        .assert_problem(404, "not_found");
+    let replayed = app.post(&unknown, Some(&key), &json!({})).await;
+    replayed.assert_problem(404, "not_found");
+    assert!(replayed.replayed());
+    assert!(refunds_only.messages().is_empty());
+}
+
+async fn wait_for_messages(receiver: &Receiver, n: usize) {
+    let deadline = Instant::now() + WAIT;
+    while receiver.messages().len() < n {
+        assert!(
+            Instant::now() < deadline,
+            "{} of {n} messages within {WAIT:?}",
+            receiver.messages().len()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The order of a resource's events holds for a resent one: reopened in its place (its
+/// delivery's sequence), it is claimed before the later events of its resource that are not
+/// delivered yet, with the retry schedule started again (on a database of its own: the test
+/// claims by hand, which would take other tests' deliveries).
+#[tokio::test]
+async fn a_resent_event_is_claimed_before_the_later_events_of_its_resource_with_a_new_schedule() {
+    let (app, url) = spawn_app_on_own_database("resend_order").await;
+    let endpoint = app
+        .post(
+            "/webhook-endpoints",
+            Some(&new_key()),
+            &json!({ "url": "http://127.0.0.1:9/hooks" }),
+        )
+        .await
+        .body["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let payment = pay(&app, 10).await;
+    refund(&app, &payment).await;
+    sqlx::query("SELECT oncepay_webhook_fan_out(1000)")
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    // The payment's event was given up after seven attempts; its refund's waits, due now.
+    let given_up: Uuid = sqlx::query_scalar(
+        "UPDATE webhook_deliveries d SET state = 'given_up', finished_at = now(), attempts = 7
+           FROM webhook_events e
+          WHERE d.tenant_id = $1 AND e.tenant_id = d.tenant_id AND e.event_id = d.event_id
+            AND e.event_type = 'payment.succeeded'
+         RETURNING d.event_id",
+    )
+    .bind(app.tenant_id)
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    let claim = || async {
+        let claimed: Vec<(Uuid, i32, i32)> = sqlx::query_as(
+            "SELECT event_id, attempt, schedule_attempt
+               FROM oncepay_webhook_claim_scheduled(10, 10, 30000, false, '{}', '{}', 10)",
+        )
+        .fetch_all(&app.pool)
+        .await
+        .unwrap();
+        claimed
+    };
+    let refund_event = claim().await;
+    assert_eq!(
+        refund_event.len(),
+        1,
+        "before the resend, the refund's event goes: {refund_event:?}"
+    );
+    // Its attempt out, given back unattempted (as a replica's own failure): due again now.
+    sqlx::query(
+        "UPDATE webhook_deliveries SET attempts = attempts - 1, leased_until = NULL, next_attempt_at = now()
+          WHERE tenant_id = $1 AND event_id = $2",
+    )
+    .bind(app.tenant_id)
+    .bind(refund_event[0].0)
+    .execute(&app.pool)
+    .await
+    .unwrap();
+
+    let resent = app
+        .post(
+            &format!("/webhook-endpoints/{endpoint}/events/{given_up}/resend"),
+            Some(&new_key()),
+            &json!({}),
+        )
+        .await;
+    assert_eq!(resent.status, 202, "{}", resent.body);
+
+    assert_eq!(
+        claim().await,
+        [(given_up, 8, 1)],
+        "the resent event first, its schedule from the start"
+    );
+    assert!(
+        claim().await.is_empty(),
+        "the refund's waits while the payment's is out"
+    );
+    sqlx::query(
+        "UPDATE webhook_deliveries SET state = 'delivered', finished_at = now(), leased_until = NULL
+          WHERE tenant_id = $1 AND event_id = $2",
+    )
+    .bind(app.tenant_id)
+    .bind(given_up)
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    let next = claim().await;
+    assert_eq!((next.len(), next[0].0), (1, refund_event[0].0));
+    drop(app);
+    drop_database(&url).await;
+}
+
+#[tokio::test]
+async fn a_disabled_endpoints_recovery_is_held_until_it_is_enabled() {
+    let app = short_schedule_app().await;
+    let receiver = Receiver::unstarted().await;
+    let endpoint = subscribe(&app, &receiver, None).await;
+    let since = unix_now() - 1;
+    for _ in 0..4 {
+        pay(&app, 10).await;
+    }
+    wait_for_deliveries(&app, "given_up", 4).await;
+    let disabled: bool = sqlx::query_scalar("SELECT oncepay_webhook_disable($1, $2::uuid, 'failing')")
+        .bind(app.tenant_id)
+        .bind(&endpoint)
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert!(disabled);
+    receiver.start_again().await;
+
+    let recovered = app
+        .post(
+            &format!("/webhook-endpoints/{endpoint}/recover"),
+            Some(&new_key()),
+            &json!({ "since": since }),
+        )
+        .await;
+    assert_eq!((recovered.status, &recovered.body["deliveries"]), (202, &json!(4)));
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert!(receiver.messages().is_empty(), "nothing goes to a disabled endpoint");
+    wait_for_deliveries(&app, "held", 4).await;
+
+    let enabled = app
+        .post(
+            &format!("/webhook-endpoints/{endpoint}/enable"),
+            Some(&new_key()),
+            &json!({}),
+        )
+        .await;
+    assert_eq!(enabled.status, 200, "{}", enabled.body);
+    receiver.wait_for_acknowledged(4, WAIT).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(receiver.check(&crate::webhooks::committed(&app).await).duplicates, 0);
+}
+
+#[tokio::test]
+async fn attempts_are_listed_newest_first_with_their_status_paged_and_filtered() {
+    let app = short_schedule_app().await;
+    let receiver = Receiver::start().await;
+    receiver.script(|m| {
+        if m.nth == 1 {
+            Reply::Status(500)
+        } else {
+            Reply::Status(204)
+        }
+    });
+    let endpoint = subscribe(&app, &receiver, None).await;
+    pay(&app, 10).await;
+    receiver.wait_for_acknowledged(1, WAIT).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let event = receiver.messages()[0].id.clone();
+
+    let path = format!("/webhook-endpoints/{endpoint}/attempts");
+    let all = app.get(&path).await;
+    assert_eq!(all.status, 200, "{}", all.body);
+    assert_eq!(all.body["url"], path.as_str());
+    let data = all.body["data"].as_array().unwrap();
+    assert_eq!(data.len(), 2, "{}", all.body);
+    assert_eq!(data[0]["id"], format!("{event}.2"));
+    assert_eq!((&data[0]["status"], &data[0]["error"]), (&json!(204), &Value::Null));
+    assert_eq!(
+        (&data[1]["id"], &data[1]["status"]),
+        (&json!(format!("{event}.1")), &json!(500))
+    );
+    assert_eq!(data[1]["event_id"], event.as_str());
+    for field in ["attempted_at", "latency_ms"] {
+        assert!(!data[0][field].is_null(), "{field}");
+    }
+    let failed = app.get(&format!("{path}?outcome=failed")).await;
+    assert_eq!(failed.body["data"].as_array().unwrap().len(), 1);
+    assert_eq!(failed.body["data"][0]["status"], 500);
+    let first = app.get(&format!("{path}?limit=1")).await;
+    assert_eq!(
+        (&first.body["data"][0]["id"], &first.body["has_more"]),
+        (&data[0]["id"], &json!(true))
+    );
+    let second = app.get(&format!("{path}?limit=1&starting_after={event}.2")).await;
+    assert_eq!(
+        (&second.body["data"][0]["id"], &second.body["has_more"]),
+        (&data[1]["id"], &json!(false))
+    );
+
+    app.get(&format!("{path}?starting_after={event}.9"))
+        .await
+        .assert_problem(400, "invalid_request");
+    app.get(&format!("{path}?starting_after={event}"))
+        .await
+        .assert_problem(400, "invalid_request");
+    app.get(&format!("{path}?outcome=lost"))
+        .await
+        .assert_problem(400, "invalid_request");
+    app.get(&format!("/webhook-endpoints/{}/attempts", Uuid::new_v4()))
+        .await
+        .assert_problem(404, "not_found");
+    let (_, intruder) = new_tenant(&app.pool, MissingKeyPolicy::Reject).await;
+    app.get_as(&intruder, &path).await.assert_problem(404, "not_found");
+}
+
+#[tokio::test]
+async fn a_key_is_found_by_its_tenant_with_its_status_and_resource_and_by_no_one_else() {
+    let app = spawn_app().await;
+    let odd = "order/42?#%+&=";
+    let paid = app.post("/payments", Some(odd), &json!({ "amount": 100 })).await;
+    assert_eq!(paid.status, 201);
+    let encoded: String = odd
+        .bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect();
+    let found = app.get(&format!("/idempotency-keys/{encoded}")).await;
+    assert_eq!(found.status, 200, "{}", found.body);
+    let id = paid.body["id"].as_str().unwrap();
+    assert_eq!(found.body["key"], odd);
+    assert_eq!(found.body["operation"], "create_payment");
+    assert_eq!(
+        (&found.body["status"], &found.body["code"]),
+        (&json!(201), &Value::Null)
+    );
+    assert_eq!(
+        found.body["resource"],
+        json!({ "type": "payment", "id": id, "path": format!("/payments/{id}") })
+    );
+    assert_eq!(
+        app.get(found.body["resource"]["path"].as_str().unwrap()).await.status,
+        200
+    );
+    for field in ["created_at", "expires_at"] {
+        assert!(found.body[field].is_string(), "{field}");
+    }
+
+    let declined = app
+        .post("/payments", Some("too-much"), &json!({ "amount": 99_999_999 }))
+        .await;
+    assert_eq!(declined.status, 402);
+    let found = app.get("/idempotency-keys/too-much").await;
+    assert_eq!(
+        (&found.body["status"], &found.body["code"], &found.body["resource"]),
+        (&json!(402), &json!("insufficient_funds"), &Value::Null)
+    );
+    app.post("/accounts", Some("open-u9"), &json!({ "id": "u9" })).await;
+    let found = app.get("/idempotency-keys/open-u9").await;
+    assert_eq!(
+        found.body["resource"],
+        json!({ "type": "account", "id": "u9", "path": "/accounts/u9" })
+    );
+
+    let client = crate::client::client_for(&app.address, &app, crate::client::fast_config());
+    let key = oncepay_client::IdempotencyKey::parse(odd).unwrap();
+    let info = client.idempotency_key(&key).await.unwrap();
+    assert_eq!((info.value.key.as_str(), info.value.status), (odd, 201));
+
+    // Another tenant's key is no key: the same 404 as one never used.
+    let (_, intruder) = new_tenant(&app.pool, MissingKeyPolicy::Reject).await;
+    let theirs = app.get_as(&intruder, "/idempotency-keys/too-much").await;
+    theirs.assert_problem(404, "not_found");
+    let never = app.get("/idempotency-keys/never-used").await;
+    never.assert_problem(404, "not_found");
+    assert_eq!(theirs.body, never.body);
+    app.get("/idempotency-keys/%00").await.assert_problem(404, "not_found");
+}
