@@ -35,5 +35,5 @@ pub mod state;
 pub mod telemetry;
 pub mod tenants;
 pub mod tls;
-pub mod topup;
+pub mod top_ups;
 pub mod webhooks;

@@ -175,7 +175,7 @@ async fn run(command: ServerCommand) -> anyhow::Result<()> {
                 completer_after: settings.completer_after,
                 processor: match &settings.processor {
                     None => None,
-                    Some(processor) => Some(oncepay::topup::processor::ProcessorClient::new(
+                    Some(processor) => Some(oncepay::top_ups::processor::ProcessorClient::new(
                         processor,
                         oncepay::metrics::Metrics::new().processor,
                     )?),

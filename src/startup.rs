@@ -23,8 +23,8 @@ use crate::db;
 use crate::idempotency::cache::ReplayCache;
 use crate::metrics::Metrics;
 use crate::state::{AppState, Readiness};
-use crate::topup::processor::ProcessorClient;
-use crate::topup::{completer, Clocks, TopUps};
+use crate::top_ups::processor::ProcessorClient;
+use crate::top_ups::{completer, Clocks, TopUps};
 use crate::webhooks::{Deliverer, SecretBox};
 use crate::{http1, purge, routes, telemetry};
 

@@ -34,7 +34,7 @@ pub struct AppState {
     /// New payments, several to a statement under load (`None`: `ONCEPAY_DB_BATCH_MAX=1`).
     pub payments: Option<Batcher<Pay>>,
     /// Card top-ups (`None`: no `ONCEPAY_PROCESSOR_URL`, top-ups answer 501).
-    pub top_ups: Option<crate::topup::TopUps>,
+    pub top_ups: Option<crate::top_ups::TopUps>,
     /// How the webhook secrets are stored (encrypted under `ONCEPAY_WEBHOOK_SECRET_KEY`, or
     /// as they are without it).
     pub webhook_secrets: Arc<SecretBox>,

@@ -17,7 +17,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     ("the database", &["db"]),
     (
         "effects",
-        &["ledger", "batch", "tenants", "purge", "topup", "audit", "webhooks"],
+        &["ledger", "batch", "tenants", "purge", "top_ups", "audit", "webhooks"],
     ),
     (
         "the edge",

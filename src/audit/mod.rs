@@ -39,7 +39,7 @@ use sqlx::PgConnection;
 use uuid::Uuid;
 
 use crate::db::{Db, DbError};
-use crate::topup::processor::{Intent, ProcessorClient};
+use crate::top_ups::processor::{Intent, ProcessorClient};
 
 pub use report::*;
 

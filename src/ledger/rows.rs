@@ -46,7 +46,7 @@ sql_domain!(
     SqlOpeningBalance(i64) = "oncepay_opening_balance"
 );
 sql_domain!(
-    /// `oncepay_account_id`: the account-id syntax of the contract.
+    /// `oncepay_account_id`: the account-id syntax of docs/api.md, Conventions.
     SqlAccountId(String) = "oncepay_account_id"
 );
 
@@ -152,7 +152,7 @@ pub struct TopUpRow {
     pub next_check_at: Option<DateTime<Utc>>,
     /// Looks at a waiting status so far.
     pub checks: i32,
-    /// The numbered series of each call's `Idempotency-Key` (`crate::topup::processor::KeyedCall`).
+    /// The numbered series of each call's `Idempotency-Key` (`crate::top_ups::processor::KeyedCall`).
     pub create_key_series: i32,
     pub confirm_key_series: i32,
     pub cancel_key_series: i32,

@@ -1,5 +1,5 @@
 //! The phases of a card top-up and of its refund (migrations/V8, V23): each a call of its own
-//! SQL function, one transaction, no processor call inside. `crate::topup` drives them and
+//! SQL function, one transaction, no processor call inside. `crate::top_ups` drives them and
 //! makes the processor calls between them. Every phase after the first takes the lease's
 //! owner and changes nothing for another: a driver whose lease was taken writes nothing.
 
@@ -138,7 +138,7 @@ pub struct Failure<'a> {
     /// The top-up's `failure_code`: the decline's code, or `authentication_required`,
     /// `capture_required`, `canceled`.
     pub failure: &'a str,
-    /// What the key row stores and answers (a code of the contract).
+    /// What the key row stores and answers (a problem code of docs/api.md).
     pub decline: Decline,
     /// The processor's own reason.
     pub decline_code: Option<&'a str>,

@@ -1,6 +1,7 @@
 //! The one pipeline of every idempotent operation (see `crate::idempotency` for the
 //! protocol): intake (authentication, body size and type, the key, the body), claim and
-//! effect (one SQL call), respond. An operation plugs in as an [`Endpoint`]: its body and
+//! effect (one SQL call), respond. [`intake`] and [`answer`] are also the card top-ups'
+//! (`super::top_ups`), whose effect is not one SQL call. An operation plugs in as an [`Endpoint`]: its body and
 //! answer types, how it builds its effect, how it renders the row it gets back. Everything
 //! else (method, path, statuses, declines) comes from its entry in `crate::operation`.
 
@@ -90,32 +91,75 @@ pub fn route<E: Endpoint>(cfg: &mut web::ServiceConfig) {
     }
 }
 
+/// What the intake of an idempotent operation gives: the tenant, the request shaped into
+/// what the operation runs (its effect), the client's or the derived key (`None`: a keyless
+/// request under policy `allow`), and the claim's arguments for the SQL function.
+pub struct Intake<S> {
+    pub tenant: Tenant,
+    pub input: S,
+    pub claim: Option<Claim>,
+    pub args: ClaimArgs,
+}
+
+/// The intake of every operation that takes an `Idempotency-Key`, in one order:
+/// authentication (401), the body within its size and time (413, 408, 415), the key (400)
+/// or the tenant's policy for a keyless request, the strict parse into `T` (400), then
+/// `shape`, which turns `T` into what the operation runs and gives the canonical path with
+/// its parameters filled in (its own refusals come here, before anything is claimed), and
+/// last the fingerprint of method, path and body, and the claim. Nothing is stored: the
+/// claim happens in the operation's SQL.
+pub async fn intake<T: DeserializeOwned, S>(
+    req: &HttpRequest,
+    payload: web::Payload,
+    state: &AppState,
+    spec: &'static Spec,
+    empty: EmptyBody,
+    shape: impl AsyncFnOnce(T) -> Result<(S, String), ApiError>,
+) -> Result<Intake<S>, ApiError> {
+    let tenant = state.tenant(req).await?;
+    let bytes = read_body(req, payload, state.settings.max_body_bytes).await?;
+    let key = IdempotencyKey::from_headers(req.headers()).map_err(ApiError::InvalidIdempotencyKey)?;
+    let key = idempotency::key_or_policy(key, tenant.policy)?;
+    let (body, input) = parse_body::<T>(&bytes, empty)?;
+    let (input, path) = shape(input).await?;
+
+    let fingerprint = idempotency::fingerprint(spec.method, &path, &body);
+    let claim = idempotency::claim_for(key, tenant.policy, fingerprint, state.windows());
+    if claim.is_none() {
+        tracing::warn!(tenant = %tenant.id, path, "keyless request processed without idempotency protection (policy allow)");
+    }
+    let args = ClaimArgs::new(spec, path, claim.as_ref(), state.settings.inflight_wait);
+    Ok(Intake {
+        tenant,
+        input,
+        claim,
+        args,
+    })
+}
+
 async fn handle<E: Endpoint>(
     req: HttpRequest,
     payload: web::Payload,
     state: web::Data<AppState>,
 ) -> Result<HttpResponse, ApiError> {
     let spec = spec::<E>();
-    let tenant = state.tenant(&req).await?;
-    let bytes = read_body(&req, payload, state.settings.max_body_bytes).await?;
-    let key = IdempotencyKey::from_headers(req.headers()).map_err(ApiError::InvalidIdempotencyKey)?;
-    let key = idempotency::key_or_policy(key, tenant.policy)?;
-    let (body, input) = parse_body::<E::In>(&bytes, E::EMPTY_BODY)?;
-    let (effect, id) = E::effect(&req, input)?;
-    E::verify(&req, &effect).await?;
-
-    let path = E::path(spec, id, &effect);
-    let fingerprint = idempotency::fingerprint(spec.method, &path, &body);
-    let claim = idempotency::claim_for(key, tenant.policy, fingerprint, state.windows());
-    if claim.is_none() {
-        tracing::warn!(tenant = %tenant.id, path, "keyless request processed without idempotency protection (policy allow)");
-    }
+    let Intake {
+        tenant,
+        input: effect,
+        claim,
+        args,
+    } = intake(&req, payload, &state, spec, E::EMPTY_BODY, async |input: E::In| {
+        let (effect, id) = E::effect(&req, input)?;
+        E::verify(&req, &effect).await?;
+        let path = E::path(spec, id, &effect);
+        Ok((effect, path))
+    })
+    .await?;
     if let Some(claim) = claim.as_ref().filter(|_| E::CACHES_REPLAYS) {
         if let Some(answer) = cached(&state, &tenant, claim) {
             return answer;
         }
     }
-    let args = ClaimArgs::new(spec, path, claim.as_ref(), state.settings.inflight_wait);
 
     let outcome = E::execute(&state, tenant.id, args, effect).await?;
     let expires_at = outcome.expires_at;
@@ -148,14 +192,7 @@ fn cached(state: &AppState, tenant: &Tenant, claim: &Claim) -> Option<Result<Htt
                 replayed: true,
             }),
             CachedAnswer::Success { status, body, location } => {
-                let mut response = HttpResponse::build(*status);
-                response.insert_header((REPLAYED_HEADER, "true"));
-                if let Some(location) = location {
-                    response.insert_header((header::LOCATION, location.as_str()));
-                }
-                let mut response = response.content_type(mime::APPLICATION_JSON).body(body.clone());
-                response.extensions_mut().insert(RequestOutcome("replayed"));
-                Ok(response)
+                Ok(answer(*status, body.clone(), location.as_deref(), Replay::Replayed))
             }
         },
     };
@@ -185,22 +222,65 @@ fn respond<E: Endpoint>(
     let out = E::render(row)?;
     let status = StatusCode::from_u16(spec.success_status).expect("the table holds valid statuses");
     let location = E::location(&out);
-    let body = Bytes::from(serde_json::to_vec(&out).map_err(|e| ApiError::Internal(e.into()))?);
+    let body = json_body(&out)?;
+    let response = answer(status, body.clone(), location.as_deref(), Replay::of(keyed, replayed));
+    Ok((Ok(response), Some(CachedAnswer::Success { status, body, location })))
+}
+
+/// Whether an answer repeats a stored result, as its `Idempotency-Replayed` header and the
+/// request log say it.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Replay {
+    /// A keyless request (policy `allow`): no header, logged as `keyless`.
+    Keyless,
+    /// The first answer of a key: `false`, `created`.
+    New,
+    /// A stored result answered again: `true`, `replayed`.
+    Replayed,
+}
+
+impl Replay {
+    pub fn of(keyed: bool, replayed: bool) -> Self {
+        match (keyed, replayed) {
+            (_, true) => Replay::Replayed,
+            (true, false) => Replay::New,
+            (false, false) => Replay::Keyless,
+        }
+    }
+}
+
+/// A success of an idempotent operation, whichever path answers it (first answer, replay
+/// from the database or from this process's cache, a top-up): its status, JSON body and
+/// `Location`, `Idempotency-Replayed` on a keyed request, and the label of the request log.
+pub fn answer(status: StatusCode, body: Bytes, location: Option<&str>, replay: Replay) -> HttpResponse {
     let mut response = HttpResponse::build(status);
-    if keyed {
-        response.insert_header((REPLAYED_HEADER, if replayed { "true" } else { "false" }));
+    match replay {
+        Replay::Keyless => {}
+        Replay::New => {
+            response.insert_header((REPLAYED_HEADER, "false"));
+        }
+        Replay::Replayed => {
+            response.insert_header((REPLAYED_HEADER, "true"));
+        }
     }
-    if let Some(location) = &location {
-        response.insert_header((header::LOCATION, location.as_str()));
+    if let Some(location) = location {
+        response.insert_header((header::LOCATION, location));
     }
-    let mut response = response.content_type(mime::APPLICATION_JSON).body(body.clone());
-    let label = match (replayed, keyed) {
-        (true, _) => "replayed",
-        (false, true) => "created",
-        (false, false) => "keyless",
+    let mut response = response.content_type(mime::APPLICATION_JSON).body(body);
+    let label = match replay {
+        Replay::Keyless => "keyless",
+        Replay::New => "created",
+        Replay::Replayed => "replayed",
     };
     response.extensions_mut().insert(RequestOutcome(label));
-    Ok((Ok(response), Some(CachedAnswer::Success { status, body, location })))
+    response
+}
+
+/// An answer's body: its fields in declaration order, as every answer.
+pub fn json_body<T: Serialize>(out: &T) -> Result<Bytes, ApiError> {
+    serde_json::to_vec(out)
+        .map(Bytes::from)
+        .map_err(|e| ApiError::Internal(e.into()))
 }
 
 impl From<Refusal> for ApiError {

@@ -1,35 +1,35 @@
 //! `POST /accounts/{id}/top-ups`, `GET /top-ups/{id}`, `POST /top-ups/{id}/refund`: card
-//! top-ups through the processor (contract section 4b; `crate::topup` drives the phases).
+//! top-ups through the processor (docs/top-ups.md; `crate::top_ups` drives the phases).
 //!
 //! These two operations do not go through the one-statement pipeline: a top-up spans
-//! several transactions with processor calls between them. Intake is the pipeline's (the
-//! same checks in the same order, the same fingerprint and claim); what differs is the answer
-//! to an unknown outcome (503 and the key stays with the operation) and the `decline_code` of
-//! a card decline. Their answers are not kept in the replay cache: a top-up is rare next to a
+//! several transactions with processor calls between them. Their intake and their answers'
+//! headers are the pipeline's (`pipeline::intake`, `pipeline::answer`); what differs is the
+//! answer to an unknown outcome (503 and the key stays with the operation) and the
+//! `decline_code` of a card decline. Their answers are not kept in the replay cache: a top-up is rare next to a
 //! payment, and its replay is one cheap statement.
 
-use actix_web::http::{header, StatusCode};
+use actix_web::http::StatusCode;
+use actix_web::web::Bytes;
 use actix_web::{web, HttpRequest, HttpResponse};
 use chrono::{DateTime, Utc};
 use oncepay_protocol::routes;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
-use super::intake::{parse_body, read_body, EmptyBody};
+use super::intake::EmptyBody;
 use super::lists::{self, Filter, ListOut};
+use super::pipeline::{self, intake, json_body, Intake, Replay};
 use super::schemas::{
     BadRequest, BodyTooLarge, Conflict, IdempotencyKeyHeader, KeyRefused, NotFound, Overloaded, PaymentRequired,
     ProcessorNotConfigured, Unauthorized, Unavailable, UnsupportedMediaType,
 };
 use crate::domain::{AccountId, Amount, TopUpId};
-use crate::error::{ApiError, REPLAYED_HEADER};
-use crate::idempotency::{self, IdempotencyKey};
+use crate::error::ApiError;
 use crate::ledger::top_ups::NewTopUp;
-use crate::ledger::{self, ClaimArgs, TopUpRow};
+use crate::ledger::{self, TopUpRow};
 use crate::operation::Operation;
 use crate::state::AppState;
-use crate::telemetry::RequestOutcome;
-use crate::topup::{Answer, TopUpError, TopUps};
+use crate::top_ups::{Answer, TopUpError, TopUps};
 
 pub fn configure(cfg: &mut web::ServiceConfig) {
     cfg.route(routes::CREATE_TOP_UP.path, web::post().to(create));
@@ -109,34 +109,6 @@ pub struct TopUpRefundOut {
 #[serde(deny_unknown_fields)]
 pub struct TopUpRefundIn {}
 
-/// The checks of the pipeline's intake, in its order: authentication, body, key, body
-/// again (parsed), then the claim. Gives the tenant, the parsed body and the claim's
-/// arguments for the canonical path `path`.
-async fn intake<T: serde::de::DeserializeOwned>(
-    req: &HttpRequest,
-    payload: web::Payload,
-    state: &AppState,
-    operation: Operation,
-    id: Option<&str>,
-    empty: EmptyBody,
-) -> Result<(crate::tenants::Tenant, T, ClaimArgs, bool), ApiError> {
-    let spec = operation.spec();
-    let tenant = state.tenant(req).await?;
-    let bytes = read_body(req, payload, state.settings.max_body_bytes).await?;
-    let key = IdempotencyKey::from_headers(req.headers()).map_err(ApiError::InvalidIdempotencyKey)?;
-    let key = idempotency::key_or_policy(key, tenant.policy)?;
-    let (body, input) = parse_body::<T>(&bytes, empty)?;
-    let path = id.map_or_else(|| spec.path.to_owned(), |id| spec.path_with(id));
-    let fingerprint = idempotency::fingerprint(spec.method, &path, &body);
-    let claim = idempotency::claim_for(key, tenant.policy, fingerprint, state.windows());
-    if claim.is_none() {
-        tracing::warn!(tenant = %tenant.id, path, "keyless request processed without idempotency protection (policy allow)");
-    }
-    let keyed = claim.is_some();
-    let args = ClaimArgs::new(spec, path, claim.as_ref(), state.settings.inflight_wait);
-    Ok((tenant, input, args, keyed))
-}
-
 fn processor(state: &AppState) -> Result<&TopUps, ApiError> {
     state.top_ups.as_ref().ok_or(ApiError::ProcessorNotConfigured)
 }
@@ -164,25 +136,34 @@ pub(super) async fn create(
     payload: web::Payload,
     state: web::Data<AppState>,
 ) -> Result<HttpResponse, ApiError> {
-    let account_raw = req.match_info().get("id").unwrap_or_default().to_owned();
-    let (tenant, input, claim, keyed) = intake::<TopUpIn>(
+    let spec = Operation::TopUp.spec();
+    let raw = req.match_info().get("id").unwrap_or_default().to_owned();
+    let Intake {
+        tenant,
+        input: (account, input),
+        claim,
+        args,
+    } = intake(
         &req,
         payload,
         &state,
-        Operation::TopUp,
-        Some(&account_raw),
+        spec,
         EmptyBody::Refused,
+        async |input: TopUpIn| {
+            let account = AccountId::parse(&raw).map_err(ApiError::InvalidRequest)?;
+            if input.payment_method.is_empty()
+                || input.payment_method.len() > MAX_PAYMENT_METHOD_LEN
+                || !input.payment_method.bytes().all(|b| b.is_ascii_graphic())
+            {
+                return Err(ApiError::InvalidRequest(
+                    "`payment_method`: 1 to 255 visible ASCII characters".to_owned(),
+                ));
+            }
+            Ok(((account, input), spec.path_with(&raw)))
+        },
     )
     .await?;
-    let account = AccountId::parse(&account_raw).map_err(ApiError::InvalidRequest)?;
-    if input.payment_method.is_empty()
-        || input.payment_method.len() > MAX_PAYMENT_METHOD_LEN
-        || !input.payment_method.bytes().all(|b| b.is_ascii_graphic())
-    {
-        return Err(ApiError::InvalidRequest(
-            "`payment_method`: 1 to 255 visible ASCII characters".to_owned(),
-        ));
-    }
+    let keyed = claim.is_some();
     let top_ups = processor(&state)?.clone();
     // Driven in a task of its own: a client that hangs up does not stop the top-up between
     // two phases (its lease would keep a retry waiting until it expires).
@@ -194,7 +175,7 @@ pub(super) async fn create(
             payment_method: &input.payment_method,
             processor: top_ups.processor(),
         };
-        top_ups.create(tenant.id, &claim, &new).await
+        top_ups.create(tenant.id, &args, &new).await
     })
     .await
     .map_err(|e| ApiError::Internal(e.into()))?
@@ -209,12 +190,12 @@ pub(super) async fn create(
             processor_payment_id: row.processor_payment_id.clone(),
             balance: row
                 .balance_after
-                .ok_or_else(|| super::pipeline::corrupt("a succeeded top-up without its balance"))?,
+                .ok_or_else(|| pipeline::corrupt("a succeeded top-up without its balance"))?,
             created_at: row.created_at,
         };
         Ok((
             StatusCode::CREATED,
-            body(&out)?,
+            json_body(&out)?,
             Some(routes::GET_TOP_UP.with_id(&out.id.to_string())),
         ))
     })
@@ -242,20 +223,29 @@ pub(super) async fn refund(
     payload: web::Payload,
     state: web::Data<AppState>,
 ) -> Result<HttpResponse, ApiError> {
+    let spec = Operation::RefundTopUp.spec();
     let raw = req.match_info().get("id").unwrap_or_default().to_owned();
-    let (tenant, _input, claim, keyed) = intake::<TopUpRefundIn>(
+    let Intake {
+        tenant,
+        input: id,
+        claim,
+        args,
+    } = intake(
         &req,
         payload,
         &state,
-        Operation::RefundTopUp,
-        Some(&raw),
+        spec,
         EmptyBody::MeansEmptyObject,
+        async |_: TopUpRefundIn| {
+            // An id that is no UUID names no top-up: 404 before anything is claimed.
+            let id = TopUpId::parse(&raw).ok_or(ApiError::NotFound)?;
+            Ok((id, spec.path_with(&raw)))
+        },
     )
     .await?;
-    // An id that is no UUID names no top-up: 404 before anything is claimed.
-    let id = TopUpId::parse(&raw).ok_or(ApiError::NotFound)?;
+    let keyed = claim.is_some();
     let top_ups = processor(&state)?.clone();
-    let answer = tokio::spawn(async move { top_ups.refund(tenant.id, &claim, id).await })
+    let answer = tokio::spawn(async move { top_ups.refund(tenant.id, &args, id).await })
         .await
         .map_err(|e| ApiError::Internal(e.into()))?
         .map_err(edge)?;
@@ -267,10 +257,10 @@ pub(super) async fn refund(
             refunded: row.amount.0,
             balance: row
                 .balance_after_refund
-                .ok_or_else(|| super::pipeline::corrupt("a refunded top-up without its balance"))?,
+                .ok_or_else(|| pipeline::corrupt("a refunded top-up without its balance"))?,
         };
         let status = if pending { StatusCode::ACCEPTED } else { StatusCode::OK };
-        Ok((status, body(&out)?, None))
+        Ok((status, json_body(&out)?, None))
     })
 }
 
@@ -330,7 +320,7 @@ impl utoipa::IntoParams for TopUpListParams {
     }
 }
 
-/// The tenant's top-ups, newest first (contract section 4d).
+/// The tenant's top-ups, newest first (docs/api.md, Lists).
 #[utoipa::path(
     get, path = "/top-ups", tag = "top-ups", operation_id = "list_top_ups", security(("api_key" = [])),
     params(TopUpListParams),
@@ -354,13 +344,8 @@ pub(super) async fn list(req: HttpRequest, state: web::Data<AppState>) -> Result
     ))
 }
 
-/// The answer's status, body (its fields in declaration order, as every answer) and
-/// `Location`.
-type Rendered = (StatusCode, Vec<u8>, Option<String>);
-
-fn body<T: Serialize>(out: &T) -> Result<Vec<u8>, ApiError> {
-    serde_json::to_vec(out).map_err(|e| ApiError::Internal(e.into()))
-}
+/// The answer's status, body and `Location`.
+type Rendered = (StatusCode, Bytes, Option<String>);
 
 fn respond(
     answer: Answer,
@@ -370,35 +355,18 @@ fn respond(
     match answer {
         Answer::Done { row, replayed } => {
             let (status, body, location) = render(&row)?;
-            let mut response = HttpResponse::build(status);
-            if keyed {
-                response.insert_header((REPLAYED_HEADER, if replayed { "true" } else { "false" }));
-            }
-            if let Some(location) = location {
-                response.insert_header((header::LOCATION, location));
-            }
-            let mut response = response.content_type(mime::APPLICATION_JSON).body(body);
-            let label = match (replayed, keyed) {
-                (true, _) => "replayed",
-                (false, true) => "created",
-                (false, false) => "keyless",
-            };
-            response.extensions_mut().insert(RequestOutcome(label));
-            Ok(response)
+            Ok(pipeline::answer(
+                status,
+                body,
+                location.as_deref(),
+                Replay::of(keyed, replayed),
+            ))
         }
         Answer::RefundPending { row } => {
+            // Not final: a retry with the key looks at the refund again. The debit was made:
+            // counted as made, not yet as refunded.
             let (status, body, _) = render(&row)?;
-            let mut response = HttpResponse::build(status);
-            if keyed {
-                // Not final: a retry with the key looks at the refund again.
-                response.insert_header((REPLAYED_HEADER, "false"));
-            }
-            let mut response = response.content_type(mime::APPLICATION_JSON).body(body);
-            // The debit was made: counted as made, not yet as refunded.
-            response
-                .extensions_mut()
-                .insert(RequestOutcome(if keyed { "created" } else { "keyless" }));
-            Ok(response)
+            Ok(pipeline::answer(status, body, None, Replay::of(keyed, false)))
         }
         Answer::Declined { decline, row, replayed } => Err(ApiError::ProcessorDeclined {
             decline,

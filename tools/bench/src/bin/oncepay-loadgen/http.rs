@@ -447,7 +447,7 @@ struct Intent {
 }
 
 /// One top-up's work at the processor, driven directly (`--processor-direct`): the two calls
-/// oncepay makes per top-up (src/topup/processor.rs), with the same form, headers and
+/// oncepay makes per top-up (src/top_ups/processor.rs), with the same form, headers and
 /// connection reuse (keep-alive): create the PaymentIntent unconfirmed, then confirm it. One
 /// operation is both calls; it is ok when both answer 200 and the intent `succeeded`.
 async fn processor_direct(shared: &Shared, conns: &mut Conns, i: usize, args: &Args, tally: &mut Tally) {
