@@ -1,4 +1,4 @@
-//! Prometheus metrics (contract section 6b), one registry per app so that each instance
+//! Prometheus metrics (docs/operations.md, Metrics), one registry per app so that each instance
 //! (and each test's app) counts only its own requests.
 //!
 //! The alerts in `ops/prometheus/rules.yml` and the dashboard `ops/grafana/oncepay.json`
@@ -7,6 +7,7 @@
 
 use std::time::Duration;
 
+use prometheus::core::Collector;
 use prometheus::{
     Encoder, Gauge, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
     Registry, TextEncoder,
@@ -42,10 +43,10 @@ pub struct Metrics {
     /// Payments per statement, and batches that failed as a whole and ran again item by
     /// item (`crate::batch`).
     pub batch: crate::batch::Counters,
-    /// Calls to the card processor by call and outcome, and their latency (`crate::topup`).
-    pub processor: crate::topup::processor::CallCounters,
+    /// Calls to the card processor by call and outcome, and their latency (`crate::top_ups`).
+    pub processor: crate::top_ups::processor::CallCounters,
     /// The completer's runs, the operations it drove, and the top-ups left unfinished.
-    pub completer: crate::topup::CompleterCounters,
+    pub completer: crate::top_ups::CompleterCounters,
     /// The webhook workers' counters and the backlog gauges (`crate::webhooks::delivery`).
     pub webhooks: crate::webhooks::Counters,
     /// The API listener's connections: open, the limit, idle ones closed under pressure
@@ -59,233 +60,218 @@ pub struct Metrics {
     retention: Gauge,
 }
 
+/// Makes a series and registers it in one step. A name or label set prometheus refuses, or
+/// a name registered twice, is a mistake in this file: the first test that builds an app
+/// finds it.
+struct Series<'r>(&'r Registry);
+
+impl Series<'_> {
+    fn add<C: Collector + Clone + 'static>(&self, made: prometheus::Result<C>) -> C {
+        made.and_then(|series| self.0.register(Box::new(series.clone())).map(|()| series))
+            .expect("a valid metric, registered once")
+    }
+
+    fn counter(&self, name: &str, help: &str) -> IntCounter {
+        self.add(IntCounter::new(name, help))
+    }
+
+    fn counters(&self, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+        self.add(IntCounterVec::new(Opts::new(name, help), labels))
+    }
+
+    fn gauge(&self, name: &str, help: &str) -> Gauge {
+        self.add(Gauge::new(name, help))
+    }
+
+    fn int_gauge(&self, name: &str, help: &str) -> IntGauge {
+        self.add(IntGauge::new(name, help))
+    }
+
+    fn int_gauges(&self, name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
+        self.add(IntGaugeVec::new(Opts::new(name, help), labels))
+    }
+
+    fn histogram(&self, name: &str, help: &str, buckets: &[f64]) -> Histogram {
+        self.add(Histogram::with_opts(
+            HistogramOpts::new(name, help).buckets(buckets.to_vec()),
+        ))
+    }
+
+    fn histograms(&self, name: &str, help: &str, buckets: &[f64], labels: &[&str]) -> HistogramVec {
+        self.add(HistogramVec::new(
+            HistogramOpts::new(name, help).buckets(buckets.to_vec()),
+            labels,
+        ))
+    }
+}
+
 impl Metrics {
     pub fn new() -> Self {
         let registry = Registry::new();
-        let requests = IntCounterVec::new(
-            Opts::new("oncepay_requests_total", "HTTP requests by route and outcome"),
+        let series = Series(&registry);
+        let requests = series.counters(
+            "oncepay_requests_total",
+            "HTTP requests by route and outcome",
             &["route", "outcome"],
-        )
-        .expect("valid metric");
-        let duration = HistogramVec::new(
-            HistogramOpts::new("oncepay_request_duration_seconds", "HTTP request latency by route").buckets(vec![
+        );
+        let duration = series.histograms(
+            "oncepay_request_duration_seconds",
+            "HTTP request latency by route",
+            &[
                 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0,
-            ]),
+            ],
             &["route"],
-        )
-        .expect("valid metric");
-        let replays_by_tenant = IntCounterVec::new(
-            Opts::new("oncepay_replays_total", "Replayed answers by tenant"),
+        );
+        let replays_by_tenant = series.counters("oncepay_replays_total", "Replayed answers by tenant", &["tenant"]);
+        let keyless_by_tenant = series.counters(
+            "oncepay_keyless_requests_total",
+            "Keyless requests processed unprotected (policy allow) by tenant",
             &["tenant"],
-        )
-        .expect("valid metric");
-        let keyless_by_tenant = IntCounterVec::new(
-            Opts::new(
-                "oncepay_keyless_requests_total",
-                "Keyless requests processed unprotected (policy allow) by tenant",
-            ),
+        );
+        let key_reused_by_tenant = series.counters(
+            "oncepay_key_reused_total",
+            "Requests refused with 422 idempotency_key_reused, by tenant",
             &["tenant"],
-        )
-        .expect("valid metric");
-        let key_reused_by_tenant = IntCounterVec::new(
-            Opts::new(
-                "oncepay_key_reused_total",
-                "Requests refused with 422 idempotency_key_reused, by tenant",
-            ),
-            &["tenant"],
-        )
-        .expect("valid metric");
-        let errors = IntCounterVec::new(
-            Opts::new("oncepay_errors_total", "Error answers by problem code"),
-            &["code"],
-        )
-        .expect("valid metric");
-        let purged_keys = IntCounter::new("oncepay_purged_keys_total", "Idempotency-key rows deleted by purges")
-            .expect("valid metric");
-        let purge_runs =
-            IntCounter::new("oncepay_purge_runs_total", "Purge runs completed by this process").expect("valid metric");
-        let pool_connections = IntGaugeVec::new(
-            Opts::new("oncepay_db_pool_connections", "Database pool connections by state"),
+        );
+        let errors = series.counters("oncepay_errors_total", "Error answers by problem code", &["code"]);
+        let purged_keys = series.counter("oncepay_purged_keys_total", "Idempotency-key rows deleted by purges");
+        let purge_runs = series.counter("oncepay_purge_runs_total", "Purge runs completed by this process");
+        let pool_connections = series.int_gauges(
+            "oncepay_db_pool_connections",
+            "Database pool connections by state",
             &["state"],
-        )
-        .expect("valid metric");
-        let pool_waiting = IntGauge::new("oncepay_db_pool_waiting", "Requests waiting for a database connection")
-            .expect("valid metric");
-        let replay_cache_hits = IntCounter::new(
+        );
+        let pool_waiting = series.int_gauge("oncepay_db_pool_waiting", "Requests waiting for a database connection");
+        let replay_cache_hits = series.counter(
             "oncepay_replay_cache_hits_total",
             "Keyed requests answered from this process's replay cache (replays and reused keys)",
-        )
-        .expect("valid metric");
-        let replay_cache_misses = IntCounter::new(
+        );
+        let replay_cache_misses = series.counter(
             "oncepay_replay_cache_misses_total",
             "Keyed requests the replay cache did not know (asked the database)",
-        )
-        .expect("valid metric");
-        let replay_cache_entries = IntGauge::new(
+        );
+        let replay_cache_entries = series.int_gauge(
             "oncepay_replay_cache_entries",
             "Finished results held in this process's replay cache",
-        )
-        .expect("valid metric");
+        );
         let batch = crate::batch::Counters {
-            size: Histogram::with_opts(
-                HistogramOpts::new(
-                    "oncepay_db_batch_size",
-                    "Payments per committed database statement (ONCEPAY_DB_BATCH_MAX)",
-                )
-                .buckets(vec![1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0]),
-            )
-            .expect("valid metric"),
-            split: IntCounter::new(
+            size: series.histogram(
+                "oncepay_db_batch_size",
+                "Payments per committed database statement (ONCEPAY_DB_BATCH_MAX)",
+                &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0],
+            ),
+            split: series.counter(
                 "oncepay_db_batches_split_total",
                 "Batches of payments that failed as a whole, whose payments then ran one by one",
-            )
-            .expect("valid metric"),
-            failed: IntCounterVec::new(
-                Opts::new(
-                    "oncepay_db_batches_failed_total",
-                    "Batches of payments that failed as a whole, by what their payments were answered: \
-                     split (rolled back for one item; each ran again alone), unknown (the outcome is \
-                     unknown; 503, nothing ran again), refused (PostgreSQL refused it for its own state: a timeout, an \
-                     overload, a node that cannot write; 503 at once)",
-                ),
+            ),
+            failed: series.counters(
+                "oncepay_db_batches_failed_total",
+                "Batches of payments that failed as a whole, by what their payments were answered: \
+                 split (rolled back for one item; each ran again alone), unknown (the outcome is \
+                 unknown; 503, nothing ran again), refused (PostgreSQL refused it for its own state: a timeout, an \
+                 overload, a node that cannot write; 503 at once)",
                 &["outcome"],
-            )
-            .expect("valid metric"),
-            held_back: IntCounter::new(
+            ),
+            held_back: series.counter(
                 "oncepay_db_batch_held_back_total",
                 "Payments held back from a batch because their account or key was in a statement still out",
-            )
-            .expect("valid metric"),
-            held_for_share: IntCounter::new(
+            ),
+            held_for_share: series.counter(
                 "oncepay_db_batch_held_for_share_total",
                 "Payments held back from a batch because their tenant had its share (ONCEPAY_DB_TENANT_SHARE) \
                  in statements while other tenants were paying",
-            )
-            .expect("valid metric"),
-            limit: IntGauge::new(
+            ),
+            limit: series.int_gauge(
                 "oncepay_db_batches_in_flight_limit",
                 "Batch statements this process may have in flight now: chosen from their latency \
                  (src/batch/limit.rs), or ONCEPAY_DB_BATCHES_IN_FLIGHT when set",
-            )
-            .expect("valid metric"),
-            limit_changes: IntCounterVec::new(
-                Opts::new(
-                    "oncepay_db_batches_in_flight_limit_changes_total",
-                    "Changes of the limit on batch statements in flight, by direction: up (statements \
-                     came back near their least latency while payments waited), down (latency grew)",
-                ),
+            ),
+            limit_changes: series.counters(
+                "oncepay_db_batches_in_flight_limit_changes_total",
+                "Changes of the limit on batch statements in flight, by direction: up (statements \
+                 came back near their least latency while payments waited), down (latency grew)",
                 &["direction"],
-            )
-            .expect("valid metric"),
-            least_latency: Gauge::new(
+            ),
+            least_latency: series.gauge(
                 "oncepay_db_batch_least_latency_seconds",
                 "The least latency seen for a batch statement of one payment: the baseline the limit \
                  on statements in flight is judged against",
-            )
-            .expect("valid metric"),
+            ),
         };
         for direction in ["up", "down"] {
             batch.limit_changes.with_label_values(&[direction]);
         }
-        let processor = crate::topup::processor::CallCounters {
-            calls: IntCounterVec::new(
-                Opts::new(
-                    "oncepay_processor_calls_total",
-                    "Calls to the card processor by call and outcome: ok, declined (402), refused (another 4xx), \
-                     replayed (a 5xx the processor answered again under the call's key), \
-                     unknown (timeout, connection failure, 5xx: the call may or may not have taken effect)",
-                ),
+        let processor = crate::top_ups::processor::CallCounters {
+            calls: series.counters(
+                "oncepay_processor_calls_total",
+                "Calls to the card processor by call and outcome: ok, declined (402), refused (another 4xx), \
+                 replayed (a 5xx the processor answered again under the call's key), \
+                 unknown (timeout, connection failure, 5xx: the call may or may not have taken effect)",
                 &["call", "outcome"],
-            )
-            .expect("valid metric"),
-            duration: HistogramVec::new(
-                HistogramOpts::new(
-                    "oncepay_processor_call_duration_seconds",
-                    "Card processor call latency by call",
-                )
-                .buckets(vec![0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0]),
+            ),
+            duration: series.histograms(
+                "oncepay_processor_call_duration_seconds",
+                "Card processor call latency by call",
+                &[0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0],
                 &["call"],
-            )
-            .expect("valid metric"),
+            ),
         };
-        let completer = crate::topup::CompleterCounters {
-            runs: IntCounterVec::new(
-                Opts::new(
-                    "oncepay_completer_runs_total",
-                    "Completer rounds of this process by outcome (ok, error)",
-                ),
+        let completer = crate::top_ups::CompleterCounters {
+            runs: series.counters(
+                "oncepay_completer_runs_total",
+                "Completer rounds of this process by outcome (ok, error)",
                 &["outcome"],
-            )
-            .expect("valid metric"),
-            operations: IntCounterVec::new(
-                Opts::new(
-                    "oncepay_completer_operations_total",
-                    "Top-ups and refunds the completer drove, by result: finished, waiting (at the processor, \
-                     looked at again later), unknown (left for a later round)",
-                ),
+            ),
+            operations: series.counters(
+                "oncepay_completer_operations_total",
+                "Top-ups and refunds the completer drove, by result: finished, waiting (at the processor, \
+                 looked at again later), unknown (left for a later round)",
                 &["result"],
-            )
-            .expect("valid metric"),
-            unfinished: IntGauge::new(
+            ),
+            unfinished: series.int_gauge(
                 "oncepay_top_ups_unfinished",
                 "Top-ups and refunds waiting for the processor (all tenants), as of the last completer round",
-            )
-            .expect("valid metric"),
-            oldest_unfinished: IntGauge::new(
+            ),
+            oldest_unfinished: series.int_gauge(
                 "oncepay_top_up_oldest_unfinished_seconds",
                 "How long the oldest unfinished top-up (since its creation) or refund (since its debit) has \
                  waited, all tenants, as of the last completer round; 0 when none",
-            )
-            .expect("valid metric"),
+            ),
         };
         let webhooks = crate::webhooks::Counters {
-            deliveries: IntCounterVec::new(
-                Opts::new(
-                    "oncepay_webhook_deliveries_total",
-                    "Webhook attempts by outcome: delivered (2xx), retry (failed, attempted again later), \
-                     given_up (failed the whole retry schedule: that message alone), gone (410: endpoint \
-                     disabled), deferred (this replica could not attempt it, e.g. a secret it cannot \
-                     decrypt: not counted against the receiver), unrecorded (the result could not be \
-                     written; sent again after its lease)",
-                ),
+            deliveries: series.counters(
+                "oncepay_webhook_deliveries_total",
+                "Webhook attempts by outcome: delivered (2xx), retry (failed, attempted again later), \
+                 given_up (failed the whole retry schedule: that message alone), gone (410: endpoint \
+                 disabled), deferred (this replica could not attempt it, e.g. a secret it cannot \
+                 decrypt: not counted against the receiver), unrecorded (the result could not be \
+                 written; sent again after its lease)",
                 &["outcome"],
-            )
-            .expect("valid metric"),
-            endpoints_disabled: IntCounterVec::new(
-                Opts::new(
-                    "oncepay_webhook_endpoints_disabled_total",
-                    "Webhook endpoints this process disabled, by reason: gone (410), failing (no attempt \
-                     succeeded for ONCEPAY_WEBHOOK_DISABLE_AFTER_SECS while attempts kept failing)",
-                ),
+            ),
+            endpoints_disabled: series.counters(
+                "oncepay_webhook_endpoints_disabled_total",
+                "Webhook endpoints this process disabled, by reason: gone (410), failing (no attempt \
+                 succeeded for ONCEPAY_WEBHOOK_DISABLE_AFTER_SECS while attempts kept failing)",
                 &["reason"],
-            )
-            .expect("valid metric"),
-            attempt_duration: Histogram::with_opts(
-                HistogramOpts::new(
-                    "oncepay_webhook_attempt_duration_seconds",
-                    "Duration of one webhook attempt",
-                )
-                .buckets(vec![0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 30.0]),
-            )
-            .expect("valid metric"),
-            pending: IntGaugeVec::new(
-                Opts::new(
-                    "oncepay_webhook_pending_deliveries",
-                    "Webhook deliveries not yet delivered (every replica's, read from the database), by their age",
-                ),
+            ),
+            attempt_duration: series.histogram(
+                "oncepay_webhook_attempt_duration_seconds",
+                "Duration of one webhook attempt",
+                &[0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 30.0],
+            ),
+            pending: series.int_gauges(
+                "oncepay_webhook_pending_deliveries",
+                "Webhook deliveries not yet delivered (every replica's, read from the database), by their age",
                 &["age"],
-            )
-            .expect("valid metric"),
-            oldest_pending: Gauge::new(
+            ),
+            oldest_pending: series.gauge(
                 "oncepay_webhook_oldest_pending_seconds",
                 "Age of the oldest webhook delivery not yet delivered or given up (0 when there is none)",
-            )
-            .expect("valid metric"),
-            disabled_now: IntGauge::new(
+            ),
+            disabled_now: series.int_gauge(
                 "oncepay_webhook_endpoints_disabled",
                 "Webhook endpoints disabled now (410 Gone, or failing for ONCEPAY_WEBHOOK_DISABLE_AFTER_SECS), not deleted",
-            )
-            .expect("valid metric"),
+            ),
         };
         // Every label value exported from the start (at 0), so that alerts and dashboards see
         // the series before the first event.
@@ -299,94 +285,41 @@ impl Metrics {
             webhooks.pending.with_label_values(&[age]);
         }
         let connections = crate::http1::ConnectionCounters {
-            open: IntGauge::new(
+            open: series.int_gauge(
                 "oncepay_connections_open",
                 "Connections open on the API listener of this process",
-            )
-            .expect("valid metric"),
-            max: IntGauge::new(
+            ),
+            max: series.int_gauge(
                 "oncepay_connections_max",
                 "Open connections this process serves at most (ONCEPAY_MAX_CONNECTIONS); past 80 % of it \
                  idle keep-alive connections are closed first",
-            )
-            .expect("valid metric"),
-            idle_closed: IntCounter::new(
+            ),
+            idle_closed: series.counter(
                 "oncepay_connections_idle_closed_total",
                 "Idle keep-alive connections closed because open connections passed 80 % of \
                  ONCEPAY_MAX_CONNECTIONS",
-            )
-            .expect("valid metric"),
-            refused: IntCounterVec::new(
-                Opts::new(
-                    "oncepay_connections_refused_total",
-                    "Connections refused at accept, by reason: per_peer (the peer address had \
-                     ONCEPAY_MAX_CONNECTIONS_PER_PEER open already)",
-                ),
+            ),
+            refused: series.counters(
+                "oncepay_connections_refused_total",
+                "Connections refused at accept, by reason: per_peer (the peer address had \
+                 ONCEPAY_MAX_CONNECTIONS_PER_PEER open already)",
                 &["reason"],
-            )
-            .expect("valid metric"),
+            ),
         };
         connections.refused.with_label_values(&["per_peer"]);
-        let ready = IntGauge::new(
+        let ready = series.int_gauge(
             "oncepay_ready",
             "1 when the database answered the scrape's probe (as /readyz), else 0 (also while serve \
              has not reached it since it started)",
-        )
-        .expect("valid metric");
-        let oldest_key_age = Gauge::new(
+        );
+        let oldest_key_age = series.gauge(
             "oncepay_idempotency_key_oldest_age_seconds",
             "Age of the oldest idempotency-key row (0 when there is none)",
-        )
-        .expect("valid metric");
-        let retention = Gauge::new(
+        );
+        let retention = series.gauge(
             "oncepay_idempotency_key_retention_seconds",
             "How long a key row is kept before purge (ONCEPAY_RETENTION_SECS)",
-        )
-        .expect("valid metric");
-        for collector in [
-            Box::new(requests.clone()) as Box<dyn prometheus::core::Collector>,
-            Box::new(duration.clone()),
-            Box::new(replays_by_tenant.clone()),
-            Box::new(keyless_by_tenant.clone()),
-            Box::new(key_reused_by_tenant.clone()),
-            Box::new(errors.clone()),
-            Box::new(purged_keys.clone()),
-            Box::new(purge_runs.clone()),
-            Box::new(pool_connections.clone()),
-            Box::new(pool_waiting.clone()),
-            Box::new(replay_cache_hits.clone()),
-            Box::new(replay_cache_misses.clone()),
-            Box::new(replay_cache_entries.clone()),
-            Box::new(batch.size.clone()),
-            Box::new(batch.split.clone()),
-            Box::new(batch.failed.clone()),
-            Box::new(batch.held_back.clone()),
-            Box::new(batch.held_for_share.clone()),
-            Box::new(batch.limit.clone()),
-            Box::new(batch.limit_changes.clone()),
-            Box::new(batch.least_latency.clone()),
-            Box::new(processor.calls.clone()),
-            Box::new(processor.duration.clone()),
-            Box::new(completer.runs.clone()),
-            Box::new(completer.operations.clone()),
-            Box::new(completer.unfinished.clone()),
-            Box::new(completer.oldest_unfinished.clone()),
-            Box::new(webhooks.deliveries.clone()),
-            Box::new(webhooks.endpoints_disabled.clone()),
-            Box::new(webhooks.attempt_duration.clone()),
-            Box::new(webhooks.pending.clone()),
-            Box::new(webhooks.oldest_pending.clone()),
-            Box::new(webhooks.disabled_now.clone()),
-            Box::new(connections.open.clone()),
-            Box::new(connections.max.clone()),
-            Box::new(connections.idle_closed.clone()),
-            Box::new(connections.refused.clone()),
-            Box::new(ready.clone()),
-            Box::new(oldest_key_age.clone()),
-            Box::new(retention.clone()),
-        ] {
-            registry.register(collector).expect("metric registered once");
-        }
+        );
         Self {
             registry,
             requests,
