@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use reqwest::Method;
 
 use crate::commands::oncepay;
-use crate::helpers::{database_url, Answer, TestApp};
+use crate::support::helpers::{database_url, Answer, TestApp};
 
 async fn keys(app: &TestApp) -> Answer {
     app.admin(Method::GET, &format!("/admin/tenants/{}/api-keys", app.tenant_id), None)

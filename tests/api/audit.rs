@@ -7,7 +7,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 use uuid::Uuid;
 
-use crate::helpers::{database_url, new_key, spawn_app_with, TestApp, MAIN_BALANCE};
+use crate::support::helpers::{database_url, new_key, spawn_app_with, TestApp, MAIN_BALANCE};
 
 /// Runs the real binary on this test's tenant; returns its exit code and its JSON report.
 async fn audit(app: &TestApp, extra_env: &[(&str, &str)]) -> (i32, Value) {

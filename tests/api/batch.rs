@@ -17,7 +17,7 @@ use oncepay::config::{Pooler, Settings};
 use oncepay::domain::MissingKeyPolicy;
 
 use crate::concurrency::{lock_account_at, lock_accounts_at};
-use crate::helpers::{
+use crate::support::helpers::{
     admin_pool, direct_url, metric_value, new_key, new_tenant, spawn_app_with, waiting_behind, Answer, TestApp,
     MAIN_BALANCE,
 };
@@ -519,7 +519,7 @@ async fn beside_another_paying_tenant_a_tenant_has_at_most_its_share_in_statemen
 /// stalls every payment on it.
 #[tokio::test]
 async fn a_database_that_stalls_lowers_the_limit_on_statements_in_flight_and_no_payment_fails() {
-    let (app, url) = crate::helpers::spawn_app_on_own_database_with("adaptive_limit", |s| {
+    let (app, url) = crate::support::helpers::spawn_app_on_own_database_with("adaptive_limit", |s| {
         s.db_batches_in_flight = None;
         s.db_pool_size = 10;
     })
@@ -586,5 +586,5 @@ async fn a_database_that_stalls_lowers_the_limit_on_statements_in_flight_and_no_
         "not every payment succeeded: {:?}",
         statuses.iter().filter(|s| **s != 201).collect::<Vec<_>>()
     );
-    crate::helpers::drop_database(&url).await;
+    crate::support::helpers::drop_database(&url).await;
 }

@@ -21,10 +21,10 @@ use serde_json::json;
 use sqlx::{Connection, PgConnection, PgPool};
 
 use crate::batch::{hold_slot, hold_slot_at, pay_on};
-use crate::helpers::{
+use crate::support::helpers::{
     drop_database, empty_database, metric_value, new_key, new_tenant, server_url, Answer, TestApp, MAIN_BALANCE,
 };
-use crate::tcp_relay::TcpRelay;
+use crate::support::tcp_relay::TcpRelay;
 
 /// Magic amounts of the wrapped `oncepay_pay` and `oncepay_pay_in_batch`.
 const UNDECODABLE: i64 = 13;

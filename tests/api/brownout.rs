@@ -8,8 +8,8 @@ use futures_util::future::join_all;
 use oncepay_client::{Backoff, BudgetConfig, ClientConfig, IdempotencyKey};
 
 use crate::client::client_for;
-use crate::fault_proxy::{Action, FaultProxy};
-use crate::helpers::{spawn_app, MAIN_BALANCE};
+use crate::support::fault_proxy::{Action, FaultProxy};
+use crate::support::helpers::{spawn_app, MAIN_BALANCE};
 
 const CALLERS: usize = 20;
 const BROWNOUT: Duration = Duration::from_secs(5);

@@ -7,8 +7,8 @@ use std::time::Duration;
 use serde_json::Value;
 use tokio::process::Command;
 
-use crate::fault_proxy::{lose_the_first_answer, Action, FaultProxy};
-use crate::helpers::{new_key, spawn_app, TestApp, MAIN_BALANCE};
+use crate::support::fault_proxy::{lose_the_first_answer, Action, FaultProxy};
+use crate::support::helpers::{new_key, spawn_app, TestApp, MAIN_BALANCE};
 
 pub struct Run {
     pub status: i32,

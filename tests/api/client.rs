@@ -16,8 +16,8 @@ use rand::{Rng, SeedableRng};
 use uuid::Uuid;
 
 use crate::concurrency::{blocked_payment_backend, lock_main_account};
-use crate::fault_proxy::{Action, FaultProxy};
-use crate::helpers::{spawn_app, spawn_app_with, tenant_endpoints, TestApp, MAIN_BALANCE};
+use crate::support::fault_proxy::{Action, FaultProxy};
+use crate::support::helpers::{spawn_app, spawn_app_with, tenant_endpoints, TestApp, MAIN_BALANCE};
 
 /// Short waits so that the tests stay fast; the budget large enough not to bind here.
 pub fn fast_config() -> ClientConfig {

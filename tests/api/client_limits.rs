@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 use oncepay_client::{BudgetConfig, Client, ClientConfig, ClientError, IdempotencyKey};
 
 use crate::client::{client_for, fast_config};
-use crate::fault_proxy::{Action, FaultProxy};
-use crate::helpers::spawn_app;
+use crate::support::fault_proxy::{Action, FaultProxy};
+use crate::support::helpers::spawn_app;
 
 fn unavailable(retry_after_secs: Option<u64>) -> Action {
     Action::Problem {

@@ -6,8 +6,8 @@ use oncepay_client::{ClientError, IdempotencyKey};
 
 use crate::cli::{oncepay, run_twice, server_args};
 use crate::client::{client_for, fast_config};
-use crate::fault_proxy::{lose_the_first_answer, Action, FaultProxy};
-use crate::helpers::{new_key, spawn_app, MAIN_BALANCE};
+use crate::support::fault_proxy::{lose_the_first_answer, Action, FaultProxy};
+use crate::support::helpers::{new_key, spawn_app, MAIN_BALANCE};
 
 #[tokio::test]
 async fn a_transfer_whose_answer_is_lost_moves_the_money_once_and_the_retry_replays_it() {

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use tokio::process::Command;
 
-use crate::helpers::{drop_database, empty_database};
+use crate::support::helpers::{drop_database, empty_database};
 
 pub struct Run {
     pub status: i32,
@@ -139,11 +139,11 @@ fn free_port() -> u16 {
 
 #[tokio::test]
 async fn serve_logs_one_json_line_per_request_without_keys_or_bodies() {
-    let app = crate::helpers::spawn_app().await;
+    let app = crate::support::helpers::spawn_app().await;
     let port = free_port();
     let mut server = Command::new(env!("CARGO_BIN_EXE_oncepay"))
         .arg("serve")
-        .env("DATABASE_URL", crate::helpers::database_url())
+        .env("DATABASE_URL", crate::support::helpers::database_url())
         .env("ONCEPAY_BIND", format!("127.0.0.1:{port}"))
         .env("ONCEPAY_METRICS_BIND", "127.0.0.1:0")
         .env("ONCEPAY_LOG_FORMAT", "json")

@@ -7,7 +7,7 @@ use futures_util::future::join_all;
 use serde_json::json;
 use sqlx::Connection;
 
-use crate::helpers::{direct_url, new_key, spawn_app, spawn_app_with, spawn_instances, TestApp, MAIN_BALANCE};
+use crate::support::helpers::{direct_url, new_key, spawn_app, spawn_app_with, spawn_instances, TestApp, MAIN_BALANCE};
 
 #[tokio::test]
 async fn fifty_concurrent_requests_with_one_key_over_three_instances_charge_once() {
@@ -140,7 +140,7 @@ async fn a_duplicate_of_an_in_flight_request_waits_then_answers_409_with_retry_a
     duplicate.assert_problem(409, "request_in_progress");
     assert_eq!(duplicate.header("retry-after"), Some("1"));
     sqlx::query("ROLLBACK").execute(&mut lock).await.unwrap();
-    let original = crate::helpers::Answer::from(original.await.unwrap()).await;
+    let original = crate::support::helpers::Answer::from(original.await.unwrap()).await;
     assert_eq!(original.status, 201, "{}", original.body);
     let retry = app.pay(Some(&key), 100).await;
     assert!(retry.replayed());
@@ -190,8 +190,8 @@ async fn a_duplicate_that_outwaits_the_original_gets_its_result_not_a_second_cha
 
     sqlx::query("ROLLBACK").execute(&mut lock).await.unwrap();
 
-    let original = crate::helpers::Answer::from(original.await.unwrap()).await;
-    let duplicate = crate::helpers::Answer::from(duplicate.await.unwrap()).await;
+    let original = crate::support::helpers::Answer::from(original.await.unwrap()).await;
+    let duplicate = crate::support::helpers::Answer::from(duplicate.await.unwrap()).await;
     assert_eq!(original.status, 201);
     assert_eq!(duplicate.status, 201, "the duplicate waited on the index and replayed");
     assert!(duplicate.replayed());
@@ -230,7 +230,7 @@ async fn a_transaction_broken_mid_flight_answers_503_commits_nothing_and_the_ret
         .await
         .unwrap();
     assert!(terminated);
-    let broken = crate::helpers::Answer::from(victim.await.unwrap()).await;
+    let broken = crate::support::helpers::Answer::from(victim.await.unwrap()).await;
     sqlx::query("ROLLBACK").execute(&mut lock).await.unwrap();
 
     broken.assert_problem(503, "temporarily_unavailable");

@@ -11,7 +11,7 @@ use tokio::net::TcpStream;
 use tokio::task::JoinSet;
 use tokio::time::timeout;
 
-use crate::helpers::{metric_value, new_key, TestApp};
+use crate::support::helpers::{metric_value, new_key, TestApp};
 
 const HEALTH: &[u8] = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n";
 const CONTINUE: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\n";

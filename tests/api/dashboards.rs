@@ -10,8 +10,8 @@ use serde_json::json;
 use sqlx::{Connection, PgConnection};
 
 use crate::concurrency::lock_accounts_at;
-use crate::helpers::{database_url, direct_url, new_key, spawn_app_with, Answer, TestApp};
-use crate::promql::{dashboard_queries, recorded_names, rule_exprs, selectors, SCRAPE_SERIES};
+use crate::support::helpers::{database_url, direct_url, new_key, spawn_app_with, Answer, TestApp};
+use crate::support::promql::{dashboard_queries, recorded_names, rule_exprs, selectors, SCRAPE_SERIES};
 
 const RULES: &str = include_str!("../../ops/prometheus/rules.yml");
 const DASHBOARD: &str = include_str!("../../ops/grafana/oncepay.json");
@@ -104,7 +104,7 @@ async fn the_oldest_key_age_the_retention_and_readiness_are_exported() {
 
 #[tokio::test]
 async fn readiness_is_0_when_the_database_does_not_answer() {
-    let mut settings = crate::helpers::test_settings();
+    let mut settings = crate::support::helpers::test_settings();
     // Nothing listens on port 1.
     settings.database_url = "postgres://oncepay@127.0.0.1:1/oncepay".to_owned();
     settings.db_acquire_timeout = Duration::from_millis(300);

@@ -4,7 +4,7 @@
 use reqwest::Method;
 use serde_json::{json, Value};
 
-use crate::helpers::{new_key, spawn_app, spawn_app_with, Answer, TestApp, MAIN_BALANCE};
+use crate::support::helpers::{new_key, spawn_app, spawn_app_with, Answer, TestApp, MAIN_BALANCE};
 
 async fn raw(app: &TestApp, key: Option<&str>, content_type: Option<&str>, body: Vec<u8>) -> Answer {
     let mut request = app

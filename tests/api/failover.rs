@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 use sqlx::{Connection, Executor, PgConnection};
 
-use crate::helpers::{
+use crate::support::helpers::{
     client, database_url, drop_database, metric_value, new_key, spawn_app_on_own_database_with, Answer,
 };
 

@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use crate::helpers::{new_key, spawn_app, Answer, TestApp};
 use crate::security::raw_http;
+use crate::support::helpers::{new_key, spawn_app, Answer, TestApp};
 
 /// A raw answer: the status, the head's lines and the problem in the body, checked to be
 /// problem+json whose `Content-Length` frames it exactly.

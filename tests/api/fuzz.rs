@@ -8,7 +8,7 @@ use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
 use reqwest::header::HeaderValue;
 use serde_json::{json, Value};
 
-use crate::helpers::{spawn_app, tenant_post_paths, Answer, TestApp};
+use crate::support::helpers::{spawn_app, tenant_post_paths, Answer, TestApp};
 
 const CASES: usize = 300;
 

@@ -6,7 +6,9 @@ use oncepay_protocol::ProblemCode;
 use reqwest::Method;
 use serde_json::json;
 
-use crate::helpers::{documented_endpoints, fill, new_key, spawn_app, tenant_post_paths, Answer, TestApp, ADMIN_TOKEN};
+use crate::support::helpers::{
+    documented_endpoints, fill, new_key, spawn_app, tenant_post_paths, Answer, TestApp, ADMIN_TOKEN,
+};
 
 /// What must never reach a client: SQL, driver and PostgreSQL messages, Rust panics and
 /// backtraces.

@@ -7,8 +7,8 @@ use reqwest::Method;
 use serde_json::{json, Value};
 
 use crate::hardening::send;
-use crate::helpers::{new_key, spawn_app, spawn_app_with, Answer, ADMIN_TOKEN};
 use crate::security::raw_http;
+use crate::support::helpers::{new_key, spawn_app, spawn_app_with, Answer, ADMIN_TOKEN};
 
 /// actix-http bounds the head of a request (128 KiB, 96 headers) and answers 431 before any
 /// route runs (a problem: `src/http1.rs`); the server keeps serving others.

@@ -3,7 +3,7 @@
 //! query (as the server runs it, with a custom plan and with the generic plan a long-lived
 //! connection comes to) reads no row by a sequential scan and fetches about the page's rows
 //! through the index, on the first page and deep in the list. In the spirit of the planner
-//! tests of tests/api/webhooks.rs, counted by PostgreSQL's own per-transaction statistics.
+//! tests of tests/api/webhooks/planner.rs, counted by PostgreSQL's own per-transaction statistics.
 
 use sqlx::{Connection, PgConnection};
 use uuid::Uuid;
@@ -13,7 +13,7 @@ use oncepay::domain::{AccountId, AttemptId, EndpointId, EventId, PaymentId, Tena
 use oncepay::ledger::lists::{self, PaymentStatus};
 use oncepay::webhooks::recovery::{self, AttemptOutcome};
 
-use crate::helpers::{drop_database, empty_database};
+use crate::support::helpers::{drop_database, empty_database};
 
 const LIMIT: u32 = 25;
 

@@ -12,7 +12,7 @@ use serde_json::{json, Value};
 use crate::client::{client_for, fast_config};
 use oncepay::domain::MissingKeyPolicy;
 
-use crate::helpers::{new_key, new_tenant, spawn_app, Answer, TestApp};
+use crate::support::helpers::{new_key, new_tenant, spawn_app, Answer, TestApp};
 
 /// Every item of a list, paged by `starting_after` with `limit`; the ids, in answer order.
 async fn page_through(app: &TestApp, list: &str, limit: u32) -> Vec<String> {

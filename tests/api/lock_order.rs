@@ -22,7 +22,9 @@ use uuid::Uuid;
 
 use crate::batch::pay_on;
 use crate::concurrency::lock_accounts_at;
-use crate::helpers::{database_url, drop_database, new_key, new_tenant, server_url, waiting_behind, Answer, TestApp};
+use crate::support::helpers::{
+    database_url, drop_database, new_key, new_tenant, server_url, waiting_behind, Answer, TestApp,
+};
 
 /// A migrated database whose default collation is ICU `en-US`; its direct URL.
 async fn icu_database() -> String {

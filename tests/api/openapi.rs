@@ -1,6 +1,6 @@
 //! `GET /openapi.json`: the document of the whole API, served without authentication.
 
-use crate::helpers::{spawn_app, Answer};
+use crate::support::helpers::{spawn_app, Answer};
 
 #[tokio::test]
 async fn the_openapi_document_is_served_without_authentication() {

@@ -6,8 +6,10 @@ use std::time::Duration;
 use reqwest::Method;
 use serde_json::json;
 
-use crate::helpers::{database_url, drop_database, empty_database, metric_value, new_key, spawn_app, Answer, TestApp};
-use crate::tcp_relay::TcpRelay;
+use crate::support::helpers::{
+    database_url, drop_database, empty_database, metric_value, new_key, spawn_app, Answer, TestApp,
+};
+use crate::support::tcp_relay::TcpRelay;
 
 #[tokio::test]
 async fn migrating_twice_and_from_two_processes_at_once_is_safe() {

@@ -4,7 +4,7 @@ use chrono::{DateTime, Utc};
 use serde_json::{json, Value};
 use uuid::Uuid;
 
-use crate::helpers::{new_key, spawn_app, spawn_app_with, TestApp, MAIN_BALANCE};
+use crate::support::helpers::{new_key, spawn_app, spawn_app_with, TestApp, MAIN_BALANCE};
 
 /// A payment's `created_at` and `refunded_at` as stored.
 pub async fn stored_times(app: &TestApp, id: Uuid) -> (DateTime<Utc>, Option<DateTime<Utc>>) {
@@ -158,7 +158,7 @@ async fn bodies_equal_as_json_values_are_the_same_request() {
         .send()
         .await
         .unwrap();
-    let second = crate::helpers::Answer::from(respelled).await;
+    let second = crate::support::helpers::Answer::from(respelled).await;
 
     assert!(second.replayed(), "{}", second.body);
     assert_eq!(second.body, first.body);

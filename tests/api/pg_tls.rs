@@ -8,7 +8,7 @@ use oncepay::config::Pooler;
 use sqlx::PgPool;
 
 use crate::commands::oncepay;
-use crate::helpers::{database_url, new_key, TestApp};
+use crate::support::helpers::{database_url, new_key, TestApp};
 use crate::tls::{Authority, Files};
 
 fn cluster_ca() -> String {

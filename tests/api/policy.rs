@@ -5,7 +5,7 @@ use std::time::Duration;
 use reqwest::Method;
 use serde_json::json;
 
-use crate::helpers::{new_key, spawn_app, spawn_app_with, spawn_instances, TestApp, MAIN_BALANCE};
+use crate::support::helpers::{new_key, spawn_app, spawn_app_with, spawn_instances, TestApp, MAIN_BALANCE};
 
 #[tokio::test]
 async fn under_allow_keyless_requests_are_processed_without_protection() {

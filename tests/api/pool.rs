@@ -8,7 +8,9 @@ use oncepay::db::Db;
 use sqlx::postgres::PgConnectOptions;
 use sqlx::{Connection, Executor, PgConnection};
 
-use crate::helpers::{database_url, drop_database, metric_value, new_key, spawn_app_on_own_database, through_pooler};
+use crate::support::helpers::{
+    database_url, drop_database, metric_value, new_key, spawn_app_on_own_database, through_pooler,
+};
 
 async fn backend_pid(db: &Db) -> i32 {
     db.run(async |c| sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(c).await)

@@ -9,7 +9,7 @@ use oncepay::db::Db;
 use sqlx::{Executor, PgConnection, Row};
 
 use crate::concurrency::lock_main_account;
-use crate::helpers::{new_key, spawn_app_with, test_settings, MAIN_BALANCE};
+use crate::support::helpers::{new_key, spawn_app_with, test_settings, MAIN_BALANCE};
 
 #[tokio::test]
 async fn in_transaction_mode_the_statement_timeout_still_bounds_a_payment() {
@@ -84,7 +84,7 @@ async fn in_transaction_mode_no_prepared_statement_outlives_its_call() {
 
     // The check can fail: mode `none` keeps its statements prepared on the connection.
     settings.db_pooler = Pooler::None;
-    settings.database_url = crate::helpers::database_url();
+    settings.database_url = crate::support::helpers::database_url();
     let direct = Db::new(&settings).unwrap();
     exercise(&direct).await;
     assert!(direct.run(async |c| prepared_statements(c).await).await.unwrap() >= 2);

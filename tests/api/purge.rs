@@ -9,7 +9,7 @@ use oncepay::purge::Retention;
 use reqwest::Method;
 use sqlx::PgPool;
 
-use crate::helpers::{
+use crate::support::helpers::{
     drop_database, empty_database, new_key, server_url, spawn_app, spawn_app_with, TestApp, MAIN_BALANCE,
 };
 

@@ -11,8 +11,8 @@ use uuid::Uuid;
 
 use oncepay::domain::MissingKeyPolicy;
 
-use crate::helpers::{drop_database, new_key, new_tenant, spawn_app, spawn_app_on_own_database, TestApp};
-use crate::webhook_receiver::{Receiver, Reply};
+use crate::support::helpers::{drop_database, new_key, new_tenant, spawn_app, spawn_app_on_own_database, TestApp};
+use crate::support::webhook_receiver::{Receiver, Reply};
 use crate::webhooks::{delivering, pay, refund, subscribe, WAIT};
 
 /// A replica that delivers, with a retry schedule this short: a receiver down for a second

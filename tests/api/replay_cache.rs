@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use crate::helpers::{new_key, spawn_app, spawn_app_with, spawn_instances, TestApp, MAIN_BALANCE};
+use crate::support::helpers::{new_key, spawn_app, spawn_app_with, spawn_instances, TestApp, MAIN_BALANCE};
 
 fn hits(app: &TestApp) -> u64 {
     app.state.metrics.replay_cache_hits.get()
@@ -125,7 +125,7 @@ async fn a_cached_key_with_another_body_is_refused() {
 async fn the_cache_keeps_tenants_apart() {
     let app = spawn_app().await;
     let (other_tenant, other_key) =
-        crate::helpers::new_tenant(&app.pool, oncepay::domain::MissingKeyPolicy::Reject).await;
+        crate::support::helpers::new_tenant(&app.pool, oncepay::domain::MissingKeyPolicy::Reject).await;
     let key = new_key();
     app.pay(Some(&key), 100).await;
 

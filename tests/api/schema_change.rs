@@ -13,7 +13,7 @@ use futures_util::future::join_all;
 use sqlx::PgPool;
 
 use crate::batch::{hold_slot, pay_on};
-use crate::helpers::{drop_database, new_key, spawn_app_on_own_database, Answer, TestApp, MAIN_BALANCE};
+use crate::support::helpers::{drop_database, new_key, spawn_app_on_own_database, Answer, TestApp, MAIN_BALANCE};
 
 /// Every table of the service (not refinery's history).
 async fn tables(pool: &PgPool) -> Vec<String> {

@@ -11,7 +11,7 @@ use reqwest::Method;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
-use crate::helpers::{
+use crate::support::helpers::{
     fill, new_key, new_tenant, spawn_app, tenant_endpoints, Answer, TestApp, ADMIN_TOKEN, MAIN_BALANCE,
 };
 
@@ -67,12 +67,12 @@ pub async fn raw_http(app: &TestApp, request: Vec<u8>, wait: Duration) -> String
 #[tokio::test]
 async fn another_tenants_ids_answer_404_on_every_endpoint_and_change_nothing() {
     // A processor, so that the victim has a top-up to aim at.
-    let stripe = crate::stripe::Localstripe::start().await;
-    let app = crate::helpers::TestApp::builder()
+    let stripe = crate::support::stripe::Localstripe::start().await;
+    let app = crate::support::helpers::TestApp::builder()
         .settings(|s| {
             s.processor = Some(oncepay::config::Processor {
                 url: stripe.url.clone(),
-                api_key: Some(crate::stripe::API_KEY.to_owned()),
+                api_key: Some(crate::support::stripe::API_KEY.to_owned()),
                 timeout: Duration::from_secs(10),
                 name: format!("test-{}", stripe.url),
             });

@@ -13,8 +13,8 @@ use reqwest::Method;
 use serde_json::json;
 use sqlx::postgres::PgPoolOptions;
 
-use crate::db_peer::{DatabasePeer, Mode};
-use crate::helpers::{
+use crate::support::db_peer::{DatabasePeer, Mode};
+use crate::support::helpers::{
     database_url, documented_endpoints, drop_database, empty_database, fill, metric_value, migrate_once, new_key,
     new_tenant, test_settings, Answer, TestApp, ADMIN_TOKEN, MAIN_BALANCE,
 };

@@ -31,7 +31,7 @@ use std::sync::Mutex;
 
 use serde_json::{json, Value};
 
-use crate::fault_proxy::{forward, Action, Request};
+use crate::support::fault_proxy::{forward, Action, Request};
 
 /// The API version from which a PaymentIntent takes automatic payment methods by default.
 const AUTOMATIC_PAYMENT_METHODS_FROM: &str = "2023-08-16";

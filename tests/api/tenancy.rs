@@ -3,7 +3,7 @@
 use oncepay::domain::MissingKeyPolicy;
 use serde_json::json;
 
-use crate::helpers::{new_key, new_tenant, spawn_app, MAIN_BALANCE};
+use crate::support::helpers::{new_key, new_tenant, spawn_app, MAIN_BALANCE};
 
 #[tokio::test]
 async fn the_same_key_string_in_two_tenants_is_two_keys() {

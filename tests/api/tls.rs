@@ -12,8 +12,8 @@ use uuid::Uuid;
 
 use crate::cli::{oncepay, server_args};
 use crate::client::fast_config;
-use crate::helpers::{database_url, spawn_app_with, TestApp, MAIN_BALANCE};
-use crate::tcp_cut::TlsCutProxy;
+use crate::support::helpers::{database_url, spawn_app_with, TestApp, MAIN_BALANCE};
+use crate::support::tcp_cut::TlsCutProxy;
 
 /// A certificate authority of the test.
 pub struct Authority {

@@ -9,8 +9,8 @@ use serde_json::Value;
 use tokio::process::Command;
 use uuid::Uuid;
 
-use crate::helpers::{database_url, TestApp, MAIN_BALANCE};
-use crate::stripe::{Localstripe, API_KEY};
+use crate::support::helpers::{database_url, TestApp, MAIN_BALANCE};
+use crate::support::stripe::{Localstripe, API_KEY};
 
 const AMOUNT: i64 = 900;
 const AUTHENTICATION_REQUIRED: &str = "4000002760003184";

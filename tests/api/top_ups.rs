@@ -13,10 +13,10 @@ use oncepay::config::{Processor, Settings};
 use serde_json::{json, Value};
 use tokio::process::{Child, Command};
 
-use crate::fault_proxy::{Action, FaultProxy, Incoming};
-use crate::helpers::{database_url, new_key, server_url, Answer, TestApp, MAIN_BALANCE};
-use crate::stripe::{Localstripe, API_KEY};
 use crate::stripe_rules::StripeRules;
+use crate::support::fault_proxy::{Action, FaultProxy, Incoming};
+use crate::support::helpers::{database_url, new_key, server_url, Answer, TestApp, MAIN_BALANCE};
+use crate::support::stripe::{Localstripe, API_KEY};
 
 pub(crate) const TIMEOUT: Duration = Duration::from_millis(1_000);
 pub(crate) const AMOUNT: i64 = 5_000;
@@ -872,7 +872,7 @@ async fn each_final_state_of_a_top_up_is_one_event_delivered_in_order() {
         proxy: _proxy,
         app,
     } = rig(|_: &Incoming| Action::Forward, |s| s.webhooks.concurrency = 4).await;
-    let receiver = crate::webhook_receiver::Receiver::start().await;
+    let receiver = crate::support::webhook_receiver::Receiver::start().await;
     let endpoint = app
         .post(
             "/webhook-endpoints",

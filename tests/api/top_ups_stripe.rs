@@ -10,9 +10,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use crate::fault_proxy::{Action, Incoming};
-use crate::helpers::{new_key, TestApp, MAIN_BALANCE};
 use crate::stripe_rules::StripeRules;
+use crate::support::fault_proxy::{Action, Incoming};
+use crate::support::helpers::{new_key, TestApp, MAIN_BALANCE};
 use crate::top_ups::{
     assert_exactly_once, audit, first, retry_until_final, rig, rig_with, wait_for_status, Call, Rig, ServerProcess,
     AMOUNT, VISA,
@@ -332,7 +332,7 @@ async fn pending_refund(end: &'static str) -> (Rig, String, String) {
 #[tokio::test]
 async fn a_refund_pending_then_failed_credits_the_amount_back_with_its_event() {
     let (Rig { stripe, proxy, app }, id, key) = pending_refund("failed").await;
-    let receiver = crate::webhook_receiver::Receiver::start().await;
+    let receiver = crate::support::webhook_receiver::Receiver::start().await;
     let endpoint = app
         .post(
             "/webhook-endpoints",

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use futures_util::future::join_all;
 
-use crate::helpers::{new_key, spawn_app, spawn_instances, MAIN_BALANCE};
+use crate::support::helpers::{new_key, spawn_app, spawn_instances, MAIN_BALANCE};
 
 #[tokio::test]
 async fn a_transfer_moves_the_amount_and_answers_both_balances() {

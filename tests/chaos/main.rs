@@ -15,10 +15,10 @@ mod overload;
 mod postgres;
 mod processor;
 #[allow(dead_code)]
-#[path = "../api/webhook_receiver.rs"]
+#[path = "../api/support/webhook_receiver.rs"]
 mod webhook_receiver;
 mod webhooks;
 // The API tests' localstripe, shared (some of its helpers serve only those tests).
 #[allow(dead_code)]
-#[path = "../api/stripe.rs"]
+#[path = "../api/support/stripe.rs"]
 mod stripe;

@@ -11,7 +11,7 @@ use super::{
     backend_pid, claim_args, claim_on, client_claim, derived_claim, fp, sqlstate, wait_until_blocked, Claimed, Fx,
     WAIT, WINDOW,
 };
-use crate::helpers::new_key;
+use crate::support::helpers::new_key;
 
 #[tokio::test]
 async fn claim_of_a_new_key_is_created_and_writes_the_row_as_given() {

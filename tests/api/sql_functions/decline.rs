@@ -4,7 +4,7 @@ use oncepay::ledger::ClaimArgs;
 use oncepay::operation::{ClaimOutcome, Decline, Operation};
 
 use super::{assert_wrote_nothing, claim_args, client_claim, fp, Claimed, Fx, WAIT};
-use crate::helpers::new_key;
+use crate::support::helpers::new_key;
 
 /// The status comes from the caller's `decline_statuses` (here deliberately not the
 /// operation table's), the code is the decline, the resource is cleared.

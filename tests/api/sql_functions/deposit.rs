@@ -3,7 +3,7 @@
 use oncepay::operation::{Decline, Operation};
 
 use super::{assert_declined, assert_expired, assert_key_reused, assert_success_replayed, created, deposit, Fx};
-use crate::helpers::MAIN_BALANCE;
+use crate::support::helpers::MAIN_BALANCE;
 
 #[tokio::test]
 async fn deposit_created_credits_the_account_and_writes_the_deposit() {

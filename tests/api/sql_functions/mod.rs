@@ -20,7 +20,7 @@ use oncepay::operation::{ClaimOutcome, Decline, Operation};
 use serde_json::json;
 use sqlx::{Connection, PgConnection, PgPool};
 
-use crate::helpers::{database_url, new_key, spawn_app};
+use crate::support::helpers::{database_url, new_key, spawn_app};
 
 mod claim;
 mod decline;

@@ -4,7 +4,7 @@
 use oncepay::operation::Decline;
 
 use super::{assert_declined, assert_expired, assert_key_reused, assert_success_replayed, created, open_account, Fx};
-use crate::helpers::MAIN_BALANCE;
+use crate::support::helpers::MAIN_BALANCE;
 
 #[tokio::test]
 async fn open_account_created_writes_the_account_with_its_opening_balance() {

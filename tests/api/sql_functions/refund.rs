@@ -5,7 +5,7 @@ use oncepay::ledger::Refund;
 use oncepay::operation::Decline;
 
 use super::{assert_declined, assert_expired, assert_key_reused, assert_success_replayed, created, refund_path, Fx};
-use crate::helpers::MAIN_BALANCE;
+use crate::support::helpers::MAIN_BALANCE;
 
 #[tokio::test]
 async fn refund_created_credits_the_account_back_and_marks_the_payment() {

@@ -7,7 +7,7 @@ use oncepay::operation::{ClaimOutcome, Decline, Operation};
 use sqlx::PgPool;
 
 use super::{deposit, open_account, pay, refund_path, transfer, Fx};
-use crate::helpers::MAIN_BALANCE;
+use crate::support::helpers::MAIN_BALANCE;
 
 // ---------------------------------------------------------------------------------------
 // CHECK constraints

@@ -5,7 +5,7 @@
 use uuid::Uuid;
 
 use super::Fx;
-use crate::helpers::MAIN_BALANCE;
+use crate::support::helpers::MAIN_BALANCE;
 
 const AMOUNT: i64 = 700;
 

@@ -11,7 +11,7 @@ use super::{
     args, assert_declined, assert_expired, assert_key_reused, assert_success_replayed, backend_pid, claim_args,
     client_claim, created, fp, sqlstate, transfer, wait_until_blocked, Fx, WAIT,
 };
-use crate::helpers::{new_key, MAIN_BALANCE};
+use crate::support::helpers::{new_key, MAIN_BALANCE};
 
 #[tokio::test]
 async fn transfer_created_moves_the_amount_and_writes_the_transfer() {

@@ -11,7 +11,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
 
-use crate::helpers::database_url;
+use crate::support::helpers::database_url;
 
 /// What the stand-in for the database does with the connections it accepts.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]

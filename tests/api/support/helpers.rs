@@ -75,7 +75,7 @@ pub fn test_settings() -> Settings {
     settings.db_pool_size = 10;
     settings.workers = 2;
     // Webhook endpoints can be created; only the webhook tests run delivery workers
-    // (tests/api/webhooks.rs), with short waits.
+    // (tests/api/webhooks/), with short waits.
     settings.webhooks.secret_key = Some([42; 32]);
     settings.webhooks.allow_private = true;
     settings.webhooks.concurrency = 0;

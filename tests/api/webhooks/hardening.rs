@@ -1,5 +1,4 @@
-//! Webhooks against receivers and tenants as they really behave (issue 35, contract section
-//! 4c): any answer is recorded and none stops another tenant's deliveries; a message given up
+//! Webhooks against receivers and tenants as they really behave (docs/webhooks.md): any answer is recorded and none stops another tenant's deliveries; a message given up
 //! is that message alone, an endpoint is disabled only by 410 or by failing for
 //! `ONCEPAY_WEBHOOK_DISABLE_AFTER_SECS`, its events kept until it is enabled again; a replica's
 //! own failure never counts against the receiver; no event is lost to an endpoint created at
@@ -19,11 +18,11 @@ use uuid::Uuid;
 
 use oncepay::domain::MissingKeyPolicy;
 
-use crate::helpers::{
+use super::{delivering, endpoints_stored, pay, refund, subscribe, subscribe_as, WAIT};
+use crate::support::helpers::{
     drop_database, metric_value, new_key, new_tenant, server_url, spawn_app_on_own_database_with, TestApp,
 };
-use crate::webhook_receiver::{Receiver, Reply};
-use crate::webhooks::{delivering, endpoints_stored, pay, refund, subscribe, subscribe_as, WAIT};
+use crate::support::webhook_receiver::{Receiver, Reply};
 
 /// Waits until `check` holds, polling every 50 ms; panics naming `what` after `timeout`.
 async fn wait_until<F, Fut>(what: &str, timeout: Duration, mut check: F)
@@ -502,7 +501,7 @@ async fn an_address_that_is_not_global_unicast_is_refused_however_it_is_spelled(
 /// connection.
 #[tokio::test]
 async fn deliveries_take_no_proxy_from_the_environment() {
-    let url = crate::helpers::empty_database("no_proxy").await;
+    let url = crate::support::helpers::empty_database("no_proxy").await;
     oncepay::db::migrate(&url).await.unwrap();
     let pool = sqlx::PgPool::connect(&url).await.unwrap();
     let (_, api_key) = new_tenant(&pool, MissingKeyPolicy::Reject).await;
@@ -538,7 +537,7 @@ async fn deliveries_take_no_proxy_from_the_environment() {
         .kill_on_drop(true)
         .spawn()
         .unwrap();
-    let client = crate::helpers::client();
+    let client = crate::support::helpers::client();
     let base = format!("http://127.0.0.1:{port}");
     let receiver = Receiver::start().await;
     let mut created = None;
@@ -590,7 +589,7 @@ async fn past_the_cap_an_endpoint_is_refused_and_the_refusal_replayed() {
     assert_eq!(app.state.settings.webhooks.max_endpoints, 16);
     let receiver = Receiver::start().await;
     let keys: Vec<String> = (0..300).map(|_| new_key()).collect();
-    let answers: Vec<(String, crate::helpers::Answer)> = futures_util::stream::iter(keys)
+    let answers: Vec<(String, crate::support::helpers::Answer)> = futures_util::stream::iter(keys)
         .map(|key| {
             let app = app.clone();
             let url = receiver.url();
@@ -602,8 +601,10 @@ async fn past_the_cap_an_endpoint_is_refused_and_the_refusal_replayed() {
         .buffer_unordered(32)
         .collect()
         .await;
-    let created: Vec<&crate::helpers::Answer> = answers.iter().map(|(_, a)| a).filter(|a| a.status == 201).collect();
-    let refused: Vec<&(String, crate::helpers::Answer)> = answers.iter().filter(|(_, a)| a.status != 201).collect();
+    let created: Vec<&crate::support::helpers::Answer> =
+        answers.iter().map(|(_, a)| a).filter(|a| a.status == 201).collect();
+    let refused: Vec<&(String, crate::support::helpers::Answer)> =
+        answers.iter().filter(|(_, a)| a.status != 201).collect();
     assert_eq!(created.len(), 16);
     assert_eq!(refused.len(), 284);
     for (_, answer) in &refused {

@@ -1,0 +1,338 @@
+//! Traps of the planner on the queue tables: analysed while their backlog was empty, the
+//! planner believes one pending row; every statement here must stay an index lookup anyway
+//! (counted with the statistics views), and no SQL function of a payment is planned again in
+//! each transaction.
+
+use uuid::Uuid;
+
+use crate::support::helpers::{drop_database, empty_database};
+use sqlx::Connection;
+
+/// Rows of `table` read by this transaction so far: (by sequential scans, fetched through
+/// an index).
+async fn reads(conn: &mut sqlx::PgConnection, table: &str) -> (i64, i64) {
+    sqlx::query_as("SELECT seq_tup_read, idx_tup_fetch FROM pg_stat_xact_user_tables WHERE relname = $1")
+        .bind(table)
+        .fetch_one(conn)
+        .await
+        .unwrap()
+}
+
+/// Index fetches on webhook_deliveries by this transaction so far.
+async fn delivery_fetches(conn: &mut sqlx::PgConnection) -> i64 {
+    reads(conn, "webhook_deliveries").await.1
+}
+
+/// A migrated database of its own for a test of the planner's choices, autovacuum off on the
+/// outbox's tables (the test decides when they are analysed), and a connection to it.
+async fn planner_database(name: &str) -> (String, sqlx::PgConnection) {
+    let url = empty_database(name).await;
+    oncepay::db::migrate(&url).await.unwrap();
+    let mut conn = sqlx::PgConnection::connect(&url).await.unwrap();
+    for table in ["webhook_events", "webhook_deliveries"] {
+        sqlx::query(&format!("ALTER TABLE {table} SET (autovacuum_enabled = false)"))
+            .execute(&mut conn)
+            .await
+            .unwrap();
+    }
+    (url, conn)
+}
+
+/// `n` deliveries in `state` to the endpoint, of distinct resources, due in `due_in_secs`, in
+/// this order, with their events.
+async fn insert_deliveries(
+    conn: &mut sqlx::PgConnection,
+    (tenant, endpoint): (Uuid, Uuid),
+    n: i32,
+    state: &str,
+    due_in_secs: i32,
+) {
+    sqlx::query(
+        "WITH d AS (
+             INSERT INTO webhook_deliveries (tenant_id, event_id, endpoint_id, resource_id, state, next_attempt_at,
+                                             created_at, finished_at)
+             SELECT $1, gen_random_uuid(), $2, 'pay_' || gen_random_uuid(), $3,
+                    now() + make_interval(secs => $5), now(), CASE WHEN $3 <> 'pending' THEN now() END
+               FROM generate_series(1, $4) g
+             RETURNING tenant_id, event_id, resource_id)
+         INSERT INTO webhook_events (tenant_id, event_id, event_type, resource_id, data, created_at)
+         SELECT tenant_id, event_id, 'payment.succeeded', resource_id, '{}', now() FROM d",
+    )
+    .bind(tenant)
+    .bind(endpoint)
+    .bind(state)
+    .bind(n)
+    .bind(f64::from(due_in_secs))
+    .execute(conn)
+    .await
+    .unwrap();
+}
+
+/// A tenant with one endpoint, registered an hour ago: (tenant, endpoint).
+async fn tenant_with_endpoint(conn: &mut sqlx::PgConnection) -> (Uuid, Uuid) {
+    let (tenant, endpoint) = (Uuid::new_v4(), Uuid::new_v4());
+    sqlx::query(
+        "WITH t AS (
+             INSERT INTO tenants (tenant_id, name, api_key_hash, missing_key_policy)
+             VALUES ($1, 'planner', '\\x01', 'reject'))
+         INSERT INTO webhook_endpoints (tenant_id, endpoint_id, url, secret_encrypted, created_at)
+         VALUES ($1, $2, 'https://example.com/hooks', '\\x00', now() - interval '1 hour')",
+    )
+    .bind(tenant)
+    .bind(endpoint)
+    .execute(conn)
+    .await
+    .unwrap();
+    (tenant, endpoint)
+}
+
+#[tokio::test]
+async fn a_payment_runs_no_sql_function_that_is_planned_again_each_transaction() {
+    // A SQL function that PostgreSQL cannot inline (declared IMMUTABLE over a STABLE body, as
+    // oncepay_json_time was) is parsed and planned again in every transaction that calls it
+    // from PL/pgSQL: 163,000 of a payment's 1,041,000 instructions, spent on the event's data,
+    // and spent even for a tenant with no endpoint, which writes no event (migrations/V17).
+    // Counted with track_functions, which sees a SQL function only when it runs as a call of
+    // its own.
+    let (url, mut conn) = planner_database("pay_functions").await;
+    let (hooked, _) = tenant_with_endpoint(&mut conn).await;
+    let plain = Uuid::new_v4();
+    sqlx::query(
+        "WITH t AS (
+             INSERT INTO tenants (tenant_id, name, api_key_hash, missing_key_policy)
+             VALUES ($2, 'planner', '\\x02', 'reject'))
+         INSERT INTO accounts (tenant_id, account_id, balance, opening_balance)
+         SELECT t, 'main', 1000, 1000 FROM unnest(ARRAY[$1, $2]::uuid[]) t",
+    )
+    .bind(hooked)
+    .bind(plain)
+    .execute(&mut conn)
+    .await
+    .unwrap();
+
+    for (tenant, events) in [(hooked, 1), (plain, 0)] {
+        sqlx::query("BEGIN").execute(&mut conn).await.unwrap();
+        sqlx::query("SET LOCAL track_functions = 'all'")
+            .execute(&mut conn)
+            .await
+            .unwrap();
+        let outcome: String = sqlx::query_scalar(
+            "SELECT outcome::text FROM oncepay_pay($1, ROW(NULL, false, NULL, 'pay', 'POST', '/payments', 0, 1000, 201, '{}')::oncepay_claim_args, 'main', 7)",
+        )
+        .bind(tenant)
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+        let called: Vec<(String, String)> = sqlx::query_as(
+            "SELECT f.funcname::text, l.lanname::text
+               FROM pg_stat_xact_user_functions f
+               JOIN pg_proc p ON p.oid = f.funcid
+               JOIN pg_language l ON l.oid = p.prolang
+              ORDER BY 1",
+        )
+        .fetch_all(&mut conn)
+        .await
+        .unwrap();
+        let written: i64 = sqlx::query_scalar("SELECT count(*) FROM webhook_events WHERE tenant_id = $1")
+            .bind(tenant)
+            .fetch_one(&mut conn)
+            .await
+            .unwrap();
+        sqlx::query("COMMIT").execute(&mut conn).await.unwrap();
+
+        assert_eq!(outcome, "created");
+        assert_eq!(written, events, "events written for tenant {tenant}");
+        assert!(
+            called.iter().any(|(name, _)| name == "oncepay_pay"),
+            "track_functions counted no call at all: {called:?}"
+        );
+        let planned: Vec<_> = called.iter().filter(|(_, language)| language == "sql").collect();
+        assert!(
+            planned.is_empty(),
+            "a payment ran SQL functions as calls of their own (each planned again every transaction): {planned:?}"
+        );
+    }
+    drop(conn);
+    drop_database(&url).await;
+}
+
+#[tokio::test]
+async fn results_are_recorded_by_key_even_when_the_statistics_saw_an_empty_backlog() {
+    // A queue table is analysed when its backlog happens to be empty (right after a drain):
+    // the planner then expects one pending row. Recording results must still look each
+    // delivery up by its key, not walk every pending row of the endpoint per attempt (what
+    // slowed make bench's second drain to a fifth: migrations/V12).
+    let (url, mut conn) = planner_database("record_plan").await;
+    let (tenant, endpoint) = (Uuid::new_v4(), Uuid::new_v4());
+    insert_deliveries(&mut conn, (tenant, endpoint), 300, "delivered", 0).await;
+    sqlx::query("ANALYZE webhook_deliveries")
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    insert_deliveries(&mut conn, (tenant, endpoint), 2_000, "pending", 0).await;
+    // As a long-lived connection runs them after five calls: one plan for any arrays.
+    sqlx::query("SET plan_cache_mode = force_generic_plan")
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    let picked: Vec<Uuid> = sqlx::query_scalar(
+        "SELECT event_id FROM webhook_deliveries WHERE state = 'pending' ORDER BY random() LIMIT 17",
+    )
+    .fetch_all(&mut conn)
+    .await
+    .unwrap();
+    let (delivered, retried) = picked.split_at(16);
+    let n = delivered.len();
+
+    sqlx::query("BEGIN").execute(&mut conn).await.unwrap();
+    let before = delivery_fetches(&mut conn).await;
+    let applied: Vec<bool> = sqlx::query_scalar(
+        "SELECT applied FROM oncepay_webhook_record_many($1, $2, $3, $4, $5, $6, $7, $8, $9, 'test', $10, $11)",
+    )
+    .bind(vec![tenant; n])
+    .bind(delivered)
+    .bind(vec![endpoint; n])
+    .bind(vec![0_i32; n])
+    .bind(vec![chrono::Utc::now(); n])
+    .bind(vec![1_i32; n])
+    .bind(vec![200_i16; n])
+    .bind(vec![None::<String>; n])
+    .bind(vec![None::<String>; n])
+    .bind(vec!["delivered"; n])
+    .bind(vec![None::<chrono::DateTime<chrono::Utc>>; n])
+    .fetch_all(&mut conn)
+    .await
+    .unwrap();
+    let many = delivery_fetches(&mut conn).await - before;
+    // One result alone, another outcome (a retry): V9's one-by-one function.
+    let before = delivery_fetches(&mut conn).await;
+    let one: bool = sqlx::query_scalar(
+        "SELECT oncepay_webhook_record($1, $2, $3, 0, now(), 1, 500::smallint, NULL, NULL, 'test', 'retry', now())",
+    )
+    .bind(tenant)
+    .bind(retried[0])
+    .bind(endpoint)
+    .fetch_one(&mut conn)
+    .await
+    .unwrap();
+    let single = delivery_fetches(&mut conn).await - before;
+    sqlx::query("COMMIT").execute(&mut conn).await.unwrap();
+
+    assert_eq!(
+        (applied, one),
+        (vec![true; n], true),
+        "every result settled its delivery"
+    );
+    assert!(
+        many <= 2 * n as i64,
+        "{many} index fetches to record {n} deliveries: the pending rows were walked, not the key looked up"
+    );
+    assert!(single <= 2, "{single} index fetches to record one result");
+    let settled: i64 = sqlx::query_scalar("SELECT count(*) FROM webhook_deliveries WHERE state = 'delivered'")
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(settled, 300 + n as i64);
+    drop(conn);
+    drop_database(&url).await;
+}
+
+#[tokio::test]
+async fn a_fan_out_reads_only_its_batch_however_large_the_events_table() {
+    // The events table keeps a week of events, nearly all fanned out long ago. A fan-out must
+    // reach its batch through the awaiting index and the rows' addresses, never by reading the
+    // table (V14's join was planned as a hash join over a sequential scan, by the table's
+    // statistics: 0.78 ms per event on a 31,000-row table; migrations/V15).
+    let (url, mut conn) = planner_database("fan_out_plan").await;
+    let (tenant, _) = tenant_with_endpoint(&mut conn).await;
+    let events = |n: i32, awaiting: Option<bool>| {
+        sqlx::query(
+            "INSERT INTO webhook_events (tenant_id, event_id, event_type, resource_id, data, created_at, awaiting_fan_out)
+             SELECT $1, gen_random_uuid(), 'payment.succeeded', 'pay_' || g, '{}', now(), $3
+               FROM generate_series(1, $2) g",
+        )
+        .bind(tenant)
+        .bind(n)
+        .bind(awaiting)
+    };
+    events(5_000, None).execute(&mut conn).await.unwrap();
+    sqlx::query("ANALYZE webhook_events").execute(&mut conn).await.unwrap();
+    let awaiting = 40;
+    events(awaiting, Some(true)).execute(&mut conn).await.unwrap();
+
+    sqlx::query("BEGIN").execute(&mut conn).await.unwrap();
+    let fanned: i32 = sqlx::query_scalar("SELECT oncepay_webhook_fan_out(1000)")
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+    let (seq_read, fetched) = reads(&mut conn, "webhook_events").await;
+    sqlx::query("COMMIT").execute(&mut conn).await.unwrap();
+
+    assert_eq!(fanned, awaiting, "every awaiting event fanned out");
+    assert_eq!(
+        seq_read, 0,
+        "the fan-out read {seq_read} event rows by sequential scan to fan out {awaiting}"
+    );
+    assert!(
+        fetched <= 2 * i64::from(awaiting),
+        "{fetched} index fetches to fan out {awaiting} events"
+    );
+    let deliveries: i64 = sqlx::query_scalar("SELECT count(*) FROM webhook_deliveries WHERE tenant_id = $1")
+        .bind(tenant)
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(deliveries, i64::from(awaiting));
+    drop(conn);
+    drop_database(&url).await;
+}
+
+#[tokio::test]
+async fn a_claim_finds_each_resources_earlier_delivery_by_its_index_even_when_the_statistics_saw_an_empty_backlog() {
+    // The claim takes an endpoint's due deliveries in order, each only if no earlier delivery
+    // of its resource is pending. Analysed while the backlog was empty, the planner believed
+    // the endpoint's pending rows to be one and answered that check by walking them all from
+    // the front, once per candidate: make bench's drains and this test's 2,000 deliveries
+    // waiting for a retry ahead of the due ones (a receiver that failed, then recovered)
+    // made the claim cost grow with the backlog (migrations/V16).
+    let (url, mut conn) = planner_database("claim_plan").await;
+    let (tenant, endpoint) = tenant_with_endpoint(&mut conn).await;
+    insert_deliveries(&mut conn, (tenant, endpoint), 300, "delivered", 0).await;
+    sqlx::query("ANALYZE webhook_deliveries")
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    let waiting = 2_000;
+    insert_deliveries(&mut conn, (tenant, endpoint), waiting, "pending", 3_600).await;
+    insert_deliveries(&mut conn, (tenant, endpoint), 300, "pending", 0).await;
+    // As a long-lived connection runs the claim's statements after five calls.
+    sqlx::query("SET plan_cache_mode = force_generic_plan")
+        .execute(&mut conn)
+        .await
+        .unwrap();
+
+    let limit = 16;
+    sqlx::query("BEGIN").execute(&mut conn).await.unwrap();
+    let before = delivery_fetches(&mut conn).await;
+    let claimed: i64 = sqlx::query_scalar("SELECT count(*) FROM oncepay_webhook_claim_fanned_out($1, $1, 30000)")
+        .bind(limit)
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+    let fetched = delivery_fetches(&mut conn).await - before;
+    sqlx::query("COMMIT").execute(&mut conn).await.unwrap();
+
+    assert_eq!(
+        claimed,
+        i64::from(limit),
+        "the claim took as many due deliveries as it asked for"
+    );
+    // Passing the waiting rows once is the scan's; each candidate's check is a probe.
+    assert!(
+        fetched <= i64::from(waiting + 8 * limit),
+        "{fetched} index fetches to claim {limit} deliveries behind {waiting} waiting ones: \
+         each candidate walked the endpoint's pending rows"
+    );
+    drop(conn);
+    drop_database(&url).await;
+}
