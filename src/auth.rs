@@ -12,8 +12,8 @@ use crate::error::ApiError;
 use crate::tenants::{self, ApiKeyHash, Tenant};
 
 /// How long a replica trusts what it read about an API key. A policy change through
-/// `PATCH /admin/tenants/{id}` must hold on every replica within one second (contract
-/// section 5, rule 10), so this stays well under that.
+/// `PATCH /admin/tenants/{id}` must hold on every replica within one second (docs/api.md,
+/// Idempotency, rule 10), so this stays well under that.
 pub const TENANT_CACHE_TTL: Duration = Duration::from_millis(500);
 
 /// API key hash -> tenant (or `None`: no such key, or revoked), shared by the workers of one

@@ -1,4 +1,4 @@
-//! Settings from the environment, validated once at startup (contract section 2).
+//! Settings from the environment, validated once at startup (README.md, Settings).
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -62,7 +62,7 @@ pub struct Settings {
     /// both, `serve` speaks HTTPS; with one alone it refuses to start.
     pub tls_cert: Option<PathBuf>,
     pub tls_key: Option<PathBuf>,
-    /// The card processor of top-ups (contract section 4b): `None` answers 501.
+    /// The card processor of top-ups (docs/top-ups.md): `None` answers 501.
     pub processor: Option<Processor>,
     /// The currency of every amount (`ONCEPAY_CURRENCY`), sent to the processor.
     pub currency: String,
@@ -73,7 +73,7 @@ pub struct Settings {
     /// the API cannot take (`requires_action`, `requires_capture`) is canceled at the processor
     /// and stored as a failure (`ONCEPAY_TOPUP_ACTION_TIMEOUT_SECS`).
     pub topup_action_timeout: Duration,
-    /// Webhook delivery (contract section 4c, `ONCEPAY_WEBHOOK_*`).
+    /// Webhook delivery (docs/webhooks.md, `ONCEPAY_WEBHOOK_*`).
     pub webhooks: WebhookSettings,
 }
 
@@ -146,7 +146,7 @@ pub struct WebhookSettings {
     pub max_endpoints: u32,
 }
 
-/// `5,300,1800,7200,18000,36000,36000`: contract section 2.
+/// `5,300,1800,7200,18000,36000,36000`: README.md, Settings.
 pub const DEFAULT_RETRY_SCHEDULE: &str = "5,300,1800,7200,18000,36000,36000";
 
 impl WebhookSettings {
@@ -197,7 +197,7 @@ pub fn parse_schedule(raw: &str) -> anyhow::Result<Vec<Duration>> {
         .collect()
 }
 
-/// What stands between oncepay and PostgreSQL (contract section 2, `ONCEPAY_DB_POOLER`).
+/// What stands between oncepay and PostgreSQL (README.md, Settings, `ONCEPAY_DB_POOLER`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Pooler {
     /// Direct connections (or a session-mode pooler): session settings and named prepared

@@ -1,5 +1,5 @@
 //! The one error type of the HTTP API, rendered as `application/problem+json` (RFC 9457)
-//! with a machine-readable `code` (contract section 6).
+//! with a machine-readable `code` (docs/api.md, Errors).
 
 use actix_web::http::{header, StatusCode};
 use actix_web::{HttpResponse, ResponseError};
@@ -124,7 +124,7 @@ impl ApiError {
         }
     }
 
-    /// The outcome label of this error in logs and metrics (contract section 6b).
+    /// The outcome label of this error in logs and metrics (docs/operations.md, Metrics).
     pub fn outcome(&self) -> &'static str {
         match self {
             Self::Unauthorized | Self::AdminDisabled => "unauthorized",

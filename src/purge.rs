@@ -1,5 +1,5 @@
-//! The purge (contract section 5, rule 11): deletes idempotency-key rows older than the
-//! retention, and webhook events older than theirs (contract section 4d), in bounded batches
+//! The purge (docs/operations.md, "The purge"): deletes idempotency-key rows older than the
+//! retention, and webhook events older than theirs (docs/operations.md, "The purge"), in bounded batches
 //! of short transactions, safely from several replicas at once.
 //!
 //! Each batch is one `DELETE` of at most `batch` rows picked through the `created_at` index
@@ -52,7 +52,7 @@ pub async fn purge(db: &Db, retention: Retention, batch: i64) -> Result<u64, DbE
     Ok(deleted)
 }
 
-/// The webhooks' bounded growth (contract section 4d): events older than `retention` are
+/// The webhooks' bounded growth (docs/operations.md, "The purge"): events older than `retention` are
 /// deleted, delivered or not, with their deliveries and their attempts, which are kept exactly
 /// as long (the attempts list and `recover` read them). The events are found through their
 /// list index, tenant by tenant (migrations/V24: no index of their own for the purge, which

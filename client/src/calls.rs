@@ -1,4 +1,4 @@
-//! One typed method per tenant endpoint of the contract (section 4).
+//! One typed method per tenant endpoint of docs/api.md, Endpoints.
 
 use chrono::{DateTime, Utc};
 use reqwest::{Method, Url};

@@ -85,7 +85,7 @@ pub enum ClientError {
         #[source]
         last: Box<ClientError>,
     },
-    /// A success answer whose body is not what the contract promises.
+    /// A success answer whose body is not what docs/api.md promises.
     #[error("unexpected answer body (status {status}): {source}")]
     InvalidResponse {
         status: u16,

@@ -20,7 +20,7 @@ impl IdempotencyKey {
         Self(Uuid::new_v4().to_string())
     }
 
-    /// The caller's key: 1..=255 visible ASCII characters (contract section 5, rule 1).
+    /// The caller's key: 1..=255 visible ASCII characters (docs/api.md, Idempotency, rule 1).
     pub fn parse(raw: &str) -> Result<Self, ClientError> {
         validate_key(raw.as_bytes()).map_err(|why| {
             ClientError::InvalidArgument(format!(

@@ -1,4 +1,4 @@
-//! `GET /idempotency-keys/{key}` (contract section 4d): what the requests with a key did, so
+//! `GET /idempotency-keys/{key}` (docs/api.md, "Looking a key up"): what the requests with a key did, so
 //! that "did it go through?" needs no guessed id.
 
 use chrono::{DateTime, Utc};

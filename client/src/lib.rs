@@ -164,7 +164,7 @@ impl ClientBuilder {
         }
         let mut http = reqwest::Client::builder()
             .connect_timeout(self.config.connect_timeout)
-            // A redirected POST would become a GET: the contract has no redirects.
+            // A redirected POST would become a GET: the API has no redirects.
             .redirect(reqwest::redirect::Policy::none())
             .min_tls_version(reqwest::tls::Version::TLS_1_2);
         for root in tls::extra_roots(self.extra_roots)? {

@@ -1,4 +1,4 @@
-//! The lists of contract section 4d: `GET /payments`, `/transfers`, `/top-ups`, `/accounts`,
+//! The lists of docs/api.md: `GET /payments`, `/transfers`, `/top-ups`, `/accounts`,
 //! `/events` and `/webhook-endpoints/{id}/attempts`, each a typed call that reads one page
 //! ([`ListRequest::page`]) or every item, page after page, as a stream
 //! ([`ListRequest::stream`]):

@@ -1,10 +1,10 @@
-//! The retry table (seed document 000, contract section 6): which failures a retry can
+//! The retry table (docs/api.md, Errors): which failures a retry can
 //! fix, and how long the server asks the client to wait.
 //!
 //! | answer | retried | why |
 //! | --- | --- | --- |
 //! | connect error, timeout, dropped connection | yes | the request may or may not have been processed: only the same key can tell |
-//! | 500, 502, 503, 504 | yes | a transient failure; the server commits nothing on a transient failure (contract 5.8) |
+//! | 500, 502, 503, 504 | yes | a transient failure; the server commits nothing on a transient failure (docs/api.md, Idempotency, rule 8) |
 //! | 429 `overloaded` | yes, after `Retry-After` | the server sheds load |
 //! | 409 `request_in_progress` | yes, after `Retry-After` | the first request with this key is still running |
 //! | 400, 401, 402, 403, 404, 413, 415, 422, other 409s, anything else | no | the same request gets the same answer: the caller must change something |
@@ -50,7 +50,7 @@ mod tests {
         assert!(retryable(409, Some(ProblemCode::RequestInProgress)));
         assert!(!retryable(409, None), "an unknown 409 is final");
         assert!(!retryable(501, None));
-        // Every other code of the contract is final.
+        // Every other code of docs/api.md is final.
         for &code in ProblemCode::ALL {
             let expected = matches!(
                 code,

@@ -1,4 +1,4 @@
-//! Delivery repaired by the merchant (contract section 4d):
+//! Delivery repaired by the merchant (docs/webhooks.md, "Delivering again"):
 //! `POST /webhook-endpoints/{id}/events/{event_id}/resend` and
 //! `POST /webhook-endpoints/{id}/recover`, keyed like every POST (a retry with the same key
 //! never delivers twice more). The attempts are listed by [`Client::webhook_attempts`],

@@ -1,4 +1,4 @@
-//! Card top-ups (contract section 4b): typed calls for `POST /accounts/{id}/top-ups`,
+//! Card top-ups (docs/top-ups.md): typed calls for `POST /accounts/{id}/top-ups`,
 //! `GET /top-ups/{id}` and `POST /top-ups/{id}/refund`. A 503 (the processor's outcome
 //! unknown) is retried with the same key like any other: the server resumes the top-up and
 //! never charges twice.

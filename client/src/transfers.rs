@@ -1,4 +1,4 @@
-//! Transfers between two accounts of the tenant (contract section 4): `POST /transfers` and
+//! Transfers between two accounts of the tenant (docs/api.md, Endpoints): `POST /transfers` and
 //! `GET /transfers/{id}`.
 
 use chrono::{DateTime, Utc};

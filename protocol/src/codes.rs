@@ -1,4 +1,4 @@
-//! The machine-readable `code` of every problem the server answers (contract section 6).
+//! The machine-readable `code` of every problem the server answers (docs/api.md, Errors).
 
 use std::fmt;
 use std::str::FromStr;
@@ -17,7 +17,7 @@ macro_rules! problem_codes {
         }
 
         impl ProblemCode {
-            /// Every code, in the order of the contract's table.
+            /// Every code, in the order of docs/api.md's table.
             pub const ALL: &'static [ProblemCode] = &[$(Self::$variant,)+];
 
             pub const fn as_str(self) -> &'static str {

@@ -1,7 +1,7 @@
 //! `oncepay-protocol`: the rules the client and the server share, written once (both depend
 //! on this crate; the client re-exports it as `oncepay_client::protocol`): the header names,
-//! the `Idempotency-Key` syntax (contract section 5, rule 1), the problem codes (contract
-//! section 6) and the routes ([`routes`]).
+//! the `Idempotency-Key` syntax (docs/api.md, Idempotency, rule 1), the problem codes (docs/api.md,
+//! Errors) and the routes ([`routes`]).
 //!
 //! Nothing here knows HTTP libraries: the server reads its actix headers and the client
 //! writes its reqwest headers with these names and rules. It depends on serde alone (the

@@ -132,7 +132,7 @@ pub const GET_EVENT: Route = Route {
     path: "/events/{id}",
 };
 
-// The lists of contract section 4d (`limit`, `starting_after`, `ending_before`, `created[..]`
+// The lists of docs/api.md (`limit`, `starting_after`, `ending_before`, `created[..]`
 // and their filters in the query string).
 pub const LIST_PAYMENTS: Route = Route {
     method: "GET",

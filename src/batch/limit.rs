@@ -3,9 +3,9 @@
 //! A fixed number is the wrong interface: two statements in flight left a third of a fast
 //! host idle while payments waited (each statement waits for its commit's WAL flush, and
 //! only two overlap), eight filled it but shrank the batches, so every payment cost
-//! PostgreSQL a quarter more, and the best number moves with the host (issue 37). So the
-//! limit follows the statements' latency, as TCP Vegas and Netflix's concurrency limits do
-//! with round-trip times:
+//! PostgreSQL a quarter more, and the best number moves with the host (docs/bench/README.md).
+//! So the limit follows the statements' latency, as TCP Vegas and Netflix's concurrency
+//! limits do with round-trip times:
 //!
 //! - **The baseline.** A statement's latency grows with its batch (each payment is work), so
 //!   it is compared with the least latency seen for batches of its size class (1, 2-3, 4-7,

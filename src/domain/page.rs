@@ -1,4 +1,4 @@
-//! A page of a list (contract section 4d), as the edge parsed it: Stripe's `limit`,
+//! A page of a list (docs/api.md, Lists), as the edge parsed it: Stripe's `limit`,
 //! `starting_after` / `ending_before` and `created[...]`, valid by type past the edge.
 //!
 //! Every list is ordered by `(created_at, id)`, newest first. A cursor is the id of an item the

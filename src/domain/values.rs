@@ -118,7 +118,7 @@ impl AccountId {
     }
 }
 
-/// How a tenant's keyless POSTs are treated (contract section 5, rule 10).
+/// How a tenant's keyless POSTs are treated (docs/api.md, Idempotency, rule 10).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum MissingKeyPolicy {
@@ -215,7 +215,7 @@ mod tests {
         }
 
         /// Only the plain integer spelling is an amount: the same number with a fraction, an
-        /// exponent or in quotes is refused, as the contract says.
+        /// exponent or in quotes is refused, as docs/api.md, Conventions, says.
         #[test]
         fn only_the_plain_spelling_of_an_amount_is_accepted(n in 1i64..=MAX_AMOUNT) {
             let plain: Value = serde_json::from_str(&n.to_string()).unwrap();

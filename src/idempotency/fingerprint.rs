@@ -1,4 +1,4 @@
-//! The request fingerprint (contract section 5, rule 3): SHA-256 over the method, the path
+//! The request fingerprint (docs/api.md, Idempotency, rule 3): SHA-256 over the method, the path
 //! and the canonical JSON of the body, so that bodies equal as JSON values fingerprint alike.
 
 use serde_json::Value;

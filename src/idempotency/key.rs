@@ -1,4 +1,4 @@
-//! The `Idempotency-Key` header (contract section 5, rule 1). The syntax is the one the
+//! The `Idempotency-Key` header (docs/api.md, Idempotency, rule 1). The syntax is the one the
 //! client obeys too, written once in the crate `oncepay-protocol`; reading it out of the
 //! request's headers is the server's part.
 

@@ -1,10 +1,10 @@
-//! The idempotency protocol (contract section 5).
+//! The idempotency protocol (docs/api.md, Idempotency).
 //!
 //! A client sends one `Idempotency-Key` per logical operation and reuses it on every retry.
 //! The server keeps, per (tenant, key), the request's fingerprint and its *result* (status,
 //! created resource id, error code) and answers a repeat with that result rebuilt.
 //!
-//! Order of operations for a tenant POST, each step one of the checks of contract section 6:
+//! Order of operations for a tenant POST, each step one of the checks of docs/api.md, Errors:
 //! 1. authenticate (401); read the body within the size limit and check its type (413, 415);
 //! 2. parse the key (400) or, without one, apply the tenant's `missing_key_policy`:
 //!    `reject` (400), `allow` (no key, no protection) or `fingerprint` (a derived key

@@ -1,5 +1,5 @@
 //! `POST /accounts`, `GET /accounts/{id}`, `POST /accounts/{id}/deposits`, `GET /accounts`
-//! (contract section 4d).
+//! (docs/api.md, Lists).
 
 use actix_web::{web, HttpRequest, HttpResponse};
 use chrono::{DateTime, Utc};
@@ -159,7 +159,7 @@ impl utoipa::IntoParams for AccountListParams {
     }
 }
 
-/// The tenant's accounts, newest first (contract section 4d; `main` is the oldest).
+/// The tenant's accounts, newest first (docs/api.md, Lists; `main` is the oldest).
 #[utoipa::path(
     get, path = "/accounts", tag = "accounts", operation_id = "list_accounts", security(("api_key" = [])),
     params(AccountListParams),

@@ -1,6 +1,6 @@
-//! `GET /idempotency-keys/{key}` (contract section 4d): "did this request go through?",
+//! `GET /idempotency-keys/{key}` (docs/api.md, "Looking a key up"): "did this request go through?",
 //! answered from the key's row as the tenant may see it. Another tenant's key is the same 404
-//! as an unknown one: the key space is per tenant (contract section 5, rule 2).
+//! as an unknown one: the key space is per tenant (docs/api.md, Idempotency, rule 2).
 
 use actix_web::{web, HttpRequest, HttpResponse};
 use chrono::{DateTime, Utc};

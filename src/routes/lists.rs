@@ -1,4 +1,4 @@
-//! What every list shares (contract section 4d): Stripe's parameters read from the query
+//! What every list shares (docs/api.md, Lists): Stripe's parameters read from the query
 //! string into a [`PageRequest`] and the list's filters (400 `invalid_request`, naming the
 //! parameter, for anything else), the answer `{"object":"list","data","has_more","url"}`, and
 //! their OpenAPI description.

@@ -1,5 +1,5 @@
 //! `POST /payments` (alias `POST /pay`), `GET /payments/{id}`, `POST /payments/{id}/refund`,
-//! `GET /payments` (contract section 4d).
+//! `GET /payments` (docs/api.md, Lists).
 
 use actix_web::{web, HttpRequest, HttpResponse};
 use chrono::{DateTime, Utc};
@@ -212,7 +212,7 @@ impl utoipa::IntoParams for PaymentListParams {
     }
 }
 
-/// The tenant's payments, newest first (contract section 4d).
+/// The tenant's payments, newest first (docs/api.md, Lists).
 #[utoipa::path(
     get, path = "/payments", tag = "payments", operation_id = "list_payments", security(("api_key" = [])),
     params(PaymentListParams),

@@ -1,4 +1,4 @@
-//! The event log and delivery made visible and repairable (contract section 4d): `GET /events`,
+//! The event log and delivery made visible and repairable (docs/webhooks.md, "Delivering again"): `GET /events`,
 //! `GET /webhook-endpoints/{id}/attempts`, and the idempotent operations
 //! `POST /webhook-endpoints/{id}/events/{event_id}/resend` and
 //! `POST /webhook-endpoints/{id}/recover` (`POST /webhook-endpoints/{id}/enable` is in

@@ -1,6 +1,6 @@
 //! Schemas of the OpenAPI document that the handlers' types cannot derive: the values parsed
 //! at the edge (their limits come from the same constants as the parsers), the key header,
-//! and the problem responses of contract section 6.
+//! and the problem responses of docs/api.md, Errors.
 
 use utoipa::openapi::header::{Header, HeaderBuilder};
 use utoipa::openapi::path::{Parameter, ParameterBuilder, ParameterIn};
@@ -92,7 +92,7 @@ fn retry_after() -> Header {
 }
 
 /// A problem+json schema whose `code` is one of `codes` and whose `status` is `status`
-/// (`None`: any of the contract's).
+/// (`None`: any of docs/api.md's).
 fn problem_schema(status: Option<u16>, codes: &[&str]) -> ObjectBuilder {
     let status_schema = ObjectBuilder::new().schema_type(Type::Integer);
     let status_schema = match status {
@@ -119,7 +119,7 @@ fn problem_schema(status: Option<u16>, codes: &[&str]) -> ObjectBuilder {
         .required("code")
 }
 
-/// Every code of contract section 6 (and the opaque `internal_error` of a 500, and the
+/// Every code of docs/api.md, Errors (and the opaque `internal_error` of a 500, and the
 /// dispatcher's `headers_too_large`): the client crate's list.
 pub static PROBLEM_CODES: LazyLock<Vec<&'static str>> =
     LazyLock::new(|| ProblemCode::ALL.iter().map(|code| code.as_str()).collect());

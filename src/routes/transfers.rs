@@ -1,4 +1,4 @@
-//! `POST /transfers`, `GET /transfers/{id}`, `GET /transfers` (contract section 4d).
+//! `POST /transfers`, `GET /transfers/{id}`, `GET /transfers` (docs/api.md, Lists).
 
 use actix_web::{web, HttpRequest, HttpResponse};
 use chrono::{DateTime, Utc};
@@ -133,7 +133,7 @@ impl utoipa::IntoParams for TransferListParams {
     }
 }
 
-/// The tenant's transfers, newest first (contract section 4d); `account` keeps those with the
+/// The tenant's transfers, newest first (docs/api.md, Lists); `account` keeps those with the
 /// account on either side.
 #[utoipa::path(
     get, path = "/transfers", tag = "transfers", operation_id = "list_transfers", security(("api_key" = [])),

@@ -1,6 +1,6 @@
 //! `POST /webhook-endpoints`, `POST /webhook-endpoints/{id}/rotate-secret` and
 //! `POST /webhook-endpoints/{id}/enable` (idempotent operations), `GET /webhook-endpoints`,
-//! `DELETE /webhook-endpoints/{id}`, `GET /events/{id}` (contract sections 4c, 4d).
+//! `DELETE /webhook-endpoints/{id}`, `GET /events/{id}` (docs/webhooks.md, docs/api.md).
 
 use actix_web::{web, HttpRequest, HttpResponse};
 use chrono::{DateTime, Utc};

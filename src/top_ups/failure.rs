@@ -1,5 +1,5 @@
 //! What the processor's refusals and final statuses mean for a top-up: the processor's error
-//! `type` and `code` decide, the HTTP status only when they say nothing (contract section 4b).
+//! `type` and `code` decide, the HTTP status only when they say nothing (docs/top-ups.md).
 //!
 //! | the processor says | the top-up's `failure_code` | the answer (its key row) |
 //! | --- | --- | --- |
@@ -163,7 +163,7 @@ mod tests {
     }
 
     #[test]
-    fn every_failure_code_answers_with_a_code_of_the_contract() {
+    fn every_failure_code_answers_with_a_documented_code() {
         for (code, decline) in [
             ("card_declined", Decline::CardDeclined),
             ("authentication_required", Decline::CardDeclined),

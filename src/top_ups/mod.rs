@@ -1,5 +1,5 @@
 //! Card top-ups: the phases of migrations/V8 and V23 driven across the processor calls between
-//! them (Brandur Leach's atomic phases; contract section 4b; docs/top-ups.md).
+//! them (Brandur Leach's atomic phases; docs/top-ups.md; docs/top-ups.md).
 //!
 //! ```text
 //!  begin (tx) ──create PaymentIntent──▶ intent_created (tx) ──confirm──▶ succeed | fail (tx)

@@ -1,4 +1,4 @@
-//! Webhooks (contract section 4c): endpoints, the events' outbox, and their delivery.
+//! Webhooks (docs/webhooks.md): endpoints, the events' outbox, and their delivery.
 //!
 //! The outbox is written by the operations' own SQL functions, in the effect's transaction
 //! (`oncepay_emit_event`, migrations/V9): a change commits with its event or not at all, and

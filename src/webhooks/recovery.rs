@@ -1,4 +1,4 @@
-//! The event log and its repair (contract section 4d): the events kept
+//! The event log and its repair (docs/webhooks.md, "Delivering again"): the events kept
 //! (`ONCEPAY_EVENT_RETENTION_DAYS`, delivered or not) and an endpoint's attempts, listed like
 //! every list (`crate::ledger::lists` says how), and the two operations that deliver again:
 //! resend (one event to one endpoint) and recover (every event an endpoint never acknowledged

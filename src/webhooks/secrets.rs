@@ -3,7 +3,7 @@
 //! (`ONCEPAY_WEBHOOK_SECRET_KEY`). The tenant's id is the associated data: a ciphertext
 //! copied onto another tenant's endpoint does not decrypt.
 //!
-//! Without the key (a new installation, a test) webhooks still work, as the contract
+//! Without the key (a new installation, a test) webhooks still work, as docs/webhooks.md
 //! promises, but the secrets are stored as they are, and the server says so in its log at
 //! start-up: a database dump alone could then sign (docs/security.md). Each stored value
 //! says which it is (its first byte), so a key set later still opens the secrets stored

@@ -1,4 +1,5 @@
-//! The client commands of contract section 4d: the lists (`payments list`, `transfers list`,
+//! The client commands of the lists (docs/api.md, Lists) and of delivery's repair
+//! (docs/webhooks.md, "Delivering again"): the lists (`payments list`, `transfers list`,
 //! `top-ups list`, `account list`, `events list`, `webhooks attempts`), each printing every
 //! item of every page, one JSON object a line, newest first; the repairs (`webhooks resend`,
 //! `webhooks recover`, `webhooks enable`), keyed like every POST; and `get-idempotency-key`.

@@ -1,4 +1,4 @@
-//! The lists of payments, transfers, top-ups and accounts (contract section 4d), each read
+//! The lists of payments, transfers, top-ups and accounts (docs/api.md, Lists), each read
 //! through one index in its order (migrations/V24): `(tenant, created_at, id)`, or
 //! `(tenant, account, created_at, id)` for an account's payments and transfers.
 //!

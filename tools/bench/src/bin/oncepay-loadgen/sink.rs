@@ -2,7 +2,7 @@
 //! request whole (head and `Content-Length` body) and answers `200` with an empty body, on
 //! keep-alive connections, until it is killed; with `--delay-ms`, each answer after that long
 //! (the slow endpoints of the fair-shares steps). It verifies nothing: the tests' receiver
-//! does (tests/api/webhook_receiver.rs); here it only has to keep up.
+//! does (tests/api/support/webhook_receiver.rs); here it only has to keep up.
 
 use std::time::Duration;
 
