@@ -5,7 +5,8 @@
 # local cluster migrated by its own binary, the same load generator (this tree's), rounds
 # alternated so that the machine's drift falls on both sides alike. Scenarios: new payments
 # and replays (BENCH_AB_REPLAY_CACHE=0 turns this tree's replay cache off, for a comparison of
-# the database paths), c=32. Prints one line per step and the tree/base ratio per scenario.
+# the database paths), at BENCH_AB_CONCURRENCY clients (32). Prints one line per step and the
+# tree/base ratio per scenario.
 # BENCH_AB_BASE_ENV / BENCH_AB_TREE_ENV ("NAME=VALUE ...") add settings to one side's server:
 # with BASE_BIN=target/release the same build is compared with itself under other settings
 # (e.g. BENCH_AB_TREE_ENV="ONCEPAY_DB_POOL_SIZE=8").
@@ -18,6 +19,7 @@ cd "$top"
 
 base_bin="${BASE_BIN:?set BASE_BIN to the directory of the other build}"
 secs="${BENCH_AB_SECS:-10}"
+concurrency="${BENCH_AB_CONCURRENCY:-32}"
 rounds="${BENCH_AB_ROUNDS:-3}"
 port="${BENCH_AB_PORT:-18310}"
 accounts=10000
@@ -74,7 +76,7 @@ for round in $(seq "$rounds"); do
   for scenario in new replay; do
     for side in base tree; do
       "$lg" http --side "$side" --urls "${url[$side]}" --pids "${pid[$side]}" --api-key "${key[$side]}" \
-        --clock-ticks "$clk" --pg-pid "$pg_pid" --scenario "$scenario" --concurrency 32 --duration-secs "$secs" \
+        --clock-ticks "$clk" --pg-pid "$pg_pid" --scenario "$scenario" --concurrency "$concurrency" --duration-secs "$secs" \
         --round "$round" --accounts "$accounts" --replay-keys "$replay_keys" | tee -a "$out/results.jsonl" |
         python3 -c '
 import json, sys
