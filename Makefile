@@ -20,13 +20,15 @@ export SQLX_OFFLINE ?= true
 BIN := target/release/oncepay
 CARGO_TEST := $(shell cargo nextest --version >/dev/null 2>&1 && echo "cargo nextest run --workspace --no-fail-fast" || echo "cargo test --workspace --no-fail-fast")
 
-.PHONY: help run lab serve build install db-up db-down db-port-test readme-test migrate psql purge audit audit-bench test test-pgbouncer chaos check client-deps-check sqlx-check sqlx-prepare schema schema-check bench bench-quick bench-analyze callgrind sql-callgrind bench-ab clean-db openapi schemathesis alerts-test ha bench-ha
+.PHONY: help run lab tenant db-url serve build install db-up db-down db-port-test readme-test migrate psql purge audit audit-bench test test-pgbouncer chaos check client-deps-check sqlx-check sqlx-prepare schema schema-check bench bench-quick bench-analyze callgrind sql-callgrind bench-ab clean-db openapi schemathesis alerts-test ha bench-ha
 
 help:
 	@echo "make run      local database if needed, migrate, demo tenant, serve on 127.0.0.1:8130"
-	@echo "make lab      a new tenant with 10000 for the README's walkthrough: eval \"\$$(make lab)\" sets U, API, TENANT, ADMIN"
+	@echo "make lab      a new tenant with 10000 for the README's walkthrough: eval \"\$$(make lab)\" sets U, API, TENANT, ADMIN, STRIPE"
+	@echo "make tenant NAME=n [POLICY=reject|allow|fingerprint] [BALANCE=N]   a tenant via the CLI on make run's database"
+	@echo "make db-url   the DATABASE_URL make uses (the local cluster's unless set)"
 	@echo "make test     every test, against a real PostgreSQL (started if needed)"
-	@echo "make readme-test   the README's examples run against make run's server, their output compared"
+	@echo "make readme-test   the console blocks of README.md and docs/lab.md run against make run's server, their output compared"
 	@echo "make test-pgbouncer   the API tests with the servers behind PgBouncer in transaction mode"
 	@echo "make chaos    fault tests (kill -9, PostgreSQL restart, ...) on their own PostgreSQL cluster"
 	@echo "make audit    reconcile balances, key rows and payments; non-zero exit if an invariant is broken"
@@ -79,11 +81,23 @@ run: migrate
 	@scripts/run.sh $(BIN)
 
 # A new tenant with 10000 for the README's walkthrough, on the database `make run` serves:
-# prints the lines that set U, API, TENANT and ADMIN (eval "$$(make lab)"). Build output and
+# prints the lines that set U, API, TENANT, ADMIN and STRIPE (eval "$$(make lab)"). Build output and
 # notes go to stderr, so that stdout is only those lines.
 lab: db-up
 	@cargo build --release --locked --quiet >&2
 	@scripts/lab.sh $(BIN)
+
+# A tenant on the database `make run` serves, through the CLI: NAME required, POLICY (reject,
+# allow or fingerprint; default reject), BALANCE (main account, default 0). Prints the tenant as
+# JSON, its API key included (shown once). Build output goes to stderr.
+tenant: db-up
+	@[ -n "$(NAME)" ] || { echo "make tenant: NAME=... is required (POLICY=reject|allow|fingerprint, BALANCE=N optional)" >&2; exit 2; }
+	@cargo build --release --locked --quiet >&2
+	@$(BIN) tenant create --name "$(NAME)" --missing-key-policy "$(or $(POLICY),reject)" --main-balance "$(or $(BALANCE),0)"
+
+# The DATABASE_URL make uses: the local cluster's unless set (psql "$$(make -s db-url)").
+db-url:
+	@echo "$(DATABASE_URL)"
 
 purge: db-up build
 	$(BIN) purge
@@ -106,7 +120,7 @@ endif
 	DATABASE_URL="$(TEST_DATABASE_URL)" ONCEPAY_TEST_PG_CA="$$(scripts/db.sh ca)" \
 		ONCEPAY_TEST_LOCALSTRIPE="$$(scripts/localstripe.sh install)" $(CARGO_TEST) --locked
 
-# Every console block of README.md run against `make run`'s server and its output compared
+# Every console block of README.md and docs/lab.md run against `make run`'s server, output compared
 # (ids and times masked), and every link of README.md and docs/ kept inside the repository
 # (tests/readme/run.py). Starts `make run` and stops it afterwards (scripts/readme-test.sh).
 readme-test: db-up

@@ -738,4 +738,8 @@ cat "$out/outbox.md" "$out/webhook-delivery.md" "$out/fairness.md" >>"$out/REPOR
 # The targets, as the report states them.
 sed -n '/^| target |/,/^$/p' "$out/REPORT.md" | grep -v '^| ---' >&2
 grep '^p99 beside / alone' "$out/fairness.md" >&2 || true
+# A full run's yardstick targets are the README's table of current ratios (its Speed section).
+if [ "$quick" != 1 ] && [ "$out" = docs/bench ]; then
+  scripts/bench-readme.py "$out/REPORT.md" README.md >&2
+fi
 say "done: $out/REPORT.md"

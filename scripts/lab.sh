@@ -2,7 +2,7 @@
 # `make lab`: a new tenant "lab" (policy reject, account main with 10000) on the local database
 # of `make run`, and the shell lines that point the README's walkthrough at it:
 #
-#   eval "$(make lab)"     # sets U (the server's URL), API (its API key), TENANT, ADMIN
+#   eval "$(make lab)"     # sets U (the server's URL), API (its API key), TENANT, ADMIN, STRIPE
 #
 # Each run makes another tenant, so the walkthrough's balances and keys start afresh every time;
 # the demo tenant of `make run` is left as it is. ADMIN is ONCEPAY_ADMIN_TOKEN when set, else the

@@ -44,8 +44,10 @@ case "${1:-}" in
     cd "$dir"
     nohup "$exe" --port "$port" --from-scratch >"$dir/localstripe.log" 2>&1 &
     echo $! >"$dir/localstripe.pid"
+    # Refused connections are expected while it starts: curl stays quiet (-s without -S), and
+    # only a start that never answers is reported.
     for _ in $(seq 1 100); do
-      if curl -fsS -o /dev/null -u sk_test_oncepay: "http://127.0.0.1:$port/v1/payment_intents"; then
+      if curl -fs -o /dev/null -u sk_test_oncepay: "http://127.0.0.1:$port/v1/payment_intents" 2>/dev/null; then
         cat "$dir/localstripe.pid"; exit 0
       fi
       sleep 0.1

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# `make readme-test`: the README's examples against `make run`'s server. Starts `make run` in
-# the background (its own process group, its output in target/readme-test-server.log), waits
-# until it is ready, runs tests/readme/run.py, and stops the server again, also on failure.
+# `make readme-test`: the examples of README.md and docs/lab.md against `make run`'s server.
+# Starts `make run` in the background (its own process group, its output in
+# target/readme-test-server.log), waits until it is ready, runs tests/readme/run.py, and stops
+# the server again, also on failure.
 # Refuses to start while something answers on ONCEPAY_BIND (127.0.0.1:8130): stop that server,
 # or run tests/readme/run.py against it yourself.
 set -euo pipefail

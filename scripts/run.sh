@@ -20,25 +20,45 @@ if [ -z "${ONCEPAY_WEBHOOK_SECRET_KEY:-}" ]; then
   ONCEPAY_WEBHOOK_SECRET_KEY="$(cat "$demo/webhook_secret_key")"
 fi
 export ONCEPAY_WEBHOOK_SECRET_KEY
-# The demo serves on this machine, and the README's recovery walkthrough registers a receiver
+# The demo serves on this machine, and the lab's recovery walkthrough (docs/lab.md) registers a receiver
 # on it (127.0.0.1), which a real deployment refuses (docs/webhooks.md).
 export ONCEPAY_WEBHOOK_ALLOW_PRIVATE="${ONCEPAY_WEBHOOK_ALLOW_PRIVATE:-1}"
 
+# One demo tenant per database: its file is named after DATABASE_URL, so that pointing
+# `make run` at another database creates a tenant there and never overwrites the key made for
+# this one. A file whose tenant the database no longer has (a recreated database) is kept
+# aside under a dated name, never overwritten.
+db_id="$(printf '%s' "$DATABASE_URL" | sha256sum | cut -c1-12)"
+tenant_file="$demo/tenant-$db_id.json"
+# A database that cannot be asked stops the start (set -e), rather than counting as "not here".
+tenant_in_db() {
+  local found
+  found="$(psql -X -qtA -v ON_ERROR_STOP=1 "$DATABASE_URL" -c "SELECT count(*) FROM tenants WHERE tenant_id::text = '$1'")" || exit 1
+  [ "$found" = 1 ]
+}
+field() { sed -n "s/.*\"$1\":\"\([^\"]*\)\".*/\1/p" "$2"; }
+# The single tenant.json of earlier versions becomes this database's file if its tenant is here.
+if [ ! -s "$tenant_file" ] && [ -s "$demo/tenant.json" ] && tenant_in_db "$(field tenant_id "$demo/tenant.json")"; then
+  mv "$demo/tenant.json" "$tenant_file"
+fi
 tenant_id=""
-if [ -s "$demo/tenant.json" ]; then
-  tenant_id="$(sed -n 's/.*"tenant_id":"\([^"]*\)".*/\1/p' "$demo/tenant.json")"
-  exists="$(psql -X -qtA "$DATABASE_URL" -c "SELECT 1 FROM tenants WHERE tenant_id = '$tenant_id'" 2>/dev/null || true)"
-  [ "$exists" = 1 ] || tenant_id=""
+if [ -s "$tenant_file" ]; then
+  tenant_id="$(field tenant_id "$tenant_file")"
+  if ! tenant_in_db "$tenant_id"; then
+    old="${tenant_file%.json}.$(date -u +%Y%m%dT%H%M%SZ).old.json"
+    mv "$tenant_file" "$old"
+    echo "the demo tenant $tenant_id is not in this database any more: its file is kept as ${old#"$top/"}"
+    tenant_id=""
+  fi
 fi
 if [ -z "$tenant_id" ]; then
-  "$bin" tenant create --name demo --main-balance 10000 >"$demo/tenant.json"
-  chmod 600 "$demo/tenant.json"
-  tenant_id="$(sed -n 's/.*"tenant_id":"\([^"]*\)".*/\1/p' "$demo/tenant.json")"
+  (umask 077; "$bin" tenant create --name demo --main-balance 10000 >"$tenant_file")
+  tenant_id="$(field tenant_id "$tenant_file")"
   echo "created the demo tenant $tenant_id (main balance 10000)"
 else
   echo "reusing the demo tenant $tenant_id (balances untouched)"
 fi
-api_key="$(sed -n 's/.*"api_key":"\([^"]*\)".*/\1/p' "$demo/tenant.json")"
+api_key="$(field api_key "$tenant_file")"
 bind="${ONCEPAY_BIND:-127.0.0.1:8130}"
 
 # Card top-ups need a processor speaking Stripe's API: without ONCEPAY_PROCESSOR_URL, a local
@@ -62,6 +82,7 @@ cat <<TXT
   demo tenant : $tenant_id
   API key     : $api_key
   admin token : $ONCEPAY_ADMIN_TOKEN      (kept in .oncepay-demo/)
+  tenant file : ${tenant_file#"$top/"}
   processor   : $processor_note
 
   Try it:
@@ -71,7 +92,7 @@ cat <<TXT
 
   The server runs in this terminal until Ctrl-C. For the README's walkthrough, open a second
   terminal in $top and start with:
-    eval "\$(make lab)"      # a new tenant with 10000: sets U, API, TENANT and ADMIN
+    eval "\$(make lab)"      # a new tenant with 10000: sets U, API, TENANT, ADMIN and STRIPE
 
 TXT
 # Not exec: the trap stops localstripe when the server stops.

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""Runs the README's examples and compares their output with what the README shows.
+"""Runs the examples of README.md and docs/lab.md and compares their output with what the pages show.
 
-Every ```console block of README.md is executed, in the order of the file, in one bash
-session started in the repository's root (so that `pay`, `$U`, `$API`, `$TENANT` set by one
-block serve the next). In a block, a line starting with `$ ` is a command; it goes on over the
+Every ```console block of a page is executed, in the order of the page, in one bash session
+per page started in the repository's root (so that `pay`, `$U`, `$API`, `$TENANT` set by one
+block serve the next; each page starts with its own `eval "$(make lab)"`). In a block, a line starting with `$ ` is a command; it goes on over the
 following lines while it ends with `\\` or bash finds it incomplete (an open quote: a
 multi-line SQL string); the lines after it, up to the next command, are its expected output
 (stdout and stderr together, as a terminal shows them).
@@ -11,18 +11,19 @@ multi-line SQL string); the lines after it, up to the next command, are its expe
 A command passes when it exits 0 (a README command that shows a failure ends with
 `; echo "exit $?"`), its output ends with a newline, and its output matches, line by line,
 after masking what differs on every run:
-  - UUIDs (also written `4717c42b-…` in the README) become <uuid>;
+  - UUIDs (also written `4717c42b-…` in a page) become <uuid>;
   - timestamps (`2026-11-30T13:08:04.204465Z`, psql's `2026-11-30 13:08:04.2+00`) <time>;
   - durations `23:59:59` <duration>;
   - runs of blanks are one blank and runs of dashes `---` (psql's column widths);
-  - any other `…` in the README stands for any text within its line.
+  - any other `…` in a page stands for any text within its line.
 
 It also checks that no link of README.md or docs/ points outside the repository or to a file
-that does not exist, and that the files the README names (in backticks, and in the tree of
+that does not exist, and that the files the pages name (in backticks, and in the tree of
 its Development section) exist.
 
 The server must be running: `make readme-test` starts `make run` and runs this script against
-it (scripts/readme-test.sh). The closing line is "readme: N passed, N failed".
+it (scripts/readme-test.sh). Each result names its page and line; the closing line is
+"readme: N passed, N failed".
 """
 
 import difflib
@@ -35,6 +36,8 @@ from pathlib import Path
 
 TOP = Path(__file__).resolve().parents[2]
 README = TOP / "README.md"
+# The pages whose console blocks run, each in a bash session of its own, in this order.
+PAGES = [README, TOP / "docs" / "lab.md"]
 MARK = "\x1e"
 TIMEOUT_SECS = 600
 
@@ -43,7 +46,7 @@ TIME = r"\d{4}-\d\d-\d\d[T ]\d\d:\d\d:\d\d(?:\.\d+)?(?:Z|[+-]\d\d(?::\d\d)?)?"
 DURATION = r"\b\d\d:\d\d:\d\d(?:\.\d+)?\b"
 
 
-def console_blocks(text):
+def console_blocks(text, page):
     """(line number, [lines]) of every ```console block."""
     blocks, current, start = [], None, 0
     for number, line in enumerate(text.splitlines(), 1):
@@ -56,7 +59,7 @@ def console_blocks(text):
         else:
             current.append(line)
     if current is not None:
-        sys.exit(f"README.md:{start}: a ```console block is not closed")
+        sys.exit(f"{page}:{start}: a ```console block is not closed")
     return blocks
 
 
@@ -67,22 +70,22 @@ def complete(command):
     return subprocess.run(["bash", "-n", "-c", command], capture_output=True).returncode == 0
 
 
-def examples(text):
-    """[(line number, command, [expected lines])] in the order of the README."""
+def examples(text, page):
+    """[(line number, command, [expected lines])] in the order of the page."""
     found = []
-    for start, lines in console_blocks(text):
+    for start, lines in console_blocks(text, page):
         i = 0
         while i < len(lines):
             line = lines[i]
             if not line.startswith("$ "):
-                sys.exit(f"README.md:{start + i}: output before any command in a console block")
+                sys.exit(f"{page}:{start + i}: output before any command in a console block")
             number, command = start + i, line[2:]
             i += 1
             while not complete(command) and i < len(lines) and not lines[i].startswith("$ "):
                 command += "\n" + lines[i]
                 i += 1
             if not complete(command):
-                sys.exit(f"README.md:{number}: the command is incomplete: {command!r}")
+                sys.exit(f"{page}:{number}: the command is incomplete: {command!r}")
             expected = []
             while i < len(lines) and not lines[i].startswith("$ "):
                 expected.append(lines[i])
@@ -100,7 +103,7 @@ def run_all(commands):
     with tempfile.NamedTemporaryFile("w", suffix=".sh", delete=False) as f:
         f.write("\n".join(script) + "\n")
         path = f.name
-    # The README's make commands run as a reader's would, not as sub-makes of make readme-test
+    # The pages' make commands run as a reader's would, not as sub-makes of make readme-test
     # (which would print "Entering directory" lines).
     env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
     try:
@@ -128,8 +131,8 @@ def sh_quote(s):
     return "'" + s.replace("'", "'\\''") + "'"
 
 
-def mask(line, readme):
-    if readme:
+def mask(line, from_page):
+    if from_page:
         line = re.sub(r"[0-9a-f]{8}-…", "<uuid>", line)
     line = re.sub(UUID, "<uuid>", line)
     line = re.sub(TIME, "<time>", line)
@@ -166,7 +169,7 @@ def outside_links():
 
 
 def stale_names():
-    """Files the README names that the repository does not have: paths in backticks (a path
+    """Files the pages name that the repository does not have: paths in backticks (a path
     git ignores, like `.pgdata/`, is made by a command; `migrations/V3` names the file it
     begins), and the file and folder names of the tree drawn under "## Development"."""
     tracked = subprocess.run(["git", "ls-files"], cwd=TOP, capture_output=True, text=True, check=True).stdout.split()
@@ -181,12 +184,14 @@ def stale_names():
             or subprocess.run(["git", "check-ignore", "-q", path], cwd=TOP, capture_output=True).returncode == 0
         )
 
-    text = README.read_text()
     bad = []
-    for number, line in enumerate(text.splitlines(), 1):
-        for path in re.findall(r"`((?:[\w.-]+/)+[\w.-]*|[\w-]+\.(?:rs|sh|sql|md|json|yml|toml))`", line):
-            if not exists(path):
-                bad.append(f"README.md:{number}: `{path}`")
+    for doc in PAGES:
+        for number, line in enumerate(doc.read_text().splitlines(), 1):
+            for path in re.findall(r"`((?:[\w.-]+/)+[\w.-]*|[\w-]+\.(?:rs|sh|sql|md|json|yml|toml))`", line):
+                # docs/ pages name files from the repository's root, as the README does.
+                if not exists(path):
+                    bad.append(f"{doc.relative_to(TOP)}:{number}: `{path}`")
+    text = README.read_text()
     tree = re.search(r"## Development\n\n```\n(.*?)```", text, re.S)
     if tree:
         # Indented names are inside the folder of the last unindented one; the names of an
@@ -207,8 +212,10 @@ def stale_names():
     return bad
 
 
-def main():
-    found = examples(README.read_text())
+def run_page(doc):
+    """Runs one page's examples; (passed, failed)."""
+    page = str(doc.relative_to(TOP))
+    found = examples(doc.read_text(), page)
     results = run_all([command for _, command, _ in found])
     passed = failed = 0
     for (number, command, expected), (status, output) in zip(found, results):
@@ -222,19 +229,28 @@ def main():
         want = [mask(line, True) for line in expected]
         got = [mask(line, False) for line in output.splitlines()]
         if not matches(want, got):
-            diff = difflib.unified_diff(expected, output.splitlines(), "README.md", "actual", lineterm="", n=2)
+            diff = difflib.unified_diff(expected, output.splitlines(), page, "actual", lineterm="", n=2)
             problems.append("its output differs:\n    " + "\n    ".join(diff))
         first = command.splitlines()[0]
         if problems:
             failed += 1
-            print(f"FAIL README.md:{number}: $ {first}")
+            print(f"FAIL {page}:{number}: $ {first}")
             for problem in problems:
                 print(f"  {problem}")
         else:
             passed += 1
-            print(f"ok   README.md:{number}: $ {first}")
+            print(f"ok   {page}:{number}: $ {first}")
+    return passed, failed
+
+
+def main():
+    passed = failed = 0
+    for doc in PAGES:
+        page_passed, page_failed = run_page(doc)
+        passed += page_passed
+        failed += page_failed
     for check, what, ok_text in [
-        (stale_names, "the README names a file the repository lacks", "every file the README names exists"),
+        (stale_names, "a page names a file the repository lacks", "every file the pages name exists"),
         (outside_links, "link", "every link of README.md and docs/ leads to a file of the repository"),
     ]:
         found_problems = check()
