@@ -25,11 +25,11 @@
 //! - **Raised** by `1 / limit` (one a round of statements, additively) when fewer than
 //!   [`ALPHA`] statements queue while payments waited and the limit was what held them: the
 //!   database has room, and more statements in flight use it.
-//! - **Lowered** to [`BACKOFF`] of itself when more than [`BETA`] queue, or a statement took
-//!   [`STEP`] its baseline (a stall, whatever the limit): the database is the bound (its CPU,
-//!   its locks, its disk), and more statements only queue there, each with a smaller batch, at
-//!   a higher cost per payment. At most once a round (as many samples as the limit), so one
-//!   slow moment is one step down.
+//! - **Lowered** to [`BACKOFF`] of itself, and by one whole statement at least, when more
+//!   than [`BETA`] queue, or a statement took [`STEP`] its baseline (a stall, whatever the
+//!   limit): the database is the bound (its CPU, its locks, its disk), and more statements only
+//!   queue there, each with a smaller batch, at a higher cost per payment. At most once a round
+//!   (as many samples as the limit), so one slow moment is one step down.
 //! - Between the two it holds. It never goes below 1 nor above the ceiling (the pool).
 //!
 //! A fixed limit (`ONCEPAY_DB_BATCHES_IN_FLIGHT`) is the same type, which never moves.
@@ -168,7 +168,9 @@ impl Limit {
         let queued = sample.in_flight as f64 * (1.0 - 1.0 / ratio.max(1.0));
         if queued > BETA || ratio >= STEP {
             if self.calm == 0 {
-                self.value = (self.value * BACKOFF).max(self.floor);
+                // By one whole statement at least: the dispatcher counts whole statements, so
+                // a step within one (2.3 to 2.1) would change nothing it does.
+                self.value = (self.value * BACKOFF).min(self.value.floor() - 1.0).max(self.floor);
                 self.calm = self.current();
             }
         } else if queued < ALPHA && sample.waiting && sample.in_flight >= before {
@@ -254,6 +256,32 @@ mod tests {
             });
         }
         assert_eq!(idle.current(), 2);
+    }
+
+    #[test]
+    fn a_stall_takes_one_whole_statement_away_even_from_a_small_limit() {
+        let mut limit = Limit::adaptive(2, 32);
+        let calm = Sample {
+            latency: ms(2.0),
+            items: 1,
+            in_flight: 2,
+            waiting: true,
+        };
+        // Room and payments waiting: 2 becomes 2.5, still two statements.
+        assert_eq!(limit.observe(calm), Change::Held);
+        assert_eq!(limit.current(), 2);
+        // A stall: 2.5 x BACKOFF would still be two statements, which would change nothing.
+        let stall = Sample {
+            latency: ms(300.0),
+            ..calm
+        };
+        assert_eq!(limit.observe(stall), Change::Lowered);
+        assert_eq!(limit.current(), 1);
+        // Not below the floor.
+        for _ in 0..4 {
+            limit.observe(Sample { in_flight: 1, ..stall });
+        }
+        assert_eq!(limit.current(), 1);
     }
 
     #[test]
