@@ -183,7 +183,7 @@ check: sqlx-check schema-check client-deps-check
 	cargo clippy -p oncepay-client --all-targets --locked -- -D warnings
 
 # The client crate, and the protocol crate it shares with the server, compile no server crate
-# (contract section 1): fails if `cargo tree` shows one.
+# (README.md, development): fails if `cargo tree` shows one.
 client-deps-check:
 	@for package in oncepay-protocol oncepay-client; do \
 		deps="$$(cargo tree --locked -p $$package --all-features -e normal --prefix none --format '{p}')" || exit 1; \
@@ -266,7 +266,7 @@ sql-callgrind: db-up
 bench-ab: db-up
 	@scripts/bench-ab.sh
 
-# High availability (issue 11, docs/ha.md): etcd, three PostgreSQL 15 nodes under Patroni with
+# High availability (docs/ha.md): etcd, three PostgreSQL 15 nodes under Patroni with
 # strict synchronous replication, HAProxy to the leader, three oncepay instances, in network
 # namespaces of its own; five faults under load, then the books verified on the final leader.
 # Needs root; installs etcd, HAProxy and Patroni (PyPI, in a virtualenv) when missing. The
@@ -275,7 +275,7 @@ ha:
 	cargo build --release --locked -p oncepay -p oncepay-ha
 	@scripts/ha.sh run
 
-# The yardstick ratios where production runs (issue 21, docs/bench/ha/): the cluster of
+# The yardstick ratios where production runs (docs/bench/ha/): the cluster of
 # `make ha` with a 0.5 ms delay each way between its namespaces, and PgBouncer in transaction
 # mode in front of it; about 12 minutes, root. Writes docs/bench/ha/REPORT.md.
 bench-ha:

@@ -41,9 +41,9 @@ TARGETS = [
     ("sync-new-payments", "new", "oncepay", "yardstick", 1.5,
      "new payments, c=32, synchronous cluster: oncepay / yardstick `pay_once` (one round trip)"),
     ("sync-new-payments-c32", "new", "oncepay", "yardstick", 1.0,
-     "new payments, c=32, synchronous cluster: oncepay / yardstick `pay_once` (issue 37's floor)"),
+     "new payments, c=32, synchronous cluster: oncepay / yardstick `pay_once` (the batcher's floor)"),
     ("sync-new-payments-c128", "new", "oncepay", "yardstick", 1.2,
-     "new payments, c=128, synchronous cluster: oncepay / yardstick `pay_once` (issue 37)", 128),
+     "new payments, c=128, synchronous cluster: oncepay / yardstick `pay_once`", 128),
     ("sync-replays", "replay", "oncepay", "yardstick", 1.0,
      "replays, c=32, synchronous cluster: oncepay / yardstick replay `SELECT`"),
     ("pgbouncer-new-payments", "new", "pgbouncer, cache off", "direct, cache off", 0.9,
@@ -69,7 +69,7 @@ w("")
 for line in machine_lines:
     w(f"- {line}")
 w("")
-w("## Targets (issues 21 and 37), same run, c=32 unless named")
+w("## Targets, same run, c=32 unless named")
 w("")
 header("target", "goal", "measured", "met", "per round")
 lines = []
@@ -101,7 +101,7 @@ for line in lines:
 w("```")
 w("")
 
-w("## Statements in flight, chosen by the batcher (issue 37)")
+w("## Statements in flight, chosen by the batcher")
 w("")
 w("New payments: each oncepay side's limit on batch statements in flight when its steps ended "
   "(`oncepay_db_batches_in_flight_limit`, median over the rounds; the instances choose it from "

@@ -2,14 +2,14 @@
 # `make bench` (about 15 minutes) and `make bench-quick` (BENCH_QUICK=1, about 3): oncepay side
 # by side with two limits, in alternation so that machine drift hits all sides alike:
 #   - pgbench running the very SQL oncepay issues (bench/sql/), which moves when that SQL does;
-#   - the yardstick (bench/yardstick, issue 10): a fixed minimal payment transaction
+#   - the yardstick (bench/yardstick): a fixed minimal payment transaction
 #     and replay SELECT, loaded into a database of its own on the same cluster.
 # Every step records the CPU per request of oncepay, of the whole PostgreSQL cluster and of
 # the load generator (oncepay-loadgen or pgbench). A retry storm replays 10,000 finished keys
 # over three instances with the replay cache on and off. Card top-ups through oncepay are
 # measured against the same processor (localstripe) driven directly. Writes results.jsonl, REPORT.md and
 # PNG charts to $BENCH_OUT (docs/bench for the full run, target/bench-quick for the quick one).
-# The list steps (issue 39) page one tenant's 10 million payments (300,000 quick) against
+# The list steps (docs/api.md, lists) page one tenant's 10 million payments (300,000 quick) against
 # pgbench's bare SELECT of the same page, and pay while a client pages through every list.
 #
 # It builds in release mode, starts the local PostgreSQL if needed (scripts/db.sh, port
@@ -41,7 +41,7 @@ db="${BENCH_DB:-oncepay_bench}"
 ydb="${BENCH_YARDSTICK_DB:-oncepay_yardstick}"
 # An empty key table measured next to the largest one (growth, below).
 edb="${db}_empty"
-# One tenant with list_rows payments, for the list steps (issue 39, below), paged at list_c.
+# One tenant with list_rows payments, for the list steps (below), paged at list_c.
 ldb="${db}_lists"
 list_c=8
 replay_keys=10000
@@ -108,7 +108,7 @@ say() { echo "bench: $(date +%T) $*" >&2; }
 
 say "database $db"
 bench_database "$admin_url" "$url" "$bin" "$accounts"
-# A second tenant, the quiet one of the noisy-neighbour steps (issue 19).
+# A second tenant, the quiet one of the noisy-neighbour steps (docs/scaling.md, batches and tenants).
 main_tenant="$tenant" main_api_key="$api_key"
 bench_tenant "$url" "$bin" "$accounts" quiet
 quiet_api_key="$api_key"
@@ -117,7 +117,7 @@ bench_tenant "$url" "$bin" "$accounts" plain
 plain_api_key="$api_key"
 bench_tenant "$url" "$bin" "$accounts" hooked
 hooked_api_key="$api_key"
-# And two for the fair-shares steps (issue 35): one endpoint that answers at once, ten that
+# And two for the fair-shares steps (docs/webhooks.md, fair shares): one endpoint that answers at once, ten that
 # answer after 2 s.
 bench_tenant "$url" "$bin" "$accounts" fair
 fair_tenant="$tenant" fair_api_key="$api_key"
@@ -203,7 +203,7 @@ endpoint() { # api_key idempotency_key sink_port
 }
 endpoint "$fair_api_key" fair-endpoint "$sink_port"
 for i in $(seq 10); do endpoint "$slowpoke_api_key" "slow-endpoint-$i" "$slow_sink_port"; done
-# Card top-ups (issue 24): a localstripe of its own and an instance whose processor it is.
+# Card top-ups (docs/top-ups.md): a localstripe of its own and an instance whose processor it is.
 stripe_port=$((port + 60)) stripe_url="http://127.0.0.1:$((port + 60))" stripe_key=sk_test_oncepay
 stripe_pid="$(scripts/localstripe.sh start "$stripe_port" "$stripe_dir" 2>/dev/null)" \
   || { echo "bench: localstripe did not start ($stripe_dir/localstripe.log)" >&2; exit 1; }
@@ -246,7 +246,7 @@ yardstick() { # script scenario round [-D name=value ...]; at concurrency $yc (d
     --script "$yard/$script.sql" --scenario "$scenario" --concurrency "${yc:-32}" --duration-secs "$secs" \
     --round "$round" --clock-ticks "$clk" --pg-pid "$pg_pid" "$@" >>"$results"
 }
-# The adaptive batcher (issue 37): new payments against the yardstick at the same
+# The adaptive batcher (src/batch/limit.rs): new payments against the yardstick at the same
 # concurrency, one instance, its limit on statements in flight chosen from their latency
 # (recorded at each step's end). The main loop measures c=8 and c=32; the sweep adds 128 and
 # 512, then all four again with the PostgreSQL cluster pinned to half of the host's CPUs
@@ -304,7 +304,7 @@ noisy_neighbour() { # round
   if [ $(($1 % 2)) = 0 ]; then api_key="$quiet_api_key" http new 4 0 "$1" "$quiet_side" "$one" "${pids[0]}" --note alone; fi
 }
 
-# Webhooks (issue 20), same instance, same rounds, new payments at c=32 of a tenant with one
+# Webhooks (docs/webhooks.md), same instance, same rounds, new payments at c=32 of a tenant with one
 # endpoint subscribed to every event and of one without (the report compares them:
 # summary.rs, WEBHOOKS_*). Each round runs the pair "without, with (nothing delivering)" and
 # then the same pair in reverse order, ABBA: a difference of a few per cent (the outbox's own
@@ -400,7 +400,7 @@ webhook_delivery_report() {
   } >"$out/webhook-delivery.md"
 }
 
-# Card top-ups (issue 24): oncepay's POST /accounts/{id}/top-ups (its two processor calls, create
+# Card top-ups (docs/top-ups.md): oncepay's POST /accounts/{id}/top-ups (its two processor calls, create
 # and confirm, between its phases' transactions; docs/top-ups.md) against the same two calls
 # sent to the same localstripe directly (oncepay-loadgen --processor-direct: the same form and
 # headers, keep-alive connections as oncepay's client keeps), same concurrency and duration,
@@ -522,7 +522,7 @@ done
 outbox_row
 webhook_delivery_report
 
-# Fair shares (issue 35): the delivery latency of the fair tenant's one endpoint alone, and
+# Fair shares (docs/webhooks.md, fair shares): the delivery latency of the fair tenant's one endpoint alone, and
 # beside the slowpoke tenant, whose ten endpoints answer after 2 s and whose backlog alone
 # would take every slot of the deliverer (ten endpoints of 16 in flight each against 64
 # slots). A step: the slowpoke's backlog first (beside only: 600 payments, 6,000 deliveries,
@@ -649,7 +649,7 @@ psql -X -q -v ON_ERROR_STOP=1 "$eurl" -c "VACUUM (ANALYZE)"
 settle
 growth "$big" beside
 
-# Lists (issue 39), on a database of their own: one tenant with list_rows payments (and a
+# Lists (docs/api.md, lists), on a database of their own: one tenant with list_rows payments (and a
 # tenth as many transfers and events, a hundredth as many top-ups, its 10,000 accounts), so
 # that no other step's table grows by them. Per round, alternated (odd rounds pgbench first):
 #   1. a page of 100 payments, the first and one deep in the list (the items after the

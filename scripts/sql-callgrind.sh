@@ -12,7 +12,7 @@
 # replays of the seeded keys): instructions per call = (Ir(N2) - Ir(N1)) / (N2 - N1), which
 # cancels start-up and the first plans. Where a side has webhooks (V9 on), a second tenant with
 # one subscribed endpoint makes the third kind, `hooked`: new payments that write an event, the
-# outbox's own cost against `new` (issue 20; make bench measures the same in payments/s). Where
+# outbox's own cost against `new` (docs/webhooks.md; make bench measures it in payments/s). Where
 # a side has `oncepay_pay_batch` (V20), `batch` and `hooked-batch` are the same payments eight
 # to a call of it, prepared as the server's batch statement (src/ledger/effects.rs), counted per
 # payment: what a payment costs under load, where the batcher groups them. Where a side has

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `make db-port-test`: the local cluster starts while a client socket holds the port that was
-# its default until issue 23 (55130, inside Linux's ephemeral range 32768-60999, where any
+# its default until 2026-11 (55130, inside Linux's ephemeral range 32768-60999, where any
 # outgoing connection may be given it), and its port now lies below that range.
 #
 # The cluster is stopped first when it runs (so that `make db-up` really starts it) and is left

@@ -1,4 +1,4 @@
-//! API keys that rotate and revoke (issue 22, contract section 3): a tenant may hold several
+//! API keys that rotate and revoke (docs/api.md, authentication): a tenant may hold several
 //! keys; a new one is shown once and leaves the others valid; the list shows ids, creation and
 //! last use, never a secret; a revoked key is refused on every replica within one second.
 

@@ -360,8 +360,8 @@ async fn every_tenant_endpoint_has_a_typed_call() {
         .unwrap();
     let event = client.event(event_id).await.unwrap();
     assert_eq!(event.value.event_type, "payment.succeeded");
-    // The event log and its repair (contract section 4d): listed, resent, recovered; the
-    // attempts listed (none: no worker delivers in this test).
+    // The event log and its repair (docs/webhooks.md, delivering again): listed, resent,
+    // recovered; the attempts listed (none: no worker delivers in this test).
     let events = client.events().list(EventListParams::default()).page().await.unwrap();
     assert_eq!(events.value.data[0].id, event_id);
     let resent = client
@@ -409,7 +409,7 @@ async fn every_tenant_endpoint_has_a_typed_call() {
     );
     assert_eq!(account.value.balance, 700);
     assert_eq!(app.balance("u1").await, 699);
-    // The lists (contract section 4d), each streamed whole, newest first.
+    // The lists (docs/api.md, lists), each streamed whole, newest first.
     let payments: Vec<_> = client
         .payments()
         .list(PaymentListParams::default())

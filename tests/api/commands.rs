@@ -1,5 +1,5 @@
 //! The server-side commands of the real `oncepay` binary: serve's schema check, tenant
-//! create, purge (contract section 1).
+//! create, purge (docs/operations.md, commands).
 
 use std::time::{Duration, Instant};
 

@@ -1,4 +1,4 @@
-//! What a failover looks like from one PostgreSQL (issue 11, docs/ha.md): the database turns
+//! What a failover looks like from one PostgreSQL (docs/ha.md): the database turns
 //! read-only (a primary demoted to a standby: SQLSTATE 25006 read_only_sql_transaction) and
 //! its sessions are terminated (57P01). oncepay answers 503 with `Retry-After`, never 500,
 //! commits nothing, reports not ready, and recovers without a restart once writes work again.

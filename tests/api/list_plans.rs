@@ -1,4 +1,4 @@
-//! Every list reads its page through an index, however large its table (issue 39, part 1):
+//! Every list reads its page through an index, however large its table (docs/api.md, lists):
 //! on a database of its own with tens of thousands of rows of two tenants, analysed, each list
 //! query (as the server runs it, with a custom plan and with the generic plan a long-lived
 //! connection comes to) reads no row by a sequential scan and fetches about the page's rows

@@ -1,4 +1,4 @@
-//! The lists of contract section 4d: complete and stable while another client writes, newest
+//! The lists of docs/api.md: complete and stable while another client writes, newest
 //! first, each filter, `created[...]`, both cursors, and a clear 400 for every bad parameter or
 //! cursor (the plans are in `list_plans`).
 

@@ -1,6 +1,7 @@
-//! `ONCEPAY_DB_POOLER=transaction` (issue 12): what mode `none` puts in the start-up packet
-//! holds per transaction instead, and no prepared statement outlives its call. `make test`
-//! runs these against PostgreSQL itself, `make test-pgbouncer` through PgBouncer.
+//! `ONCEPAY_DB_POOLER=transaction` (docs/scaling.md, a connection pooler): what mode `none`
+//! puts in the start-up packet holds per transaction instead, and no prepared statement
+//! outlives its call. `make test` runs these against PostgreSQL itself, `make test-pgbouncer`
+//! through PgBouncer.
 
 use std::time::{Duration, Instant};
 

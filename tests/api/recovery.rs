@@ -1,7 +1,7 @@
-//! Delivery made visible and repairable (contract section 4d), against the tests' real
-//! receiver: the attempts listed, an event resent with its `webhook-id`, in its place among
-//! its resource's events, a recovery after an outage that outlasted the whole retry schedule
-//! delivering every missed event once, a disabled endpoint's recovery held until it is
+//! Delivery made visible and repairable (docs/webhooks.md, delivering again), against the
+//! tests' real receiver: the attempts listed, an event resent with its `webhook-id`, in its
+//! place among its resource's events, a recovery after an outage that outlasted the whole retry
+//! schedule delivering every missed event once, a disabled endpoint's recovery held until it is
 //! enabled, each POST idempotent by its key; and `GET /idempotency-keys/{key}`.
 
 use std::time::{Duration, Instant};

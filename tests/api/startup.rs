@@ -1,9 +1,10 @@
-//! `serve` started while its database is away (contract section 2): it binds and answers at
-//! once, `/healthz` 200, `/readyz` and every other call 503 with `Retry-After`, retries with
-//! backoff for as long as it takes, and serves once the database answers. Only a schema behind
-//! the binary stops it. The database is reached through a peer the test switches
-//! (`db_peer`): first it closes every connection (PostgreSQL down) or refuses the login as
-//! PgBouncer does after a failed server login, then it relays to the test cluster.
+//! `serve` started while its database is away (docs/operations.md, start-up while the database
+//! is away): it binds and answers at once, `/healthz` 200, `/readyz` and every other call 503
+//! with `Retry-After`, retries with backoff for as long as it takes, and serves once the
+//! database answers. Only a schema behind the binary stops it. The database is reached through
+//! a peer the test switches (`db_peer`): first it closes every connection (PostgreSQL down) or
+//! refuses the login as PgBouncer does after a failed server login, then it relays to the test
+//! cluster.
 
 use std::time::Duration;
 

@@ -2,7 +2,7 @@
 //! (`FaultProxy::start_stripe`), so that the top-up tests meet the processor Stripe documents
 //! and not only its emulator. Each rule is Stripe's documented behaviour (docs/top-ups.md,
 //! "What the tests emulate"); each has a test in `top_ups_stripe.rs` that fails on the code
-//! before issue 36.
+//! before V23.
 //!
 //! Always on:
 //! - **A saved 5xx**: a POST whose `Idempotency-Key` was first answered with a 5xx after

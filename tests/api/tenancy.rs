@@ -1,4 +1,4 @@
-//! Rule 2 and contract section 3: tenants never see each other.
+//! docs/api.md, authentication: tenants never see each other.
 
 use oncepay::domain::MissingKeyPolicy;
 use serde_json::json;

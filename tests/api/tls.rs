@@ -1,7 +1,7 @@
-//! HTTPS on both ends (issue 12, part 2): `serve` with ONCEPAY_TLS_CERT / ONCEPAY_TLS_KEY,
-//! the client and the CLI trusting the system's roots plus ONCEPAY_CA_CERT. The certificates
-//! are made at run time: a CA and a server certificate for localhost and 127.0.0.1, a
-//! certificate from a CA nobody trusts, and one for another host name.
+//! HTTPS on both ends (README.md, settings: ONCEPAY_TLS_CERT): `serve` with ONCEPAY_TLS_CERT /
+//! ONCEPAY_TLS_KEY, the client and the CLI trusting the system's roots plus ONCEPAY_CA_CERT.
+//! The certificates are made at run time: a CA and a server certificate for localhost and
+//! 127.0.0.1, a certificate from a CA nobody trusts, and one for another host name.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;

@@ -1,6 +1,6 @@
 //! `oncepay audit` with the processor configured, on every state a top-up row can be in, the
-//! unfinished ones first (issue 36, part 6): it always runs; a top-up unfinished past the
-//! completer's window is reported with its age and its PaymentIntent's status at the
+//! unfinished ones first (docs/top-ups.md, reconciliation): it always runs; a top-up unfinished
+//! past the completer's window is reported with its age and its PaymentIntent's status at the
 //! processor; one whose PaymentIntent succeeded while it is still processing is a broken
 //! invariant naming the PaymentIntent. The rows are written directly, an hour old, beside real
 //! PaymentIntents at localstripe.

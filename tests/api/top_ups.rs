@@ -1,6 +1,6 @@
 //! Card top-ups against a real processor emulator (localstripe), with this suite's own fault
 //! proxy between oncepay and it, and real `kill -9` of an oncepay process between phases.
-//! Every scenario checks the four promises of contract section 4b: at most one succeeded
+//! Every scenario checks the four promises of docs/top-ups.md: at most one succeeded
 //! PaymentIntent per top-up (listed at localstripe by its metadata), the balance credited
 //! exactly once iff one succeeded, the client's retries with the same key ending on the final
 //! answer, and `oncepay audit` (reading localstripe's PaymentIntents) clean.
@@ -861,7 +861,7 @@ async fn the_cli_tops_up_across_a_lost_answer() {
     assert!(declined.stderr.contains("card_declined"), "{}", declined.stderr);
 }
 
-/// Top-up events (contract section 4c; migrations/V10): each final state of a top-up is one
+/// Top-up events (docs/webhooks.md, the events): each final state of a top-up is one
 /// event, written in the transaction of its change and delivered signed, in order per top-up
 /// (`top_up.succeeded` before `top_up.refunded`); a decline is `top_up.failed`; a replay, a
 /// reused key and an unknown account write none. The data is the top-up as its `GET` shows it.

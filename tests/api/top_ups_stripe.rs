@@ -1,4 +1,4 @@
-//! Card top-ups against Stripe's rules that localstripe lacks (issue 36, contract section 4b),
+//! Card top-ups against Stripe's rules that localstripe lacks (docs/top-ups.md),
 //! applied by the fault proxy (`crate::stripe_rules`): a pinned `Stripe-Version`, 5xx answers
 //! saved under their key, automatic payment methods and their `return_url`, minimum amounts,
 //! refusals by code, PaymentIntents that wait (`requires_action`, `processing`), refunds that
@@ -146,7 +146,7 @@ async fn a_saved_500_before_the_confirmation_charged_confirms_under_the_next_key
 async fn a_payment_intent_is_created_for_cards_so_that_its_confirmation_needs_no_return_url() {
     let Rig { stripe, proxy, app } = rig(|_: &Incoming| Action::Forward, |_| {}).await;
     let key = new_key();
-    // Bounded: the code before issue 36 met the return_url refusal and looked again for ever.
+    // Bounded: the code before V23 met the return_url refusal and looked again for ever.
     let answers = retry_until_final(async || app.top_up(&key, "main", AMOUNT, VISA).await).await;
     let last = answers.last().unwrap();
     assert_eq!(last.status, 201, "{}", last.body);

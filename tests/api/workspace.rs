@@ -1,4 +1,4 @@
-//! The workspace's promise (contract section 1): a program that depends on `oncepay-client`
+//! The workspace's promise (README.md, development): a program that depends on `oncepay-client`
 //! alone compiles no actix-web, sqlx or refinery; nor does `oncepay-protocol`, the rules the
 //! client shares with the server.
 

@@ -131,7 +131,7 @@ async fn events_written_while_none_delivers_are_fanned_out_in_order_to_the_endpo
 }
 
 /// Events are kept `ONCEPAY_EVENT_RETENTION_DAYS` (30) from their creation, delivered or not
-/// (contract section 4d), then purged with their deliveries and attempts: one delivered long
+/// (docs/webhooks.md), then purged with their deliveries and attempts: one delivered long
 /// ago but created within the retention stays (before V24 it went a key retention after its
 /// delivery), one created before goes even with a delivery still pending.
 #[tokio::test]

@@ -4,7 +4,7 @@
 //! every retry) pay, refund and transfer, and send a third of their acknowledged payments
 //! again with the same key through another instance (replays read from the database during
 //! the faults), against three oncepay instances that reach a Patroni
-//! cluster through HAProxy, while the faults of issue 11 are injected one after another, with
+//! cluster through HAProxy, while the faults of docs/ha.md are injected one after another, with
 //! recovery between. Then, on the final leader: every acknowledged operation is in the books
 //! exactly once, no key has two effects, `oncepay audit` is clean, and every acknowledged
 //! payment's (and refund's) webhook event reached the tenant's endpoint, a receiver of this
@@ -34,7 +34,7 @@ use tokio::process::Command;
 
 use load::Journal;
 
-/// The faults of issue 11, in the order they are injected (scripts/ha.sh implements them).
+/// The faults of docs/ha.md, in the order they are injected (scripts/ha.sh implements them).
 const FAULTS: [&str; 5] = [
     "kill-postmaster",
     "switchover",
@@ -45,7 +45,7 @@ const FAULTS: [&str; 5] = [
 
 /// Concurrent clients.
 const CLIENTS: usize = 32;
-/// The target of issue 11 for the time without any acknowledged payment after a fault;
+/// The target of docs/ha.md for the time without any acknowledged payment after a fault;
 /// `HA_MAX_UNAVAILABLE_S` overrides it (docs/ha.md says when that is reasonable).
 const MAX_UNAVAILABLE_SECS: f64 = 15.0;
 /// How long the check waits for the last webhook events after the load.

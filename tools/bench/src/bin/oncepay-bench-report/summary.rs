@@ -1,5 +1,5 @@
 //! The figures: groups of rounds, ratios to the limits (pgbench running oncepay's own statement,
-//! and the fixed yardstick), the targets of issues 5 and 10, who spends the CPU, Markdown.
+//! and the fixed yardstick), the targets of docs/bench/README.md, who spends the CPU, Markdown.
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
@@ -172,7 +172,7 @@ fn webhook_ratio(groups: &Groups, note: &str) -> Option<f64> {
         .map(|(one, none)| one.throughput / none.throughput)
 }
 
-/// The list steps of scripts/bench.sh (issue 39): a page of 100 of one tenant's payments
+/// The list steps of scripts/bench.sh (docs/api.md, lists): a page of 100 of one tenant's payments
 /// (10 million in the full bench), the first one and one deep in the list (after a cursor
 /// halfway through), through oncepay (`GET /payments`) and as a bare indexed `SELECT ...
 /// LIMIT 100` of the same rows by pgbench, same concurrency, same rounds; and that tenant's new
@@ -208,7 +208,7 @@ fn paging_ratio(groups: &Groups) -> Option<f64> {
         .map(|(paging, none)| paging.throughput / none.throughput)
 }
 
-/// The top-up steps of scripts/bench.sh (issue 24): card top-ups through oncepay (side
+/// The top-up steps of scripts/bench.sh (docs/top-ups.md): card top-ups through oncepay (side
 /// `oncepay`), and the same two processor calls (create + confirm) sent to the same localstripe
 /// directly (this side), same concurrency, same rounds.
 pub const TOP_UP: &str = "top-up";
@@ -269,7 +269,7 @@ fn yardstick_ratio(groups: &Groups, k: &Key) -> Option<f64> {
 /// (scripts/bench.sh pins the cluster with taskset), where the database is the bound.
 pub const HALVED: &str = "PostgreSQL on half the CPUs";
 
-/// The concurrencies of the sweep (scripts/bench.sh, issue 37).
+/// The concurrencies of the sweep (scripts/bench.sh; src/batch/limit.rs).
 pub const SWEEP: [u32; 4] = [8, 32, 128, 512];
 
 /// New payments against the yardstick at each concurrency of the sweep, on the whole host
@@ -277,7 +277,7 @@ pub const SWEEP: [u32; 4] = [8, 32, 128, 512];
 fn sweep_table(w: &mut String, groups: &Groups) {
     let _ = writeln!(
         w,
-        "\n## Statements in flight, chosen by the batcher (issue 37)\n\n\
+        "\n## Statements in flight, chosen by the batcher\n\n\
          New payments at each concurrency, oncepay (one instance, its limit on batch statements in \
          flight chosen from their latency) against the yardstick at the same concurrency, same rounds; \
          `limit` is the limit when the step ended (mean over the rounds). Halved: the PostgreSQL \
@@ -783,7 +783,7 @@ fn top_up_table(w: &mut String, groups: &Groups) {
     }
     let _ = writeln!(
         w,
-        "\n## Card top-ups (issue 24)\n\nCard top-ups of random accounts (`POST /accounts/{{id}}/top-ups`, \
+        "\n## Card top-ups\n\nCard top-ups of random accounts (`POST /accounts/{{id}}/top-ups`, \
          `pm_card_visa`) through one oncepay instance whose processor is a localstripe of the bench's own, \
          and the same two calls oncepay makes per top-up (`POST /v1/payment_intents` with the same form and \
          headers, then `POST /v1/payment_intents/{{id}}/confirm`) sent to that localstripe directly over \
@@ -829,7 +829,7 @@ pub fn markdown(records: &[Record], groups: &Groups, machine: &str) -> String {
     }
     let _ = writeln!(
         w,
-        "\n## Targets (issue 10): against the yardstick, same run\n\nThe yardstick is \
+        "\n## Targets: against the yardstick, same run\n\nThe yardstick is \
          bench/yardstick, a fixed minimal payment transaction run by pgbench (`-M prepared -j 2`): \
          it does not move when oncepay's SQL changes. The last column is the same figure for pgbench running \
          oncepay's own statement (for the storm: with the cache off). The issue gives the two throughput \
@@ -838,7 +838,7 @@ pub fn markdown(records: &[Record], groups: &Groups, machine: &str) -> String {
     );
     target_table(w, yardstick_targets(groups), "own statement / cache off");
     missed_targets(w, groups);
-    let _ = writeln!(w, "\n## Targets (issue 5), measured side by side in this run\n");
+    let _ = writeln!(w, "\n## Targets, measured side by side in this run\n");
     target_table(w, targets(groups), "pgbench's own figure");
     sweep_table(w, groups);
     cpu_table(w, groups);
@@ -1035,7 +1035,7 @@ mod tests {
     fn the_report_has_a_top_up_section_and_row() {
         let records = [record(PROCESSOR_DIRECT, 1, 100, 0), record("oncepay", 1, 85, 1)];
         let md = markdown(&records, &group(&records), "");
-        assert!(md.contains("## Card top-ups (issue 24)"), "{md}");
+        assert!(md.contains("## Card top-ups"), "{md}");
         assert!(
             md.contains("| top-ups/s through oncepay / localstripe driven directly (create + confirm), same rounds | >= 0.8 | 0.85 | yes |"),
             "{md}"

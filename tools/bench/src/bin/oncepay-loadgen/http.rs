@@ -95,7 +95,7 @@ pub struct Args {
 /// Items per page of the list scenarios: the most a page holds.
 const PAGE_LIMIT: u32 = 100;
 
-/// The lists `page-lists` walks, in turn (contract section 4d).
+/// The lists `page-lists` walks, in turn (docs/api.md, lists).
 const LISTS: [&str; 5] = ["/payments", "/transfers", "/top-ups", "/accounts", "/events"];
 
 /// The amount of every top-up (cents), through oncepay and at the processor directly.
