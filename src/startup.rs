@@ -14,7 +14,8 @@ use std::sync::Arc;
 use actix_web::dev::Server;
 use actix_web::{middleware, web, App, HttpServer};
 use anyhow::Context;
-use tokio::task::{AbortHandle, JoinError};
+use tokio::task::{AbortHandle, JoinError, JoinHandle};
+use tokio_util::sync::CancellationToken;
 
 use crate::auth::TenantCache;
 use crate::batch::{Batcher, Limits};
@@ -178,7 +179,7 @@ impl Application {
         let operations_task = tokio::spawn(self.operations);
         let api = self.server.handle();
         let mut api_task = tokio::spawn(self.server);
-        let mut workers = Vec::new();
+        let mut workers = Workers::default();
         let outcome = tokio::select! {
             // Stopped (a signal) before the database was reached: nothing else started.
             joined = &mut api_task => served(joined),
@@ -199,9 +200,7 @@ impl Application {
         };
         operations.stop(true).await;
         let _ = operations_task.await;
-        for worker in workers {
-            worker.abort();
-        }
+        workers.stop().await;
         self.state.db.close().await;
         outcome
     }
@@ -217,9 +216,38 @@ fn served(joined: Result<std::io::Result<()>, JoinError>) -> anyhow::Result<()> 
     Ok(joined.context("the API server's task failed")??)
 }
 
+/// The background work that needs the database, to stop with the server.
+#[derive(Default)]
+struct Workers {
+    /// Stopped where they stand: a purge batch or a completer's drive cut short is a
+    /// transaction rolled back or a lease that runs out, taken up again by the next.
+    aborted: Vec<AbortHandle>,
+    /// The deliverer, told to stop and given the time to record its attempts in flight.
+    deliverer: Option<(CancellationToken, JoinHandle<()>)>,
+}
+
+impl Workers {
+    async fn stop(self) {
+        for worker in self.aborted {
+            worker.abort();
+        }
+        if let Some((stop, mut deliverer)) = self.deliverer {
+            stop.cancel();
+            // The drain bounds itself (the attempt timeout and the head's read, then three
+            // tries to record); this only guards against a record that never returns.
+            if tokio::time::timeout(DELIVERER_DRAIN_MAX, &mut deliverer).await.is_err() {
+                deliverer.abort();
+            }
+        }
+    }
+}
+
+/// The longest a graceful stop waits for the deliverer, beyond its own bounds.
+const DELIVERER_DRAIN_MAX: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// Starts the background work that needs the database: the purge schedule, the top-up
-/// completer, the webhook deliverer. Their handles, to stop them with the server.
-fn start_workers(state: &web::Data<AppState>, deliverer: Option<Arc<Deliverer>>) -> Vec<AbortHandle> {
+/// completer, the webhook deliverer.
+fn start_workers(state: &web::Data<AppState>, deliverer: Option<Arc<Deliverer>>) -> Workers {
     let mut workers = Vec::new();
     if let Some(every) = state.settings.purge_interval {
         let state = state.clone();
@@ -238,8 +266,12 @@ fn start_workers(state: &web::Data<AppState>, deliverer: Option<Arc<Deliverer>>)
         let counters = state.metrics.completer.clone();
         workers.push(tokio::spawn(completer::run(top_ups, after, counters)).abort_handle());
     }
-    if let Some(deliverer) = deliverer {
-        workers.push(tokio::spawn(deliverer.run()).abort_handle());
+    let deliverer = deliverer.map(|deliverer| {
+        let stop = CancellationToken::new();
+        (stop.clone(), tokio::spawn(deliverer.run(stop)))
+    });
+    Workers {
+        aborted: workers,
+        deliverer,
     }
-    workers
 }

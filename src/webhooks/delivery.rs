@@ -36,6 +36,7 @@ use prometheus::{Gauge, Histogram, IntCounterVec, IntGauge, IntGaugeVec};
 use rand::Rng as _;
 use reqwest::header::{HeaderMap, CONTENT_TYPE, RETRY_AFTER};
 use tokio::sync::{mpsc, Semaphore};
+use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use super::secrets::SecretBox;
@@ -223,13 +224,14 @@ impl Deliverer {
         })
     }
 
-    /// Runs the worker until the task is dropped. One round trip at a time, in a loop: the
-    /// attempts that ended since the last are recorded together, then as many due deliveries
-    /// are claimed as attempts may start. It claims again at once when it took all it asked
-    /// for (more may be due), and otherwise waits for an attempt to end or for
-    /// `ONCEPAY_WEBHOOK_POLL_MS`, whichever comes first: an endpoint at its bound gets its
-    /// next delivery as soon as one of its attempts ends, not a poll later.
-    pub async fn run(self: Arc<Self>) {
+    /// Runs the worker until `stop` is cancelled (then [`Self::drain`]s it) or the task is
+    /// dropped. One round trip at a time, in a loop: the attempts that ended since the last
+    /// are recorded together, then as many due deliveries are claimed as attempts may start.
+    /// It claims again at once when it took all it asked for (more may be due), and otherwise
+    /// waits for an attempt to end or for `ONCEPAY_WEBHOOK_POLL_MS`, whichever comes first: an
+    /// endpoint at its bound gets its next delivery as soon as one of its attempts ends, not a
+    /// poll later.
+    pub async fn run(self: Arc<Self>, stop: CancellationToken) {
         let slots = Arc::new(Semaphore::new(self.settings.concurrency));
         let (ended_tx, mut ended_rx) = mpsc::unbounded_channel::<Ended>();
         let gauges = tokio::spawn(self.clone().refresh_gauges());
@@ -245,6 +247,9 @@ impl Deliverer {
             if !ended.is_empty() && !self.record(&mut ended).await {
                 tokio::time::sleep(RECORD_RETRY).await;
                 continue;
+            }
+            if stop.is_cancelled() {
+                return self.drain(&slots, ended_rx, ended).await;
             }
             let free = slots.available_permits().min(CLAIM_MAX);
             let mut more_due = false;
@@ -267,9 +272,11 @@ impl Deliverer {
                             let (this, tx) = (self.clone(), ended_tx.clone());
                             tokio::spawn(async move {
                                 let e = this.deliver(c).await;
-                                drop(permit);
                                 // Only fails once the worker is gone: the lease then runs out.
                                 let _ = tx.send(e);
+                                // After the result is sent: a drain that sees every permit
+                                // back has every result in its channel.
+                                drop(permit);
                             });
                         }
                     }
@@ -281,7 +288,11 @@ impl Deliverer {
                 }
             }
             if !more_due {
-                if let Ok(Some(e)) = tokio::time::timeout(self.settings.poll, ended_rx.recv()).await {
+                let waited = tokio::select! {
+                    waited = tokio::time::timeout(self.settings.poll, ended_rx.recv()) => waited,
+                    () = stop.cancelled() => continue,
+                };
+                if let Ok(Some(e)) = waited {
                     shares.ended(e.result.tenant);
                     ended.push(e);
                     // Attempts still in flight tend to end together: a moment's wait lets one
@@ -292,6 +303,43 @@ impl Deliverer {
                     }
                 }
             }
+        }
+    }
+
+    /// The worker's end on a graceful stop: nothing more is claimed, the attempts in flight
+    /// end (each within the attempt timeout and its head's read) and are recorded, so that a
+    /// replica stopped in a rolling restart neither loses their answers nor has them sent
+    /// again a lease later. Bounded: what has not ended by then, or a database that refuses
+    /// the record three times, is left to the leases, as after a crash.
+    async fn drain(&self, slots: &Semaphore, mut ended_rx: mpsc::UnboundedReceiver<Ended>, mut ended: Vec<Ended>) {
+        let deadline = tokio::time::Instant::now() + self.settings.timeout + HEAD_READ;
+        let in_flight = self.settings.concurrency - slots.available_permits();
+        tracing::info!(
+            in_flight,
+            "webhook deliverer stopping: recording the attempts in flight"
+        );
+        while slots.available_permits() < self.settings.concurrency {
+            match tokio::time::timeout_at(deadline, ended_rx.recv()).await {
+                Ok(Some(e)) => ended.push(e),
+                _ => break,
+            }
+        }
+        while let Ok(e) = ended_rx.try_recv() {
+            ended.push(e);
+        }
+        for _ in 0..3 {
+            if ended.is_empty() || self.record(&mut ended).await {
+                break;
+            }
+            tokio::time::sleep(RECORD_RETRY).await;
+        }
+        let left = self.settings.concurrency - slots.available_permits();
+        if left > 0 || !ended.is_empty() {
+            tracing::warn!(
+                in_flight = left,
+                unrecorded = ended.len(),
+                "webhook deliverer stopped with attempts unrecorded; their leases will run out"
+            );
         }
     }
 

@@ -38,10 +38,10 @@ where
 }
 
 /// `(state, count)` of the tenant's deliveries.
-async fn delivery_states(app: &TestApp, tenant: Uuid) -> Vec<(String, i64)> {
+async fn delivery_states(pool: &sqlx::PgPool, tenant: Uuid) -> Vec<(String, i64)> {
     sqlx::query_as("SELECT state, count(*) FROM webhook_deliveries WHERE tenant_id = $1 GROUP BY state ORDER BY state")
         .bind(tenant)
-        .fetch_all(&app.pool)
+        .fetch_all(pool)
         .await
         .unwrap()
 }
@@ -136,7 +136,7 @@ async fn a_2xx_whose_body_stalls_after_its_status_is_a_delivery() {
         pay(&app, 10).await;
     }
     wait_until("three deliveries delivered", Duration::from_secs(20), || async {
-        delivery_states(&app, app.tenant_id).await == [("delivered".to_owned(), 3)]
+        delivery_states(&app.pool, app.tenant_id).await == [("delivered".to_owned(), 3)]
     })
     .await;
     let attempts: Vec<(i32, Option<i16>, Option<String>, i32)> =
@@ -253,7 +253,7 @@ async fn an_endpoint_disabled_for_failing_or_gone_keeps_its_events_until_it_is_e
     // A change made while they are disabled: its deliveries are written, held.
     let second = pay(&app, 10).await;
     wait_until("every delivery held", WAIT, || async {
-        delivery_states(&app, app.tenant_id).await == [("held".to_owned(), 4)]
+        delivery_states(&app.pool, app.tenant_id).await == [("held".to_owned(), 4)]
     })
     .await;
     let (sent_to_failing, sent_to_gone) = (failing.messages().len(), gone.messages().len());
@@ -340,7 +340,7 @@ async fn a_replica_that_cannot_decrypt_a_secret_defers_without_counting_against_
     .unwrap();
     assert_eq!((attempt_rows, attempts, failing_since), (0, 0, None));
     assert_eq!(
-        delivery_states(&creator, creator.tenant_id).await,
+        delivery_states(&creator.pool, creator.tenant_id).await,
         [("pending".to_owned(), 3)]
     );
     assert_eq!(listed(&creator, &endpoint).await["status"], "enabled");
@@ -495,61 +495,53 @@ async fn an_address_that_is_not_global_unicast_is_refused_however_it_is_spelled(
     assert_eq!(endpoints_stored(&app).await, 0);
 }
 
-/// The deliveries' client takes no proxy from the environment (a proxy resolves the name
-/// itself, past the rebinding guard): with `HTTP_PROXY` and `ALL_PROXY` pointing at a proxy
-/// of the test's, `oncepay serve` delivers straight to the receiver, and the proxy sees no
-/// connection.
-#[tokio::test]
-async fn deliveries_take_no_proxy_from_the_environment() {
-    let url = crate::support::helpers::empty_database("no_proxy").await;
+/// A migrated database of the test's own with one tenant: its URL, a pool, the tenant and
+/// its API key.
+async fn database_with_tenant(name_hint: &str) -> (String, sqlx::PgPool, Uuid, String) {
+    let url = crate::support::helpers::empty_database(name_hint).await;
     oncepay::db::migrate(&url).await.unwrap();
     let pool = sqlx::PgPool::connect(&url).await.unwrap();
-    let (_, api_key) = new_tenant(&pool, MissingKeyPolicy::Reject).await;
-    let proxy = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let proxy_url = format!("http://127.0.0.1:{}", proxy.local_addr().unwrap().port());
-    let proxied = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let counted = proxied.clone();
-    let _proxy = tokio::spawn(async move {
-        while let Ok((stream, _)) = proxy.accept().await {
-            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            drop(stream);
-        }
-    });
+    let (tenant, api_key) = new_tenant(&pool, MissingKeyPolicy::Reject).await;
+    (url, pool, tenant, api_key)
+}
+
+/// `oncepay serve`, the binary, on the database at `url` with deliveries to private addresses
+/// allowed and a 50 ms poll, `env` added; its base URL.
+fn serve(url: &str, env: &[(&str, &str)]) -> (tokio::process::Child, String) {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
         .unwrap()
         .port();
-    let _server = tokio::process::Command::new(env!("CARGO_BIN_EXE_oncepay"))
+    let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_oncepay"));
+    command
         .arg("serve")
-        .env("DATABASE_URL", server_url(&url))
+        .env("DATABASE_URL", server_url(url))
         .env("ONCEPAY_BIND", format!("127.0.0.1:{port}"))
         .env("ONCEPAY_METRICS_BIND", "127.0.0.1:0")
         .env("ONCEPAY_WEBHOOK_ALLOW_PRIVATE", "1")
         .env("ONCEPAY_WEBHOOK_POLL_MS", "50")
-        .env("HTTP_PROXY", &proxy_url)
-        .env("http_proxy", &proxy_url)
-        .env("HTTPS_PROXY", &proxy_url)
-        .env("ALL_PROXY", &proxy_url)
-        .env_remove("NO_PROXY")
-        .env_remove("no_proxy")
         .stderr(std::process::Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
+        .kill_on_drop(true);
+    for (name, value) in env {
+        command.env(name, value);
+    }
+    (command.spawn().unwrap(), format!("http://127.0.0.1:{port}"))
+}
+
+/// Creates an endpoint for `receiver` through the server at `base` once it answers (503 until
+/// it has reached its database), gives the receiver its secret, and pays once.
+async fn subscribe_and_pay(base: &str, api_key: &str, receiver: &Receiver) {
     let client = crate::support::helpers::client();
-    let base = format!("http://127.0.0.1:{port}");
-    let receiver = Receiver::start().await;
     let mut created = None;
     for _ in 0..100 {
         let sent = client
             .post(format!("{base}/webhook-endpoints"))
-            .bearer_auth(&api_key)
-            .header("Idempotency-Key", "proxy-endpoint")
+            .bearer_auth(api_key)
+            .header("Idempotency-Key", "serve-endpoint")
             .json(&json!({ "url": receiver.url() }))
             .send()
             .await;
-        // 503 until it has reached its database.
         if let Ok(response) = sent.as_ref().map(|r| r.status()) {
             if response == 201 {
                 created = Some(sent.unwrap().json::<serde_json::Value>().await.unwrap());
@@ -562,19 +554,89 @@ async fn deliveries_take_no_proxy_from_the_environment() {
     receiver.set_secret(created["secret"].as_str().unwrap());
     let paid = client
         .post(format!("{base}/payments"))
-        .bearer_auth(&api_key)
-        .header("Idempotency-Key", "proxy-payment")
+        .bearer_auth(api_key)
+        .header("Idempotency-Key", "serve-payment")
         .json(&json!({ "amount": 10 }))
         .send()
         .await
         .unwrap();
     assert_eq!(paid.status(), 201);
+}
+
+/// The deliveries' client takes no proxy from the environment (a proxy resolves the name
+/// itself, past the rebinding guard): with `HTTP_PROXY` and `ALL_PROXY` pointing at a proxy
+/// of the test's, `oncepay serve` delivers straight to the receiver, and the proxy sees no
+/// connection.
+#[tokio::test]
+async fn deliveries_take_no_proxy_from_the_environment() {
+    let (url, pool, _, api_key) = database_with_tenant("no_proxy").await;
+    let proxy = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let proxy_url = format!("http://127.0.0.1:{}", proxy.local_addr().unwrap().port());
+    let proxied = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = proxied.clone();
+    let _proxy = tokio::spawn(async move {
+        while let Ok((stream, _)) = proxy.accept().await {
+            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            drop(stream);
+        }
+    });
+    let proxy_env = ["HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "ALL_PROXY"].map(|name| (name, proxy_url.as_str()));
+    let (_server, base) = serve(&url, &proxy_env);
+    let receiver = Receiver::start().await;
+    subscribe_and_pay(&base, &api_key, &receiver).await;
     receiver.wait_for_acknowledged(1, Duration::from_secs(30)).await;
     assert_eq!(
         proxied.load(std::sync::atomic::Ordering::SeqCst),
         0,
         "a delivery went through the proxy"
     );
+    pool.close().await;
+    drop_database(&url).await;
+}
+
+/// A replica stopped gracefully (SIGTERM, as a rolling restart does) while an attempt is in
+/// flight waits for its answer and records it before it exits: the delivery is delivered and
+/// its attempt listed at once, not left to a lease that runs out and sends it again.
+#[tokio::test]
+async fn a_replica_stopped_gracefully_records_the_attempts_in_flight() {
+    let (url, pool, tenant, api_key) = database_with_tenant("graceful_stop").await;
+    let (mut server, base) = serve(&url, &[]);
+    let receiver = Receiver::start().await;
+    receiver.set_delay(Duration::from_millis(1500));
+    subscribe_and_pay(&base, &api_key, &receiver).await;
+    wait_until("the attempt reaches the receiver", Duration::from_secs(10), || async {
+        receiver.in_flight() == 1
+    })
+    .await;
+
+    let pid = server.id().unwrap().to_string();
+    assert!(std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let status = tokio::time::timeout(Duration::from_secs(20), server.wait())
+        .await
+        .expect("serve stops within 20 s of SIGTERM")
+        .unwrap();
+    assert_eq!(status.code(), Some(0), "a clean stop");
+    assert_eq!(
+        receiver.acknowledged().len(),
+        1,
+        "the receiver answered before the stop ended"
+    );
+    assert_eq!(
+        delivery_states(&pool, tenant).await,
+        [("delivered".to_owned(), 1)],
+        "recorded before the process exited"
+    );
+    let attempts: Vec<(i32, Option<i16>)> =
+        sqlx::query_as("SELECT attempt, status FROM webhook_attempts WHERE tenant_id = $1")
+            .bind(tenant)
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(attempts, [(1, Some(200))]);
     pool.close().await;
     drop_database(&url).await;
 }
