@@ -138,7 +138,8 @@ async fn a_recovery_after_an_outage_longer_than_the_schedule_delivers_every_miss
 
 #[tokio::test]
 async fn a_resent_event_arrives_again_with_its_webhook_id_and_once_per_key() {
-    let app = TestApp::builder().settings(delivering).spawn().await;
+    // Alone on its database: it counts the messages exactly (see `short_schedule_app`).
+    let (app, url) = spawn_app_on_own_database_with("recovery_resend", delivering).await;
     let receiver = Receiver::start().await;
     let endpoint = subscribe(&app, &receiver, None).await;
     let refunds_only = Receiver::start().await;
@@ -186,6 +187,8 @@ async fn a_resent_event_arrives_again_with_its_webhook_id_and_once_per_key() {
     replayed.assert_problem(404, "not_found");
     assert!(replayed.replayed());
     assert!(refunds_only.messages().is_empty());
+    drop(app);
+    drop_database(&url).await;
 }
 
 async fn wait_for_messages(receiver: &Receiver, n: usize) {
