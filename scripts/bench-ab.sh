@@ -5,8 +5,10 @@
 # local cluster migrated by its own binary, the same load generator (this tree's), rounds
 # alternated so that the machine's drift falls on both sides alike. Scenarios: new payments
 # and replays (BENCH_AB_REPLAY_CACHE=0 turns this tree's replay cache off, for a comparison of
-# the database paths), at BENCH_AB_CONCURRENCY clients (32). Prints one line per step and the
-# tree/base ratio per scenario.
+# the database paths), at BENCH_AB_CONCURRENCY clients (32); BENCH_AB_SCENARIOS names others
+# of oncepay-loadgen's (e.g. "list-first": the first page of 100 of GET /payments, over the
+# payments the other scenarios made). Prints one line per step and the tree/base ratio per
+# scenario.
 # BENCH_AB_BASE_ENV / BENCH_AB_TREE_ENV ("NAME=VALUE ...") add settings to one side's server:
 # with BASE_BIN=target/release the same build is compared with itself under other settings
 # (e.g. BENCH_AB_TREE_ENV="ONCEPAY_DB_POOL_SIZE=8").
@@ -21,6 +23,7 @@ base_bin="${BASE_BIN:?set BASE_BIN to the directory of the other build}"
 secs="${BENCH_AB_SECS:-10}"
 concurrency="${BENCH_AB_CONCURRENCY:-32}"
 rounds="${BENCH_AB_ROUNDS:-3}"
+scenarios="${BENCH_AB_SCENARIOS:-new replay}"
 port="${BENCH_AB_PORT:-18310}"
 accounts=10000
 replay_keys=10000
@@ -73,7 +76,7 @@ setup tree target/release/oncepay "$((port + 1))" ONCEPAY_REPLAY_CACHE_ENTRIES="
 
 printf '%-8s %-5s %-6s %10s %12s %12s %8s\n' scenario side round "req/s" "server µs" "postgres µs" errors
 for round in $(seq "$rounds"); do
-  for scenario in new replay; do
+  for scenario in $scenarios; do
     for side in base tree; do
       "$lg" http --side "$side" --urls "${url[$side]}" --pids "${pid[$side]}" --api-key "${key[$side]}" \
         --clock-ticks "$clk" --pg-pid "$pg_pid" --scenario "$scenario" --concurrency "$concurrency" --duration-secs "$secs" \
@@ -87,10 +90,10 @@ print("%-8s %-5s %-6d %10.0f %12s %12s %8d" % (r["scenario"], r["side"], r["roun
     done
   done
 done
-python3 - "$out/results.jsonl" <<'EOF'
+python3 - "$out/results.jsonl" $scenarios <<'EOF'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
-for scenario in ("new", "replay"):
+for scenario in sys.argv[2:]:
     t = {s: statistics.median(r["throughput"] for r in rows if r["scenario"] == scenario and r["side"] == s)
          for s in ("base", "tree")}
     pg = {s: statistics.median(r["pg_cpu_secs_per_request"] for r in rows if r["scenario"] == scenario and r["side"] == s)

@@ -4,7 +4,22 @@ use sqlx::PgConnection;
 
 use crate::domain::page::{Page, PageRequest};
 use crate::domain::{AccountId, TenantId};
-use crate::ledger::rows::AccountRow;
+use crate::ledger::rows::{AccountRow, SqlAccountId, SqlBalance, SqlOpeningBalance};
+
+/// An account's row from a list query's columns (the domains' columns arrive as their base
+/// types).
+macro_rules! account_row {
+    ($r:expr) => {{
+        let r = $r;
+        AccountRow {
+            tenant_id: r.tenant_id,
+            account_id: SqlAccountId(r.account_id),
+            balance: SqlBalance(r.balance),
+            opening_balance: SqlOpeningBalance(r.opening_balance),
+            created_at: r.created_at,
+        }
+    }};
+}
 
 /// `GET /accounts`: the tenant's accounts. `None`: the cursor is no account of the tenant's.
 pub async fn accounts(
@@ -14,9 +29,10 @@ pub async fn accounts(
 ) -> Result<Option<Page<AccountRow>>, sqlx::Error> {
     let cursor = page.cursor_id().map(AccountId::as_str);
     let (from, until) = (page.created.from, page.created.until);
-    let rows = if page.newer() {
-        sqlx::query_scalar!(
-            r#"SELECT r AS "r!: AccountRow" FROM accounts r
+    let rows: Vec<AccountRow> = if page.newer() {
+        sqlx::query!(
+            r#"SELECT r.tenant_id, r.account_id, r.balance, r.opening_balance, r.created_at
+                FROM accounts r
                 WHERE r.tenant_id = $1
                   AND (r.created_at, r.account_id) >
                       ((SELECT c.created_at FROM accounts c WHERE c.tenant_id = $1 AND c.account_id = $2), $2::text)
@@ -31,10 +47,14 @@ pub async fn accounts(
         )
         .fetch_all(&mut *conn)
         .await?
+        .into_iter()
+        .map(|r| account_row!(r))
+        .collect()
     } else {
         // Without a cursor, ('infinity', '') is after every account.
-        sqlx::query_scalar!(
-            r#"SELECT r AS "r!: AccountRow" FROM accounts r
+        sqlx::query!(
+            r#"SELECT r.tenant_id, r.account_id, r.balance, r.opening_balance, r.created_at
+                FROM accounts r
                 WHERE r.tenant_id = $1
                   AND (r.created_at, r.account_id) <
                       (CASE WHEN $2::text IS NULL THEN 'infinity'::timestamptz
@@ -51,6 +71,9 @@ pub async fn accounts(
         )
         .fetch_all(&mut *conn)
         .await?
+        .into_iter()
+        .map(|r| account_row!(r))
+        .collect()
     };
     if let (true, Some(id)) = (rows.is_empty(), cursor) {
         let known = sqlx::query_scalar!(

@@ -5,7 +5,7 @@ use sqlx::PgConnection;
 
 use crate::domain::page::{Page, PageRequest};
 use crate::domain::{AccountId, PaymentId, TenantId};
-use crate::ledger::rows::PaymentRow;
+use crate::ledger::rows::{PaymentRow, SqlAmount, SqlBalance};
 
 /// A payment's status as lists filter it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -31,6 +31,25 @@ impl PaymentStatus {
     }
 }
 
+/// A payment's row from a list query's columns (the domains' columns arrive as their base
+/// types).
+macro_rules! payment_row {
+    ($r:expr) => {{
+        let r = $r;
+        PaymentRow {
+            tenant_id: r.tenant_id,
+            payment_id: r.payment_id,
+            account_id: r.account_id,
+            amount: SqlAmount(r.amount),
+            balance_after: SqlBalance(r.balance_after),
+            idempotency_key: r.idempotency_key,
+            created_at: r.created_at,
+            refunded_at: r.refunded_at,
+            balance_after_refund: r.balance_after_refund,
+        }
+    }};
+}
+
 /// `GET /payments`: the tenant's payments, of one account if given. `None`: the cursor is
 /// no payment of the tenant's.
 pub async fn payments(
@@ -43,10 +62,12 @@ pub async fn payments(
     let cursor = page.cursor_id().map(|id| id.get());
     let (from, until) = (page.created.from, page.created.until);
     let status = status.map(PaymentStatus::as_str);
-    let rows = match (account, page.newer()) {
+    let rows: Vec<PaymentRow> = match (account, page.newer()) {
         (None, false) => {
-            sqlx::query_scalar!(
-                r#"SELECT r AS "r!: PaymentRow" FROM payments r
+            sqlx::query!(
+                r#"SELECT r.tenant_id, r.payment_id, r.account_id, r.amount, r.balance_after, r.idempotency_key,
+                           r.created_at, r.refunded_at, r.balance_after_refund
+                    FROM payments r
                     WHERE r.tenant_id = $1
                       AND (r.created_at, r.payment_id) <
                           (CASE WHEN $2::uuid IS NULL THEN 'infinity'::timestamptz
@@ -65,10 +86,15 @@ pub async fn payments(
             )
             .fetch_all(&mut *conn)
             .await?
+            .into_iter()
+            .map(|r| payment_row!(r))
+            .collect()
         }
         (None, true) => {
-            sqlx::query_scalar!(
-                r#"SELECT r AS "r!: PaymentRow" FROM payments r
+            sqlx::query!(
+                r#"SELECT r.tenant_id, r.payment_id, r.account_id, r.amount, r.balance_after, r.idempotency_key,
+                           r.created_at, r.refunded_at, r.balance_after_refund
+                    FROM payments r
                     WHERE r.tenant_id = $1
                       AND (r.created_at, r.payment_id) >
                           ((SELECT c.created_at FROM payments c WHERE c.tenant_id = $1 AND c.payment_id = $2), $2)
@@ -85,10 +111,15 @@ pub async fn payments(
             )
             .fetch_all(&mut *conn)
             .await?
+            .into_iter()
+            .map(|r| payment_row!(r))
+            .collect()
         }
         (Some(account), false) => {
-            sqlx::query_scalar!(
-                r#"SELECT r AS "r!: PaymentRow" FROM payments r
+            sqlx::query!(
+                r#"SELECT r.tenant_id, r.payment_id, r.account_id, r.amount, r.balance_after, r.idempotency_key,
+                           r.created_at, r.refunded_at, r.balance_after_refund
+                    FROM payments r
                     WHERE r.tenant_id = $1 AND r.account_id = $7
                       AND (r.created_at, r.payment_id) <
                           (CASE WHEN $2::uuid IS NULL THEN 'infinity'::timestamptz
@@ -108,10 +139,15 @@ pub async fn payments(
             )
             .fetch_all(&mut *conn)
             .await?
+            .into_iter()
+            .map(|r| payment_row!(r))
+            .collect()
         }
         (Some(account), true) => {
-            sqlx::query_scalar!(
-                r#"SELECT r AS "r!: PaymentRow" FROM payments r
+            sqlx::query!(
+                r#"SELECT r.tenant_id, r.payment_id, r.account_id, r.amount, r.balance_after, r.idempotency_key,
+                           r.created_at, r.refunded_at, r.balance_after_refund
+                    FROM payments r
                     WHERE r.tenant_id = $1 AND r.account_id = $7
                       AND (r.created_at, r.payment_id) >
                           ((SELECT c.created_at FROM payments c WHERE c.tenant_id = $1 AND c.payment_id = $2), $2)
@@ -129,6 +165,9 @@ pub async fn payments(
             )
             .fetch_all(&mut *conn)
             .await?
+            .into_iter()
+            .map(|r| payment_row!(r))
+            .collect()
         }
     };
     if let (true, Some(id)) = (rows.is_empty(), cursor) {

@@ -5,7 +5,26 @@ use sqlx::PgConnection;
 
 use crate::domain::page::{Page, PageRequest};
 use crate::domain::{AccountId, TenantId, TransferId};
-use crate::ledger::rows::TransferRow;
+use crate::ledger::rows::{SqlAmount, SqlBalance, TransferRow};
+
+/// A transfer's row from a list query's columns (the domains' columns arrive as their base
+/// types).
+macro_rules! transfer_row {
+    ($r:expr) => {{
+        let r = $r;
+        TransferRow {
+            tenant_id: r.tenant_id,
+            transfer_id: r.transfer_id,
+            from_account_id: r.from_account_id,
+            to_account_id: r.to_account_id,
+            amount: SqlAmount(r.amount),
+            from_balance_after: SqlBalance(r.from_balance_after),
+            to_balance_after: SqlBalance(r.to_balance_after),
+            idempotency_key: r.idempotency_key,
+            created_at: r.created_at,
+        }
+    }};
+}
 
 /// `GET /transfers`: the tenant's transfers, of one account (on either side) if given: the
 /// two indexes of its sides, each read as far as the page goes, merged. `None`: the cursor
@@ -18,10 +37,12 @@ pub async fn transfers(
 ) -> Result<Option<Page<TransferRow>>, sqlx::Error> {
     let cursor = page.cursor_id().map(|id| id.get());
     let (from, until) = (page.created.from, page.created.until);
-    let rows = match (account, page.newer()) {
+    let rows: Vec<TransferRow> = match (account, page.newer()) {
         (None, false) => {
-            sqlx::query_scalar!(
-                r#"SELECT r AS "r!: TransferRow" FROM transfers r
+            sqlx::query!(
+                r#"SELECT r.tenant_id, r.transfer_id, r.from_account_id, r.to_account_id, r.amount, r.from_balance_after,
+                           r.to_balance_after, r.idempotency_key, r.created_at
+                    FROM transfers r
                     WHERE r.tenant_id = $1
                       AND (r.created_at, r.transfer_id) <
                           (CASE WHEN $2::uuid IS NULL THEN 'infinity'::timestamptz
@@ -38,10 +59,15 @@ pub async fn transfers(
             )
             .fetch_all(&mut *conn)
             .await?
+            .into_iter()
+            .map(|r| transfer_row!(r))
+            .collect()
         }
         (None, true) => {
-            sqlx::query_scalar!(
-                r#"SELECT r AS "r!: TransferRow" FROM transfers r
+            sqlx::query!(
+                r#"SELECT r.tenant_id, r.transfer_id, r.from_account_id, r.to_account_id, r.amount, r.from_balance_after,
+                           r.to_balance_after, r.idempotency_key, r.created_at
+                    FROM transfers r
                     WHERE r.tenant_id = $1
                       AND (r.created_at, r.transfer_id) >
                           ((SELECT c.created_at FROM transfers c WHERE c.tenant_id = $1 AND c.transfer_id = $2), $2)
@@ -56,11 +82,17 @@ pub async fn transfers(
             )
             .fetch_all(&mut *conn)
             .await?
+            .into_iter()
+            .map(|r| transfer_row!(r))
+            .collect()
         }
         (Some(account), false) => {
-            sqlx::query_scalar!(
-                r#"SELECT u.r AS "r!: TransferRow" FROM (
-                       (SELECT t AS r FROM transfers t
+            sqlx::query!(
+                r#"SELECT u.tenant_id AS "tenant_id!", u.transfer_id AS "transfer_id!", u.from_account_id AS "from_account_id!",
+                       u.to_account_id AS "to_account_id!", u.amount AS "amount!", u.from_balance_after AS "from_balance_after!",
+                       u.to_balance_after AS "to_balance_after!", u.idempotency_key, u.created_at AS "created_at!"
+                  FROM (
+                       (SELECT t.* FROM transfers t
                          WHERE t.tenant_id = $1 AND t.from_account_id = $6
                            AND (t.created_at, t.transfer_id) <
                                (CASE WHEN $2::uuid IS NULL THEN 'infinity'::timestamptz
@@ -70,7 +102,7 @@ pub async fn transfers(
                          ORDER BY t.created_at DESC, t.transfer_id DESC
                          LIMIT $5)
                        UNION ALL
-                       (SELECT t AS r FROM transfers t
+                       (SELECT t.* FROM transfers t
                          WHERE t.tenant_id = $1 AND t.to_account_id = $6
                            AND (t.created_at, t.transfer_id) <
                                (CASE WHEN $2::uuid IS NULL THEN 'infinity'::timestamptz
@@ -79,7 +111,7 @@ pub async fn transfers(
                            AND t.created_at >= coalesce($3::timestamptz, '-infinity') AND t.created_at < coalesce($4::timestamptz, 'infinity')
                          ORDER BY t.created_at DESC, t.transfer_id DESC
                          LIMIT $5)) AS u
-                    ORDER BY (u.r).created_at DESC, (u.r).transfer_id DESC
+                    ORDER BY u.created_at DESC, u.transfer_id DESC
                     LIMIT $5"#,
                 tenant.get(),
                 cursor,
@@ -90,11 +122,17 @@ pub async fn transfers(
             )
             .fetch_all(&mut *conn)
             .await?
+            .into_iter()
+            .map(|r| transfer_row!(r))
+            .collect()
         }
         (Some(account), true) => {
-            sqlx::query_scalar!(
-                r#"SELECT u.r AS "r!: TransferRow" FROM (
-                       (SELECT t AS r FROM transfers t
+            sqlx::query!(
+                r#"SELECT u.tenant_id AS "tenant_id!", u.transfer_id AS "transfer_id!", u.from_account_id AS "from_account_id!",
+                       u.to_account_id AS "to_account_id!", u.amount AS "amount!", u.from_balance_after AS "from_balance_after!",
+                       u.to_balance_after AS "to_balance_after!", u.idempotency_key, u.created_at AS "created_at!"
+                  FROM (
+                       (SELECT t.* FROM transfers t
                          WHERE t.tenant_id = $1 AND t.from_account_id = $6
                            AND (t.created_at, t.transfer_id) >
                                ((SELECT c.created_at FROM transfers c WHERE c.tenant_id = $1 AND c.transfer_id = $2), $2)
@@ -102,14 +140,14 @@ pub async fn transfers(
                          ORDER BY t.created_at, t.transfer_id
                          LIMIT $5)
                        UNION ALL
-                       (SELECT t AS r FROM transfers t
+                       (SELECT t.* FROM transfers t
                          WHERE t.tenant_id = $1 AND t.to_account_id = $6
                            AND (t.created_at, t.transfer_id) >
                                ((SELECT c.created_at FROM transfers c WHERE c.tenant_id = $1 AND c.transfer_id = $2), $2)
                            AND t.created_at >= coalesce($3::timestamptz, '-infinity') AND t.created_at < coalesce($4::timestamptz, 'infinity')
                          ORDER BY t.created_at, t.transfer_id
                          LIMIT $5)) AS u
-                    ORDER BY (u.r).created_at, (u.r).transfer_id
+                    ORDER BY u.created_at, u.transfer_id
                     LIMIT $5"#,
                 tenant.get(),
                 cursor,
@@ -120,6 +158,9 @@ pub async fn transfers(
             )
             .fetch_all(&mut *conn)
             .await?
+            .into_iter()
+            .map(|r| transfer_row!(r))
+            .collect()
         }
     };
     if let (true, Some(id)) = (rows.is_empty(), cursor) {
