@@ -10,11 +10,10 @@
 //! Conditions that are not columns of the index (a payment's status) are checked on the rows
 //! the index gives. Every query states its tenant first.
 //!
-//! Payments, transfers and accounts are read as named columns and built into their rows here
-//! (a domain's column arrives as its base type): a whole-row composite cost PostgreSQL half
-//! as much again to send, and the server to decode (docs/bench/README.md: a first page of
-//! payments 1.28x as fast side by side). Top-ups, 34 columns in a short list, still read
-//! whole rows.
+//! Each list reads named columns and builds its rows here (a domain's column arrives as its
+//! base type), not whole-row composites: a composite cost PostgreSQL half as much again to
+//! send, and the server to decode (docs/bench/README.md: a first page of payments 1.28x as
+//! fast side by side).
 
 mod accounts;
 mod payments;

@@ -4,7 +4,52 @@ use sqlx::PgConnection;
 
 use crate::domain::page::{Page, PageRequest};
 use crate::domain::{TenantId, TopUpId};
-use crate::ledger::rows::TopUpRow;
+use crate::ledger::rows::{SqlAccountId, SqlAmount, SqlRecoveryPoint, SqlRefundState, SqlTopUpStatus, TopUpRow};
+
+/// A top-up's row from a list query's columns (the domains' columns arrive as their base
+/// types).
+macro_rules! top_up_row {
+    ($r:expr) => {{
+        let r = $r;
+        TopUpRow {
+            tenant_id: r.tenant_id,
+            top_up_id: r.top_up_id,
+            account_id: SqlAccountId(r.account_id),
+            amount: SqlAmount(r.amount),
+            currency: r.currency,
+            payment_method: r.payment_method,
+            status: SqlTopUpStatus(r.status),
+            recovery_point: SqlRecoveryPoint(r.recovery_point),
+            processor_payment_id: r.processor_payment_id,
+            failure_code: r.failure_code,
+            decline_code: r.decline_code,
+            balance_after: r.balance_after,
+            idempotency_key: r.idempotency_key,
+            refund_state: r.refund_state.map(SqlRefundState),
+            refund_key: r.refund_key,
+            processor_refund_id: r.processor_refund_id,
+            balance_after_refund: r.balance_after_refund,
+            lease_owner: r.lease_owner,
+            lease_expires_at: r.lease_expires_at,
+            attempts: r.attempts,
+            created_at: r.created_at,
+            updated_at: r.updated_at,
+            finished_at: r.finished_at,
+            refunded_at: r.refunded_at,
+            processor: r.processor,
+            processor_status: r.processor_status,
+            next_check_at: r.next_check_at,
+            checks: r.checks,
+            create_key_series: r.create_key_series,
+            confirm_key_series: r.confirm_key_series,
+            cancel_key_series: r.cancel_key_series,
+            refund_key_series: r.refund_key_series,
+            refund_status: r.refund_status,
+            refund_failure_code: r.refund_failure_code,
+            refund_requested_at: r.refund_requested_at,
+        }
+    }};
+}
 
 /// `GET /top-ups`: the tenant's top-ups, of one status if given (`processing`, `succeeded`,
 /// ...: checked at the edge) as `GET /top-ups/{id}` shows it (`refund_pending` while a
@@ -18,9 +63,16 @@ pub async fn top_ups(
 ) -> Result<Option<Page<TopUpRow>>, sqlx::Error> {
     let cursor = page.cursor_id().map(|id| id.get());
     let (from, until) = (page.created.from, page.created.until);
-    let rows = if page.newer() {
-        sqlx::query_scalar!(
-            r#"SELECT r AS "r!: TopUpRow" FROM top_ups r
+    let rows: Vec<TopUpRow> = if page.newer() {
+        sqlx::query!(
+            r#"SELECT r.tenant_id, r.top_up_id, r.account_id, r.amount, r.currency, r.payment_method, r.status,
+                       r.recovery_point, r.processor_payment_id, r.failure_code, r.decline_code, r.balance_after,
+                       r.idempotency_key, r.refund_state, r.refund_key, r.processor_refund_id, r.balance_after_refund,
+                       r.lease_owner, r.lease_expires_at, r.attempts, r.created_at, r.updated_at, r.finished_at,
+                       r.refunded_at, r.processor, r.processor_status, r.next_check_at, r.checks, r.create_key_series,
+                       r.confirm_key_series, r.cancel_key_series, r.refund_key_series, r.refund_status,
+                       r.refund_failure_code, r.refund_requested_at
+                FROM top_ups r
                 WHERE r.tenant_id = $1
                   AND (r.created_at, r.top_up_id) >
                       ((SELECT c.created_at FROM top_ups c WHERE c.tenant_id = $1 AND c.top_up_id = $2), $2)
@@ -37,9 +89,19 @@ pub async fn top_ups(
         )
         .fetch_all(&mut *conn)
         .await?
+        .into_iter()
+        .map(|r| top_up_row!(r))
+        .collect()
     } else {
-        sqlx::query_scalar!(
-            r#"SELECT r AS "r!: TopUpRow" FROM top_ups r
+        sqlx::query!(
+            r#"SELECT r.tenant_id, r.top_up_id, r.account_id, r.amount, r.currency, r.payment_method, r.status,
+                       r.recovery_point, r.processor_payment_id, r.failure_code, r.decline_code, r.balance_after,
+                       r.idempotency_key, r.refund_state, r.refund_key, r.processor_refund_id, r.balance_after_refund,
+                       r.lease_owner, r.lease_expires_at, r.attempts, r.created_at, r.updated_at, r.finished_at,
+                       r.refunded_at, r.processor, r.processor_status, r.next_check_at, r.checks, r.create_key_series,
+                       r.confirm_key_series, r.cancel_key_series, r.refund_key_series, r.refund_status,
+                       r.refund_failure_code, r.refund_requested_at
+                FROM top_ups r
                 WHERE r.tenant_id = $1
                   AND (r.created_at, r.top_up_id) <
                       (CASE WHEN $2::uuid IS NULL THEN 'infinity'::timestamptz
@@ -58,6 +120,9 @@ pub async fn top_ups(
         )
         .fetch_all(&mut *conn)
         .await?
+        .into_iter()
+        .map(|r| top_up_row!(r))
+        .collect()
     };
     if let (true, Some(id)) = (rows.is_empty(), cursor) {
         let known = sqlx::query_scalar!(
