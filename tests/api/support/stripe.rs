@@ -238,22 +238,9 @@ impl Localstripe {
 
     /// A PaymentIntent made and confirmed behind oncepay's back, naming `top_up`.
     pub async fn charge_behind_the_back(&self, top_up: &str, amount: i64) -> String {
-        let amount = amount.to_string();
-        let created = self
-            .post(
-                "/v1/payment_intents",
-                &[
-                    ("amount", &amount),
-                    ("currency", "usd"),
-                    ("payment_method", "pm_card_visa"),
-                    ("metadata[oncepay_top_up_id]", top_up),
-                ],
-            )
-            .await;
-        let id = created["id"].as_str().unwrap().to_owned();
-        let confirmed = self.post(&format!("/v1/payment_intents/{id}/confirm"), &[]).await;
+        let confirmed = self.intent_naming(top_up, amount, "pm_card_visa", true).await;
         assert_eq!(confirmed["status"], "succeeded");
-        id
+        confirmed["id"].as_str().unwrap().to_owned()
     }
 }
 
