@@ -176,9 +176,9 @@ fn inner(message: &str) -> &str {
     message.strip_prefix("Query deserialize error: ").unwrap_or(message)
 }
 
-/// `created[gte|gt|lte|lt]` in whole Unix seconds, as one range: `[from, until)`. A time in
-/// seconds names that whole second (Stripe's times have no fraction): `lte` includes it,
-/// `gt` excludes it.
+/// `created[gte|gt|lte|lt]` in whole Unix seconds from 0 (the schema's minimum: nothing here
+/// was created before 1970), as one range: `[from, until)`. A time in seconds names that
+/// whole second (Stripe's times have no fraction): `lte` includes it, `gt` excludes it.
 fn created(raw: &RawQuery) -> Result<Created, ApiError> {
     let seconds = |name: &str, value: &Option<String>| -> Result<Option<i64>, ApiError> {
         value
@@ -186,9 +186,11 @@ fn created(raw: &RawQuery) -> Result<Created, ApiError> {
             .map(|v| {
                 v.parse::<i64>()
                     .ok()
-                    .filter(|s| time(*s).is_some() && time(s.saturating_add(1)).is_some())
+                    .filter(|s| *s >= 0 && time(s.saturating_add(1)).is_some())
                     .ok_or_else(|| {
-                        ApiError::InvalidRequest(format!("`created[{name}]` must be a time in Unix seconds"))
+                        ApiError::InvalidRequest(format!(
+                            "`created[{name}]` must be a time in Unix seconds, 0 (1970) or later"
+                        ))
                     })
             })
             .transpose()

@@ -338,6 +338,9 @@ async fn a_cursor_that_is_malformed_unknown_or_another_tenants_and_bad_parameter
         "/payments?status=pending".to_owned(),
         "/payments?account=a/b".to_owned(),
         "/payments?created[gte]=monday".to_owned(),
+        // Before 1970: the schema's minimum is 0, and no item is that old.
+        "/payments?created[lte]=-1".to_owned(),
+        "/transfers?created%5Bgt%5D=-5".to_owned(),
         "/payments?sort=asc".to_owned(),
         "/payments?type=payment.succeeded".to_owned(),
         "/accounts?starting_after=no%20such%20id".to_owned(),
