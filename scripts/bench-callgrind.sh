@@ -7,8 +7,9 @@
 # own (oncepay_callgrind on the local cluster, port ONCEPAY_PG_PORT). After a warm-up (the
 # replay keys are made by real payments), the counters are zeroed, CALLGRIND_REQUESTS new
 # payments are sent (CALLGRIND_CONCURRENCY at a time) and the counters dumped; then as many
-# replays, dumped again. Instructions per request = the dump's total / the requests answered.
-# Writes target/callgrind/{new,replay}.out (open with callgrind_annotate or kcachegrind),
+# replays, dumped again, then as many first pages of GET /payments (100 payments each).
+# Instructions per request = the dump's total / the requests answered.
+# Writes target/callgrind/{new,replay,list}.out (open with callgrind_annotate or kcachegrind),
 # their top functions (*.top) and summary.txt.
 set -euo pipefail
 top="$(cd "$(dirname "$0")/.." && pwd)"
@@ -93,5 +94,7 @@ phase() {
   echo "oncepay $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet 2>/dev/null || echo ' (modified)'), $(date -u '+%Y-%m-%d %H:%M UTC'), concurrency $c"
   phase new new
   phase replay replay
+  # The tenant now holds 2n payments (the warm-up's and the new phase's): a first page of 100.
+  phase list list-first
 } | tee "$out/summary.txt"
 say "done: $out/summary.txt"
