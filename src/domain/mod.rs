@@ -3,6 +3,7 @@
 
 mod ids;
 pub mod page;
+pub mod time;
 mod values;
 
 pub use ids::{AttemptId, DepositId, EndpointId, EventId, PaymentId, TenantId, TopUpId, TransferId};

@@ -16,7 +16,7 @@ use chrono::{DateTime, Utc};
 
 pub use effects::{Batched, Deposit, Effect, OpenAccount, Pay, Refund, SameAccount, Transfer};
 pub use reads::{balance, key, payment_state, transfer, KeyRow};
-pub use rows::{AccountRow, DepositRow, PaymentRow, TopUpRow, TransferRow};
+pub use rows::{AccountRow, DepositRow, PaymentRow, PaymentState, TopUpRow, TransferRow, TransferState};
 
 use crate::idempotency::Claim;
 use crate::operation::{ClaimOutcome, Decline, Spec};

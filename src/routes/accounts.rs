@@ -11,7 +11,7 @@ use super::intake::present;
 use super::lists::{self, ListOut};
 use super::pipeline::{corrupt, route, Endpoint};
 use super::schemas::{BadRequest, NotFound, Overloaded, Unauthorized, Unavailable};
-use crate::domain::{AccountId, Amount, DepositId, OpeningBalance};
+use crate::domain::{time, AccountId, Amount, DepositId, OpeningBalance};
 use crate::error::ApiError;
 use crate::ledger::{self, AccountRow, DepositRow};
 use crate::state::AppState;
@@ -46,6 +46,7 @@ pub struct DepositIn {
 pub struct AccountCreatedOut {
     id: String,
     balance: i64,
+    #[serde(serialize_with = "time::rfc3339")]
     created_at: DateTime<Utc>,
 }
 

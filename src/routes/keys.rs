@@ -9,6 +9,7 @@ use serde::Serialize;
 use utoipa::ToSchema;
 
 use super::schemas::{NotFound, Overloaded, Unauthorized, Unavailable};
+use crate::domain::time;
 use crate::error::ApiError;
 use crate::ledger;
 use crate::state::AppState;
@@ -23,9 +24,11 @@ struct KeyOut {
     key: String,
     /// The operation it was used for (`create_payment`, `refund_payment`, ...).
     operation: &'static str,
+    #[serde(serialize_with = "time::rfc3339")]
     created_at: DateTime<Utc>,
     /// Until when a retry with it replays its answer; after that, until the purge, it answers
     /// 422 `idempotency_key_expired`.
+    #[serde(serialize_with = "time::rfc3339")]
     expires_at: DateTime<Utc>,
     /// The HTTP status its requests are answered with: the operation's success, or a stored
     /// decline's (see `code`).

@@ -12,10 +12,10 @@ use super::lists::{self, Filter, ListOut};
 use super::pipeline::{corrupt, route, Endpoint};
 use super::schemas::{BadRequest, NotFound, Overloaded, Unauthorized, Unavailable};
 use crate::db::DbError;
-use crate::domain::{AccountId, Amount, PaymentId, TenantId};
+use crate::domain::{time, AccountId, Amount, PaymentId, TenantId};
 use crate::error::ApiError;
 use crate::ledger::lists::PaymentStatus as StatusFilter;
-use crate::ledger::{self, ClaimArgs, Outcome, PaymentRow};
+use crate::ledger::{self, ClaimArgs, Outcome, PaymentRow, PaymentState};
 use crate::state::AppState;
 
 pub fn configure(cfg: &mut web::ServiceConfig) {
@@ -58,6 +58,7 @@ pub struct PaymentOut {
     /// The account's balance right after this payment.
     balance: i64,
     status: PaymentStatus,
+    #[serde(serialize_with = "time::rfc3339")]
     created_at: DateTime<Utc>,
 }
 
@@ -78,9 +79,11 @@ pub(super) struct PaymentStateOut {
     account: String,
     amount: i64,
     status: PaymentStatus,
+    #[serde(serialize_with = "time::rfc3339")]
     created_at: DateTime<Utc>,
     /// Null until the payment is refunded.
     #[schema(required = true)]
+    #[serde(serialize_with = "time::rfc3339_opt")]
     refunded_at: Option<DateTime<Utc>>,
 }
 
@@ -179,11 +182,11 @@ pub(super) async fn show(req: HttpRequest, state: web::Data<AppState>) -> Result
         .run(async |c| ledger::payment_state(c, tenant.id, id).await)
         .await?
         .ok_or(ApiError::NotFound)?;
-    Ok(HttpResponse::Ok().json(PaymentStateOut::from(p)))
+    Ok(HttpResponse::Ok().json(PaymentStateOut::from(PaymentState::from(p))))
 }
 
-impl From<PaymentRow> for PaymentStateOut {
-    fn from(p: PaymentRow) -> Self {
+impl From<PaymentState> for PaymentStateOut {
+    fn from(p: PaymentState) -> Self {
         Self {
             id: PaymentId::from_uuid(p.payment_id),
             account: p.account_id,

@@ -15,7 +15,7 @@ use super::lists::{self, Filter, ListOut};
 use super::pipeline::{route, Endpoint};
 use super::schemas::{BadRequest, NotFound, Overloaded, Unauthorized, Unavailable};
 use super::webhooks::EventOut;
-use crate::domain::{AttemptId, EndpointId, EventId};
+use crate::domain::{time, AttemptId, EndpointId, EventId};
 use crate::error::ApiError;
 use crate::operation::Spec;
 use crate::state::AppState;
@@ -96,11 +96,13 @@ pub struct RecoverIn {
 pub struct RecoveryOut {
     id: uuid::Uuid,
     endpoint_id: EndpointId,
+    #[serde(serialize_with = "time::rfc3339")]
     since: DateTime<Utc>,
     /// Deliveries made due now, each with a new retry schedule: those given up (or cancelled)
     /// reopened, and those waiting for a retry. For a disabled endpoint they wait, held, until
     /// it is enabled.
     deliveries: i32,
+    #[serde(serialize_with = "time::rfc3339")]
     created_at: DateTime<Utc>,
 }
 
@@ -184,6 +186,7 @@ pub(super) struct AttemptOut {
     id: AttemptId,
     /// The event (its `webhook-id`).
     event_id: EventId,
+    #[serde(serialize_with = "time::rfc3339")]
     attempted_at: DateTime<Utc>,
     /// The receiver's HTTP status; `null` when none came (see `error`).
     status: Option<i16>,

@@ -23,7 +23,7 @@ use super::schemas::{
     BadRequest, BodyTooLarge, Conflict, IdempotencyKeyHeader, KeyRefused, NotFound, Overloaded, PaymentRequired,
     ProcessorNotConfigured, Unauthorized, Unavailable, UnsupportedMediaType,
 };
-use crate::domain::{AccountId, Amount, TopUpId};
+use crate::domain::{time, AccountId, Amount, TopUpId};
 use crate::error::ApiError;
 use crate::ledger::top_ups::NewTopUp;
 use crate::ledger::{self, TopUpRow};
@@ -64,6 +64,7 @@ pub struct TopUpOut {
     processor_payment_id: Option<String>,
     /// The account's balance right after this top-up.
     balance: i64,
+    #[serde(serialize_with = "time::rfc3339")]
     created_at: DateTime<Utc>,
 }
 
@@ -89,6 +90,7 @@ pub struct TopUpStateOut {
     decline_code: Option<String>,
     /// Why the last refund failed; its amount was credited back.
     refund_failure_code: Option<String>,
+    #[serde(serialize_with = "time::rfc3339")]
     created_at: DateTime<Utc>,
 }
 

@@ -9,9 +9,9 @@ use utoipa::ToSchema;
 use super::lists::{self, Filter, ListOut};
 use super::pipeline::{route, Endpoint};
 use super::schemas::{BadRequest, NotFound, Overloaded, Unauthorized, Unavailable};
-use crate::domain::{AccountId, Amount, TransferId};
+use crate::domain::{time, AccountId, Amount, TransferId};
 use crate::error::ApiError;
-use crate::ledger::{self, TransferRow};
+use crate::ledger::{self, TransferRow, TransferState};
 use crate::state::AppState;
 
 pub fn configure(cfg: &mut web::ServiceConfig) {
@@ -40,6 +40,7 @@ pub struct TransferOut {
     from_balance: i64,
     /// The balance of `to` right after this transfer.
     to_balance: i64,
+    #[serde(serialize_with = "time::rfc3339")]
     created_at: DateTime<Utc>,
 }
 
@@ -50,6 +51,7 @@ pub(super) struct TransferStateOut {
     from: String,
     to: String,
     amount: i64,
+    #[serde(serialize_with = "time::rfc3339")]
     created_at: DateTime<Utc>,
 }
 
@@ -105,11 +107,11 @@ pub(super) async fn show(req: HttpRequest, state: web::Data<AppState>) -> Result
         .run(async |c| ledger::transfer(c, tenant.id, id).await)
         .await?
         .ok_or(ApiError::NotFound)?;
-    Ok(HttpResponse::Ok().json(TransferStateOut::from(t)))
+    Ok(HttpResponse::Ok().json(TransferStateOut::from(TransferState::from(t))))
 }
 
-impl From<TransferRow> for TransferStateOut {
-    fn from(t: TransferRow) -> Self {
+impl From<TransferState> for TransferStateOut {
+    fn from(t: TransferState) -> Self {
         Self {
             id: TransferId::from_uuid(t.transfer_id),
             from: t.from_account_id,

@@ -11,7 +11,7 @@ use utoipa::ToSchema;
 use super::intake::EmptyBody;
 use super::pipeline::{route, Endpoint};
 use super::schemas::{NotFound, Overloaded, Unauthorized, Unavailable};
-use crate::domain::{EndpointId, EventId};
+use crate::domain::{time, EndpointId, EventId};
 use crate::error::ApiError;
 use crate::state::AppState;
 use crate::webhooks::endpoints::{self, EVENT_TYPES};
@@ -48,6 +48,7 @@ pub struct WebhookEndpointOut {
     /// `whsec_` + base64 of the HMAC key (Standard Webhooks); `null` on a replay after a
     /// rotation (a replay never shows a secret its first answer did not).
     secret: Option<String>,
+    #[serde(serialize_with = "time::rfc3339")]
     created_at: DateTime<Utc>,
 }
 
@@ -67,6 +68,7 @@ pub struct RotatedSecretOut {
     /// The new `whsec_` secret; `null` on a replay once it was rotated again.
     secret: Option<String>,
     /// Until when the previous secret signs too.
+    #[serde(serialize_with = "time::rfc3339_opt")]
     previous_secret_expires_at: Option<DateTime<Utc>>,
 }
 
@@ -76,11 +78,13 @@ struct WebhookEndpointListed {
     id: EndpointId,
     url: String,
     events: Vec<String>,
+    #[serde(serialize_with = "time::rfc3339")]
     created_at: DateTime<Utc>,
     /// `enabled`, or `disabled` (410 Gone, or no attempt succeeded for
     /// `ONCEPAY_WEBHOOK_DISABLE_AFTER_SECS` while attempts kept failing; its events are kept
     /// until it is enabled again).
     status: &'static str,
+    #[serde(serialize_with = "time::rfc3339_opt")]
     disabled_at: Option<DateTime<Utc>>,
     /// `gone` or `failing`.
     disabled_reason: Option<String>,
@@ -102,6 +106,7 @@ pub struct EnabledEndpointOut {
     id: EndpointId,
     url: String,
     events: Vec<String>,
+    #[serde(serialize_with = "time::rfc3339")]
     created_at: DateTime<Utc>,
     /// `enabled`.
     status: &'static str,

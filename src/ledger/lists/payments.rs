@@ -5,7 +5,7 @@ use sqlx::PgConnection;
 
 use crate::domain::page::{Page, PageRequest};
 use crate::domain::{AccountId, PaymentId, TenantId};
-use crate::ledger::rows::{PaymentRow, SqlAmount, SqlBalance};
+use crate::ledger::rows::{PaymentState, SqlAmount};
 
 /// A payment's status as lists filter it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -31,21 +31,17 @@ impl PaymentStatus {
     }
 }
 
-/// A payment's row from a list query's columns (the domains' columns arrive as their base
-/// types).
-macro_rules! payment_row {
+/// A payment's state from a list query's columns (the domain's column arrives as its base
+/// type).
+macro_rules! payment_state {
     ($r:expr) => {{
         let r = $r;
-        PaymentRow {
-            tenant_id: r.tenant_id,
+        PaymentState {
             payment_id: r.payment_id,
             account_id: r.account_id,
             amount: SqlAmount(r.amount),
-            balance_after: SqlBalance(r.balance_after),
-            idempotency_key: r.idempotency_key,
             created_at: r.created_at,
             refunded_at: r.refunded_at,
-            balance_after_refund: r.balance_after_refund,
         }
     }};
 }
@@ -58,15 +54,14 @@ pub async fn payments(
     account: Option<&AccountId>,
     status: Option<PaymentStatus>,
     page: &PageRequest<PaymentId>,
-) -> Result<Option<Page<PaymentRow>>, sqlx::Error> {
+) -> Result<Option<Page<PaymentState>>, sqlx::Error> {
     let cursor = page.cursor_id().map(|id| id.get());
     let (from, until) = (page.created.from, page.created.until);
     let status = status.map(PaymentStatus::as_str);
-    let rows: Vec<PaymentRow> = match (account, page.newer()) {
+    let rows: Vec<PaymentState> = match (account, page.newer()) {
         (None, false) => {
             sqlx::query!(
-                r#"SELECT r.tenant_id, r.payment_id, r.account_id, r.amount, r.balance_after, r.idempotency_key,
-                           r.created_at, r.refunded_at, r.balance_after_refund
+                r#"SELECT r.payment_id, r.account_id, r.amount, r.created_at, r.refunded_at
                     FROM payments r
                     WHERE r.tenant_id = $1
                       AND (r.created_at, r.payment_id) <
@@ -87,13 +82,12 @@ pub async fn payments(
             .fetch_all(&mut *conn)
             .await?
             .into_iter()
-            .map(|r| payment_row!(r))
+            .map(|r| payment_state!(r))
             .collect()
         }
         (None, true) => {
             sqlx::query!(
-                r#"SELECT r.tenant_id, r.payment_id, r.account_id, r.amount, r.balance_after, r.idempotency_key,
-                           r.created_at, r.refunded_at, r.balance_after_refund
+                r#"SELECT r.payment_id, r.account_id, r.amount, r.created_at, r.refunded_at
                     FROM payments r
                     WHERE r.tenant_id = $1
                       AND (r.created_at, r.payment_id) >
@@ -112,13 +106,12 @@ pub async fn payments(
             .fetch_all(&mut *conn)
             .await?
             .into_iter()
-            .map(|r| payment_row!(r))
+            .map(|r| payment_state!(r))
             .collect()
         }
         (Some(account), false) => {
             sqlx::query!(
-                r#"SELECT r.tenant_id, r.payment_id, r.account_id, r.amount, r.balance_after, r.idempotency_key,
-                           r.created_at, r.refunded_at, r.balance_after_refund
+                r#"SELECT r.payment_id, r.account_id, r.amount, r.created_at, r.refunded_at
                     FROM payments r
                     WHERE r.tenant_id = $1 AND r.account_id = $7
                       AND (r.created_at, r.payment_id) <
@@ -140,13 +133,12 @@ pub async fn payments(
             .fetch_all(&mut *conn)
             .await?
             .into_iter()
-            .map(|r| payment_row!(r))
+            .map(|r| payment_state!(r))
             .collect()
         }
         (Some(account), true) => {
             sqlx::query!(
-                r#"SELECT r.tenant_id, r.payment_id, r.account_id, r.amount, r.balance_after, r.idempotency_key,
-                           r.created_at, r.refunded_at, r.balance_after_refund
+                r#"SELECT r.payment_id, r.account_id, r.amount, r.created_at, r.refunded_at
                     FROM payments r
                     WHERE r.tenant_id = $1 AND r.account_id = $7
                       AND (r.created_at, r.payment_id) >
@@ -166,7 +158,7 @@ pub async fn payments(
             .fetch_all(&mut *conn)
             .await?
             .into_iter()
-            .map(|r| payment_row!(r))
+            .map(|r| payment_state!(r))
             .collect()
         }
     };

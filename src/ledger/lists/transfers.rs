@@ -5,22 +5,18 @@ use sqlx::PgConnection;
 
 use crate::domain::page::{Page, PageRequest};
 use crate::domain::{AccountId, TenantId, TransferId};
-use crate::ledger::rows::{SqlAmount, SqlBalance, TransferRow};
+use crate::ledger::rows::{SqlAmount, TransferState};
 
-/// A transfer's row from a list query's columns (the domains' columns arrive as their base
-/// types).
-macro_rules! transfer_row {
+/// A transfer's state from a list query's columns (the domain's column arrives as its base
+/// type).
+macro_rules! transfer_state {
     ($r:expr) => {{
         let r = $r;
-        TransferRow {
-            tenant_id: r.tenant_id,
+        TransferState {
             transfer_id: r.transfer_id,
             from_account_id: r.from_account_id,
             to_account_id: r.to_account_id,
             amount: SqlAmount(r.amount),
-            from_balance_after: SqlBalance(r.from_balance_after),
-            to_balance_after: SqlBalance(r.to_balance_after),
-            idempotency_key: r.idempotency_key,
             created_at: r.created_at,
         }
     }};
@@ -34,14 +30,13 @@ pub async fn transfers(
     tenant: TenantId,
     account: Option<&AccountId>,
     page: &PageRequest<TransferId>,
-) -> Result<Option<Page<TransferRow>>, sqlx::Error> {
+) -> Result<Option<Page<TransferState>>, sqlx::Error> {
     let cursor = page.cursor_id().map(|id| id.get());
     let (from, until) = (page.created.from, page.created.until);
-    let rows: Vec<TransferRow> = match (account, page.newer()) {
+    let rows: Vec<TransferState> = match (account, page.newer()) {
         (None, false) => {
             sqlx::query!(
-                r#"SELECT r.tenant_id, r.transfer_id, r.from_account_id, r.to_account_id, r.amount, r.from_balance_after,
-                           r.to_balance_after, r.idempotency_key, r.created_at
+                r#"SELECT r.transfer_id, r.from_account_id, r.to_account_id, r.amount, r.created_at
                     FROM transfers r
                     WHERE r.tenant_id = $1
                       AND (r.created_at, r.transfer_id) <
@@ -60,13 +55,12 @@ pub async fn transfers(
             .fetch_all(&mut *conn)
             .await?
             .into_iter()
-            .map(|r| transfer_row!(r))
+            .map(|r| transfer_state!(r))
             .collect()
         }
         (None, true) => {
             sqlx::query!(
-                r#"SELECT r.tenant_id, r.transfer_id, r.from_account_id, r.to_account_id, r.amount, r.from_balance_after,
-                           r.to_balance_after, r.idempotency_key, r.created_at
+                r#"SELECT r.transfer_id, r.from_account_id, r.to_account_id, r.amount, r.created_at
                     FROM transfers r
                     WHERE r.tenant_id = $1
                       AND (r.created_at, r.transfer_id) >
@@ -83,16 +77,15 @@ pub async fn transfers(
             .fetch_all(&mut *conn)
             .await?
             .into_iter()
-            .map(|r| transfer_row!(r))
+            .map(|r| transfer_state!(r))
             .collect()
         }
         (Some(account), false) => {
             sqlx::query!(
-                r#"SELECT u.tenant_id AS "tenant_id!", u.transfer_id AS "transfer_id!", u.from_account_id AS "from_account_id!",
-                       u.to_account_id AS "to_account_id!", u.amount AS "amount!", u.from_balance_after AS "from_balance_after!",
-                       u.to_balance_after AS "to_balance_after!", u.idempotency_key, u.created_at AS "created_at!"
+                r#"SELECT u.transfer_id AS "transfer_id!", u.from_account_id AS "from_account_id!",
+                       u.to_account_id AS "to_account_id!", u.amount AS "amount!", u.created_at AS "created_at!"
                   FROM (
-                       (SELECT t.* FROM transfers t
+                       (SELECT t.transfer_id, t.from_account_id, t.to_account_id, t.amount, t.created_at FROM transfers t
                          WHERE t.tenant_id = $1 AND t.from_account_id = $6
                            AND (t.created_at, t.transfer_id) <
                                (CASE WHEN $2::uuid IS NULL THEN 'infinity'::timestamptz
@@ -102,7 +95,7 @@ pub async fn transfers(
                          ORDER BY t.created_at DESC, t.transfer_id DESC
                          LIMIT $5)
                        UNION ALL
-                       (SELECT t.* FROM transfers t
+                       (SELECT t.transfer_id, t.from_account_id, t.to_account_id, t.amount, t.created_at FROM transfers t
                          WHERE t.tenant_id = $1 AND t.to_account_id = $6
                            AND (t.created_at, t.transfer_id) <
                                (CASE WHEN $2::uuid IS NULL THEN 'infinity'::timestamptz
@@ -123,16 +116,15 @@ pub async fn transfers(
             .fetch_all(&mut *conn)
             .await?
             .into_iter()
-            .map(|r| transfer_row!(r))
+            .map(|r| transfer_state!(r))
             .collect()
         }
         (Some(account), true) => {
             sqlx::query!(
-                r#"SELECT u.tenant_id AS "tenant_id!", u.transfer_id AS "transfer_id!", u.from_account_id AS "from_account_id!",
-                       u.to_account_id AS "to_account_id!", u.amount AS "amount!", u.from_balance_after AS "from_balance_after!",
-                       u.to_balance_after AS "to_balance_after!", u.idempotency_key, u.created_at AS "created_at!"
+                r#"SELECT u.transfer_id AS "transfer_id!", u.from_account_id AS "from_account_id!",
+                       u.to_account_id AS "to_account_id!", u.amount AS "amount!", u.created_at AS "created_at!"
                   FROM (
-                       (SELECT t.* FROM transfers t
+                       (SELECT t.transfer_id, t.from_account_id, t.to_account_id, t.amount, t.created_at FROM transfers t
                          WHERE t.tenant_id = $1 AND t.from_account_id = $6
                            AND (t.created_at, t.transfer_id) >
                                ((SELECT c.created_at FROM transfers c WHERE c.tenant_id = $1 AND c.transfer_id = $2), $2)
@@ -140,7 +132,7 @@ pub async fn transfers(
                          ORDER BY t.created_at, t.transfer_id
                          LIMIT $5)
                        UNION ALL
-                       (SELECT t.* FROM transfers t
+                       (SELECT t.transfer_id, t.from_account_id, t.to_account_id, t.amount, t.created_at FROM transfers t
                          WHERE t.tenant_id = $1 AND t.to_account_id = $6
                            AND (t.created_at, t.transfer_id) >
                                ((SELECT c.created_at FROM transfers c WHERE c.tenant_id = $1 AND c.transfer_id = $2), $2)
@@ -159,7 +151,7 @@ pub async fn transfers(
             .fetch_all(&mut *conn)
             .await?
             .into_iter()
-            .map(|r| transfer_row!(r))
+            .map(|r| transfer_state!(r))
             .collect()
         }
     };
