@@ -46,7 +46,7 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use prometheus::{Gauge, Histogram, IntCounter, IntCounterVec, IntGauge};
@@ -157,6 +157,10 @@ impl<E: Batched> Job<E> {
 pub struct Batcher<E: Batched> {
     queue: mpsc::Sender<Job<E>>,
     queue_wait: Duration,
+    /// The keys of the statements out, which the dispatcher keeps: a waiter whose key is
+    /// among them when its queue wait ends is a duplicate, even one the dispatcher has not
+    /// read yet (while every slot is out it reads nothing).
+    keys_out: KeysOut,
 }
 
 impl<E: Batched> Batcher<E> {
@@ -164,10 +168,13 @@ impl<E: Batched> Batcher<E> {
     /// batcher is dropped and the queued items have left.
     pub fn start(db: Db, limits: Limits, counters: Counters) -> Self {
         let (queue, jobs) = mpsc::channel(limits.queue.max(1));
-        tokio::spawn(Dispatcher::new(db, jobs, limits, counters).run());
+        let out = Out::default();
+        let keys_out = Arc::clone(&out.keys);
+        tokio::spawn(Dispatcher::new(db, jobs, limits, counters, out).run());
         Self {
             queue,
             queue_wait: limits.queue_wait,
+            keys_out,
         }
     }
 
@@ -181,6 +188,7 @@ impl<E: Batched> Batcher<E> {
             account: (tenant, effect.lock_order().to_owned()),
             key: claim.key().map(|k| (tenant, k.to_owned())),
         };
+        let key = holds.key.clone();
         let job = Job {
             tenant,
             holds,
@@ -200,9 +208,9 @@ impl<E: Batched> Batcher<E> {
         if let Ok(result) = tokio::time::timeout(self.queue_wait, &mut answer).await {
             return result.unwrap_or_else(|_| crashed());
         }
-        // A duplicate held back for its in-flight original waits as long as it would have
-        // waited on the key's row.
-        let duplicate = duplicate.load(Ordering::Acquire);
+        // A duplicate of an item still out (held back for it, or not read yet because every
+        // slot is out) waits as long as it would have waited on the key's row.
+        let duplicate = duplicate.load(Ordering::Acquire) || key.is_some_and(|k| keys(&self.keys_out).contains(&k));
         if duplicate {
             if let Ok(result) = tokio::time::timeout(inflight_wait.saturating_sub(self.queue_wait), &mut answer).await {
                 return result.unwrap_or_else(|_| crashed());
@@ -254,7 +262,7 @@ struct Finished {
 }
 
 impl<E: Batched> Dispatcher<E> {
-    fn new(db: Db, jobs: mpsc::Receiver<Job<E>>, limits: Limits, counters: Counters) -> Self {
+    fn new(db: Db, jobs: mpsc::Receiver<Job<E>>, limits: Limits, counters: Counters, out: Out) -> Self {
         Self {
             db,
             jobs,
@@ -266,7 +274,7 @@ impl<E: Batched> Dispatcher<E> {
             in_flight: 0,
             limits,
             counters,
-            out: Out::default(),
+            out,
             seen: HashMap::new(),
             held: VecDeque::new(),
             arrived: Vec::new(),
@@ -478,8 +486,17 @@ struct Batch<E: Batched> {
 #[derive(Default)]
 struct Out {
     accounts: HashSet<(TenantId, String)>,
-    keys: HashSet<(TenantId, String)>,
+    /// Shared with the [`Batcher`]'s waiters, who only read it.
+    keys: KeysOut,
     items: HashMap<TenantId, usize>,
+}
+
+type KeysOut = Arc<Mutex<HashSet<(TenantId, String)>>>;
+
+/// The set behind `keys` (a panic while it was held left it whole: each change is one insert
+/// or remove).
+fn keys(keys: &KeysOut) -> std::sync::MutexGuard<'_, HashSet<(TenantId, String)>> {
+    keys.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// Why an item cannot go now.
@@ -495,7 +512,7 @@ enum Blocked {
 
 impl Out {
     fn blocks(&self, holds: &Holds) -> Option<Blocked> {
-        if holds.key.as_ref().is_some_and(|k| self.keys.contains(k)) {
+        if holds.key.as_ref().is_some_and(|k| keys(&self.keys).contains(k)) {
             Some(Blocked::Key)
         } else if self.accounts.contains(&holds.account) {
             Some(Blocked::Account)
@@ -512,7 +529,7 @@ impl Out {
         *self.items.entry(holds.account.0).or_default() += 1;
         self.accounts.insert(holds.account.clone());
         if let Some(key) = &holds.key {
-            self.keys.insert(key.clone());
+            keys(&self.keys).insert(key.clone());
         }
     }
 
@@ -525,7 +542,7 @@ impl Out {
         }
         self.accounts.remove(&holds.account);
         if let Some(key) = &holds.key {
-            self.keys.remove(key);
+            keys(&self.keys).remove(key);
         }
     }
 }
@@ -680,7 +697,7 @@ mod tests {
             queue_wait: Duration::from_secs(2),
             tenant_share,
         };
-        Dispatcher::new(Db::direct(options, 1), jobs, limits, counters())
+        Dispatcher::new(Db::direct(options, 1), jobs, limits, counters(), Out::default())
     }
 
     /// A payment of `tenant` on `account`, with `key` (or none).

@@ -195,6 +195,39 @@ async fn queued_payments_commit_together(adjust: impl FnOnce(&mut Settings)) {
     assert_eq!(stored, sent, "each key stored as sent, character for character");
 }
 
+/// A retry of a payment still running is 409 `request_in_progress`, also when it arrives
+/// while every slot is out: the dispatcher, waiting for a slot, still sees it for a duplicate
+/// (it was left unread and answered 429 `overloaded` after the queue's wait: seen through
+/// PgBouncer on a loaded machine, where the limit had come down to the one stuck statement).
+#[tokio::test]
+async fn a_duplicate_arriving_while_every_slot_is_out_is_in_progress_not_overloaded() {
+    let app = TestApp::builder()
+        .settings(|s| {
+            s.db_batches_in_flight = Some(1);
+            s.db_acquire_timeout = Duration::from_millis(300);
+            s.inflight_wait = Duration::from_secs(1);
+        })
+        .spawn()
+        .await;
+    app.open_account("held", 1_000).await;
+    let key = new_key();
+    // The one slot: the original, blocked on its account.
+    let (mut held, original) = hold_slot(&app, &key, "held").await;
+
+    let started = Instant::now();
+    let retry = pay_on(&app, &key, "held", 1).await;
+    retry.assert_problem(409, "request_in_progress");
+    assert!(
+        started.elapsed() >= Duration::from_millis(900),
+        "it waited for its original as long as a duplicate may: {:?}",
+        started.elapsed()
+    );
+
+    sqlx::query("COMMIT").execute(&mut held).await.unwrap();
+    assert_eq!(original.await.unwrap().status, 201);
+    assert_eq!(app.balance("held").await, 999, "charged once");
+}
+
 #[tokio::test]
 async fn a_batch_rolled_back_for_one_payment_runs_its_payments_one_by_one() {
     // Two replicas: the duplicate's original runs on the first, so the second, which cannot
