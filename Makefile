@@ -117,8 +117,11 @@ test: db-up
 ifdef LOCAL_DB
 	@psql -X -q "$(shell scripts/db.sh url postgres)" -c 'DROP DATABASE IF EXISTS oncepay_test WITH (FORCE)' -c 'CREATE DATABASE oncepay_test'
 endif
-	DATABASE_URL="$(TEST_DATABASE_URL)" ONCEPAY_TEST_PG_CA="$$(scripts/db.sh ca)" \
-		ONCEPAY_TEST_LOCALSTRIPE="$$(scripts/localstripe.sh install)" $(CARGO_TEST) --locked
+	@mkdir -p target
+	set -o pipefail; DATABASE_URL="$(TEST_DATABASE_URL)" ONCEPAY_TEST_PG_CA="$$(scripts/db.sh ca)" \
+		ONCEPAY_TEST_LOCALSTRIPE="$$(scripts/localstripe.sh install)" $(CARGO_TEST) --locked 2>&1 | tee target/test.log \
+		|| { echo "== the failures again (the whole output: target/test.log) =="; \
+		     sed -n '/^failures:$$/,/^test result: FAILED/p' target/test.log; exit 1; }
 
 # Every console block of README.md and docs/lab.md run against `make run`'s server, output compared
 # (ids and times masked), and every link of README.md and docs/ kept inside the repository

@@ -548,13 +548,19 @@ async fn beside_another_paying_tenant_a_tenant_has_at_most_its_share_in_statemen
 /// test, as a competing workload would hold it), and each stall's statements, at many times
 /// their least latency, lower the limit (counted: the limit climbs back within a few
 /// statements once the stall ends, quicker than the gauge can be sampled); every payment
-/// still succeeds (none waits past the acquire timeout). On a database of its own: the lock
-/// stalls every payment on it.
+/// still succeeds. On a database of its own: the lock stalls every payment on it.
+///
+/// Each stall is judged on its own and only from a limit that can fall: on a loaded host the
+/// limit may sit at its floor of 1 for a while (a slow host reads as queueing until its
+/// baseline is learned again), where no stall can lower it. The queue's wait is long here so
+/// that a starved test host cannot turn a stalled payment into the designed 429 `overloaded`
+/// (tested on its own above): what is tested is that a stall costs no payment.
 #[tokio::test]
 async fn a_database_that_stalls_lowers_the_limit_on_statements_in_flight_and_no_payment_fails() {
     let (app, url) = crate::support::helpers::spawn_app_on_own_database_with("adaptive_limit", |s| {
         s.db_batches_in_flight = None;
         s.db_pool_size = 10;
+        s.db_acquire_timeout = Duration::from_secs(15);
     })
     .await;
     let gauge = "oncepay_db_batches_in_flight_limit";
@@ -565,7 +571,7 @@ async fn a_database_that_stalls_lowers_the_limit_on_statements_in_flight_and_no_
             let (app, stop) = (app.clone(), stop.clone());
             tokio::spawn(async move {
                 let mut statuses = Vec::new();
-                for _ in 0..2_000 {
+                for _ in 0..4_000 {
                     if stop.load(std::sync::atomic::Ordering::Relaxed) {
                         break;
                     }
@@ -575,20 +581,23 @@ async fn a_database_that_stalls_lowers_the_limit_on_statements_in_flight_and_no_
             })
         })
         .collect();
-    // The limit starts at one statement per core, at least 2.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let before = loop {
-        let limit = metric_value(&app.metrics().await, gauge);
-        if limit >= 2.0 {
-            break limit;
-        }
-        assert!(Instant::now() < deadline, "the limit stayed at {limit}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
-    let downs_before = metric_value(&app.metrics().await, downs);
     let mut locker = PgConnection::connect(&url).await.unwrap();
-    let mut lowest = before;
+    // (limit before the stall, whether the stall lowered it) per stall.
+    let mut stalls = Vec::new();
     for _ in 0..4 {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let before = loop {
+            let limit = metric_value(&app.metrics().await, gauge);
+            if limit >= 2.0 {
+                break limit;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the limit stayed at {limit} for 30 s; stalls so far {stalls:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        let downs_before = metric_value(&app.metrics().await, downs);
         sqlx::query("BEGIN").execute(&mut locker).await.unwrap();
         sqlx::query("LOCK TABLE accounts IN EXCLUSIVE MODE")
             .execute(&mut locker)
@@ -596,28 +605,42 @@ async fn a_database_that_stalls_lowers_the_limit_on_statements_in_flight_and_no_
             .unwrap();
         tokio::time::sleep(Duration::from_millis(300)).await;
         sqlx::query("COMMIT").execute(&mut locker).await.unwrap();
-        for _ in 0..4 {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            lowest = lowest.min(metric_value(&app.metrics().await, gauge));
-        }
+        // The stalled statements come back at once; allow a loaded host a second to count.
+        let deadline = Instant::now() + Duration::from_secs(1);
+        let lowered = loop {
+            if metric_value(&app.metrics().await, downs) > downs_before {
+                break true;
+            }
+            if Instant::now() >= deadline {
+                break false;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        stalls.push((before, lowered));
     }
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let statuses: Vec<u16> = join_all(payers).await.into_iter().flat_map(Result::unwrap).collect();
-    let downs_after = metric_value(&app.metrics().await, downs);
     println!(
-        "limit {before} before the stalls, lowest seen {lowest}; lowered {} times",
-        downs_after - downs_before
+        "stalls (limit before, lowered): {stalls:?}; {} payments",
+        statuses.len()
     );
     assert!(
-        downs_after - downs_before >= 3.0,
-        "four stalls lowered the limit {} times",
-        downs_after - downs_before
+        stalls.iter().filter(|(_, lowered)| *lowered).count() >= 3,
+        "of four stalls fewer than three lowered the limit: {stalls:?}"
     );
     assert!(statuses.len() > 100, "{} payments", statuses.len());
+    let failed: std::collections::BTreeMap<u16, usize> =
+        statuses
+            .iter()
+            .filter(|s| **s != 201)
+            .fold(Default::default(), |mut counts, s| {
+                *counts.entry(*s).or_default() += 1;
+                counts
+            });
     assert!(
-        statuses.iter().all(|s| *s == 201),
-        "not every payment succeeded: {:?}",
-        statuses.iter().filter(|s| **s != 201).collect::<Vec<_>>()
+        failed.is_empty(),
+        "not every payment of {} succeeded (status: count) {failed:?}",
+        statuses.len()
     );
     crate::support::helpers::drop_database(&url).await;
 }
