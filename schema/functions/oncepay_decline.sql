@@ -1,6 +1,7 @@
 CREATE OR REPLACE FUNCTION public.oncepay_decline(p_tenant uuid, p oncepay_claim_args, p_decline oncepay_decline)
  RETURNS oncepay_claimed
  LANGUAGE plpgsql
+ SET enable_seqscan TO 'off'
 AS $function$
 DECLARE
     r oncepay_claimed;

@@ -1,6 +1,7 @@
 CREATE OR REPLACE FUNCTION public.oncepay_emit_event(p_tenant uuid, p_type oncepay_webhook_event_type, p_resource_id text, p_data jsonb)
  RETURNS uuid
  LANGUAGE plpgsql
+ SET enable_seqscan TO 'off'
 AS $function$
 DECLARE
     v_event uuid;

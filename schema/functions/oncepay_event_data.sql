@@ -2,6 +2,7 @@ CREATE OR REPLACE FUNCTION public.oncepay_event_data(ev webhook_events)
  RETURNS jsonb
  LANGUAGE plpgsql
  STABLE
+ SET enable_seqscan TO 'off'
 AS $function$
 DECLARE
     r payments;

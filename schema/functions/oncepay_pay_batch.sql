@@ -3,6 +3,7 @@ CREATE OR REPLACE FUNCTION public.oncepay_pay_batch(p_tenants uuid[], p_claims o
  LANGUAGE plpgsql
  SET plan_cache_mode TO 'force_generic_plan'
  SET jit TO 'off'
+ SET enable_seqscan TO 'off'
 AS $function$
 #variable_conflict use_column
 BEGIN

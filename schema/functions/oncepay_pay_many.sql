@@ -1,6 +1,7 @@
 CREATE OR REPLACE FUNCTION public.oncepay_pay_many(p_items jsonb)
  RETURNS jsonb
  LANGUAGE plpgsql
+ SET enable_seqscan TO 'off'
 AS $function$
 DECLARE
     x jsonb;

@@ -1,6 +1,7 @@
 CREATE OR REPLACE FUNCTION public.oncepay_top_up_begin(p_tenant uuid, p oncepay_claim_args, p_account text, p_amount bigint, p_currency text, p_payment_method text, p_owner uuid, p_lease_secs integer, p_processor text)
  RETURNS TABLE(outcome oncepay_outcome, decline oncepay_decline, expires_at timestamp with time zone, resource top_ups, owned boolean)
  LANGUAGE plpgsql
+ SET enable_seqscan TO 'off'
 AS $function$
 #variable_conflict use_column
 DECLARE

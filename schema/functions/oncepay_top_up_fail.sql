@@ -1,6 +1,7 @@
 CREATE OR REPLACE FUNCTION public.oncepay_top_up_fail(p_tenant uuid, p_top_up uuid, p_failure text, p_decline_code text, p_status smallint)
  RETURNS top_ups
  LANGUAGE plpgsql
+ SET enable_seqscan TO 'off'
 AS $function$
 DECLARE
     r top_ups;
@@ -30,6 +31,7 @@ $function$
 CREATE OR REPLACE FUNCTION public.oncepay_top_up_fail(p_tenant uuid, p_top_up uuid, p_owner uuid, p_failure text, p_decline text, p_status smallint, p_decline_code text, p_processor_status text)
  RETURNS top_ups
  LANGUAGE plpgsql
+ SET enable_seqscan TO 'off'
 AS $function$
 DECLARE
     r top_ups;

@@ -1,6 +1,7 @@
 CREATE OR REPLACE FUNCTION public.oncepay_top_up_next_key(p_tenant uuid, p_top_up uuid, p_owner uuid, p_call text, p_from integer, p_lease_secs integer)
  RETURNS top_ups
  LANGUAGE plpgsql
+ SET enable_seqscan TO 'off'
 AS $function$
 DECLARE
     r top_ups;

@@ -1,6 +1,7 @@
 CREATE OR REPLACE FUNCTION public.oncepay_top_up_refund_begin(p_tenant uuid, p oncepay_claim_args, p_top_up uuid, p_owner uuid, p_lease_secs integer)
  RETURNS TABLE(outcome oncepay_outcome, decline oncepay_decline, expires_at timestamp with time zone, resource top_ups, owned boolean)
  LANGUAGE plpgsql
+ SET enable_seqscan TO 'off'
 AS $function$
 #variable_conflict use_column
 DECLARE

@@ -1,6 +1,7 @@
 CREATE OR REPLACE FUNCTION public.oncepay_top_up_refund_failed(p_tenant uuid, p_top_up uuid, p_owner uuid, p_refund text, p_refund_status text, p_failure_code text, p_status smallint)
  RETURNS top_ups
  LANGUAGE plpgsql
+ SET enable_seqscan TO 'off'
 AS $function$
 DECLARE
     r top_ups;

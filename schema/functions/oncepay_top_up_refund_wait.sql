@@ -1,6 +1,7 @@
 CREATE OR REPLACE FUNCTION public.oncepay_top_up_refund_wait(p_tenant uuid, p_top_up uuid, p_owner uuid, p_refund text, p_refund_status text, p_next_check_secs integer)
  RETURNS top_ups
  LANGUAGE plpgsql
+ SET enable_seqscan TO 'off'
 AS $function$
 DECLARE
     r top_ups;

@@ -1,6 +1,7 @@
 CREATE OR REPLACE FUNCTION public.oncepay_top_up_refunded(p_tenant uuid, p_top_up uuid, p_owner uuid, p_refund text)
  RETURNS top_ups
  LANGUAGE plpgsql
+ SET enable_seqscan TO 'off'
 AS $function$
 DECLARE
     r top_ups;
@@ -24,6 +25,7 @@ $function$
 CREATE OR REPLACE FUNCTION public.oncepay_top_up_refunded(p_tenant uuid, p_top_up uuid, p_refund text)
  RETURNS top_ups
  LANGUAGE plpgsql
+ SET enable_seqscan TO 'off'
 AS $function$
 DECLARE
     r top_ups;

@@ -23,6 +23,7 @@ mod failover;
 mod framing;
 mod fuzz;
 mod hardening;
+mod key_lookups;
 mod limits;
 mod list_plans;
 mod lists;
