@@ -35,6 +35,9 @@ pub struct Metrics {
     pool_connections: IntGaugeVec,
     /// Requests waiting for a pooled connection right now.
     pub pool_waiting: IntGauge,
+    /// List pages that waited for payments queued for the database (`crate::state`,
+    /// `AppState::list_conn`).
+    pub list_yields: IntCounter,
     /// Replays answered from this process's memory, and keyed requests it had to ask the
     /// database about; entries held.
     pub replay_cache_hits: IntCounter,
@@ -142,6 +145,10 @@ impl Metrics {
             &["state"],
         );
         let pool_waiting = series.int_gauge("oncepay_db_pool_waiting", "Requests waiting for a database connection");
+        let list_yields = series.counter(
+            "oncepay_list_yields_total",
+            "List pages that waited while payments were queued for the database",
+        );
         let replay_cache_hits = series.counter(
             "oncepay_replay_cache_hits_total",
             "Keyed requests answered from this process's replay cache (replays and reused keys)",
@@ -332,6 +339,7 @@ impl Metrics {
             purge_runs,
             pool_connections,
             pool_waiting,
+            list_yields,
             replay_cache_hits,
             replay_cache_misses,
             replay_cache_entries,

@@ -161,6 +161,8 @@ pub struct Batcher<E: Batched> {
     /// among them when its queue wait ends is a duplicate, even one the dispatcher has not
     /// read yet (while every slot is out it reads nothing).
     keys_out: KeysOut,
+    /// Every slot is out, which the dispatcher keeps.
+    full: Arc<AtomicBool>,
 }
 
 impl<E: Batched> Batcher<E> {
@@ -170,12 +172,20 @@ impl<E: Batched> Batcher<E> {
         let (queue, jobs) = mpsc::channel(limits.queue.max(1));
         let out = Out::default();
         let keys_out = Arc::clone(&out.keys);
+        let full = Arc::clone(&out.full);
         tokio::spawn(Dispatcher::new(db, jobs, limits, counters, out).run());
         Self {
             queue,
             queue_wait: limits.queue_wait,
             keys_out,
+            full,
         }
+    }
+
+    /// Payments are the database's work right now: every slot is out (the statements in
+    /// flight are at the limit), or items are queued that the dispatcher has not taken yet.
+    pub fn busy(&self) -> bool {
+        self.full.load(Ordering::Relaxed) || self.queue.capacity() < self.queue.max_capacity()
     }
 
     /// Runs `effect` (in a batch when others are waiting) and gives its outcome.
@@ -434,6 +444,9 @@ impl<E: Batched> Dispatcher<E> {
             self.out.insert(h);
         }
         self.in_flight += 1;
+        self.out
+            .full
+            .store(self.in_flight >= self.limit.current(), Ordering::Relaxed);
         let (db, counters, done) = (self.db.clone(), self.counters.clone(), self.done.0.clone());
         tokio::spawn(async move {
             let took = execute(&db, batch, &counters).await;
@@ -448,6 +461,9 @@ impl<E: Batched> Dispatcher<E> {
         }
         let in_flight = self.in_flight;
         self.in_flight = self.in_flight.saturating_sub(1);
+        self.out
+            .full
+            .store(self.in_flight >= self.limit.current(), Ordering::Relaxed);
         let Some((latency, items)) = finished.took else {
             return;
         };
@@ -465,6 +481,9 @@ impl<E: Batched> Dispatcher<E> {
         }
         if change != Change::Held {
             self.counters.limit.set(self.limit.current() as i64);
+            self.out
+                .full
+                .store(self.in_flight >= self.limit.current(), Ordering::Relaxed);
         }
         if let Some(least) = self.limit.least_latency() {
             self.counters.least_latency.set(least.as_secs_f64());
@@ -488,6 +507,9 @@ struct Out {
     accounts: HashSet<(TenantId, String)>,
     /// Shared with the [`Batcher`]'s waiters, who only read it.
     keys: KeysOut,
+    /// Every slot is out (statements in flight at the limit); shared with the [`Batcher`],
+    /// which only reads it.
+    full: Arc<AtomicBool>,
     items: HashMap<TenantId, usize>,
 }
 

@@ -173,7 +173,7 @@ impl utoipa::IntoParams for AccountListParams {
 pub(super) async fn list(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     let tenant = state.tenant(&req).await?;
     let (page, _) = lists::query(&req, &[], |raw| AccountId::parse(raw).ok())?;
-    let mut conn = state.conn().await?;
+    let mut conn = state.list_conn().await?;
     let page = conn
         .run(async |c| ledger::lists::accounts(c, tenant.id, &page).await)
         .await?

@@ -230,7 +230,7 @@ pub(super) async fn list(req: HttpRequest, state: web::Data<AppState>) -> Result
     let (page, filters) = lists::query(&req, LIST_FILTERS, PaymentId::parse)?;
     let account = lists::account(&filters)?;
     let status = filters.status.as_deref().and_then(StatusFilter::parse);
-    let mut conn = state.conn().await?;
+    let mut conn = state.list_conn().await?;
     let page = conn
         .run(async |c| ledger::lists::payments(c, tenant.id, account.as_ref(), status, &page).await)
         .await?

@@ -169,7 +169,7 @@ impl utoipa::IntoParams for EventListParams {
 pub(super) async fn list_events(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     let tenant = state.tenant(&req).await?;
     let (page, filters) = lists::query(&req, EVENT_FILTERS, EventId::parse)?;
-    let mut conn = state.conn().await?;
+    let mut conn = state.list_conn().await?;
     let page = conn
         .run(async |c| recovery::events(c, tenant.id, filters.event_type.as_deref(), &page).await)
         .await?
@@ -239,7 +239,7 @@ pub(super) async fn list_attempts(req: HttpRequest, state: web::Data<AppState>) 
     let endpoint = endpoint_id(&req)?;
     let (page, filters) = lists::query(&req, ATTEMPT_FILTERS, AttemptId::parse)?;
     let outcome = filters.outcome.as_deref().and_then(AttemptOutcome::parse);
-    let mut conn = state.conn().await?;
+    let mut conn = state.list_conn().await?;
     let page = conn
         .run(async |c| recovery::attempts(c, tenant.id, endpoint, outcome, &page).await)
         .await?

@@ -335,7 +335,7 @@ impl utoipa::IntoParams for TopUpListParams {
 pub(super) async fn list(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     let tenant = state.tenant(&req).await?;
     let (page, filters) = lists::query(&req, LIST_FILTERS, TopUpId::parse)?;
-    let mut conn = state.conn().await?;
+    let mut conn = state.list_conn().await?;
     let page = conn
         .run(async |c| ledger::lists::top_ups(c, tenant.id, filters.status.as_deref(), &page).await)
         .await?

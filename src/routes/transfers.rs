@@ -150,7 +150,7 @@ pub(super) async fn list(req: HttpRequest, state: web::Data<AppState>) -> Result
     let tenant = state.tenant(&req).await?;
     let (page, filters) = lists::query(&req, LIST_FILTERS, TransferId::parse)?;
     let account = lists::account(&filters)?;
-    let mut conn = state.conn().await?;
+    let mut conn = state.list_conn().await?;
     let page = conn
         .run(async |c| ledger::lists::transfers(c, tenant.id, account.as_ref(), &page).await)
         .await?

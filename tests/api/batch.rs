@@ -451,6 +451,67 @@ async fn a_payment_that_waits_for_a_slot_past_the_acquire_timeout_gets_429_and_n
     );
 }
 
+/// A list page yields to payments while they are the database's work (`AppState::list_conn`):
+/// with the only batch slot held by a payment waiting on a row lock and three more queued
+/// behind it, a page of `GET /payments` waits its bound, is counted, and is answered; once
+/// no payment is out or queued, a page waits for nothing and is not counted.
+#[tokio::test]
+async fn a_list_page_yields_to_payments_at_the_database_and_to_nothing_else() {
+    let app = spawn_app_with(|s| {
+        s.db_batches_in_flight = Some(1);
+        s.db_acquire_timeout = Duration::from_secs(10);
+    })
+    .await;
+    let yields = "oncepay_list_yields_total";
+    app.open_account("blocker", 1_000).await;
+    let (mut lock, first) = hold_slot(&app, &new_key(), "blocker").await;
+    let queued: Vec<JoinHandle<Answer>> = (0..3)
+        .map(|_| {
+            let app = app.clone();
+            tokio::spawn(async move { pay_on(&app, &new_key(), "main", 1).await })
+        })
+        .collect();
+    let batcher = app.state.payments.as_ref().expect("batching is on");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !batcher.busy() {
+        assert!(Instant::now() < deadline, "no payment queued behind the held slot");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+
+    let before = metric_value(&app.metrics().await, yields);
+    let started = Instant::now();
+    let page = app.get("/payments?limit=10").await;
+    let took = started.elapsed();
+    assert_eq!(page.status, 200, "{}", page.body);
+    assert!(took >= oncepay::state::LIST_YIELD, "the page waited only {took:?}");
+    assert_eq!(metric_value(&app.metrics().await, yields), before + 1.0);
+
+    sqlx::query("COMMIT").execute(&mut lock).await.unwrap();
+    assert_eq!(first.await.unwrap().status, 201);
+    for payment in join_all(queued).await {
+        assert_eq!(payment.unwrap().status, 201);
+    }
+    // The dispatcher learns that the statement came back just after its payments are answered.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while batcher.busy() {
+        assert!(Instant::now() < deadline, "the batcher stayed busy with nothing to do");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let page = app.get("/payments?limit=10").await;
+    assert_eq!(page.status, 200, "{}", page.body);
+    assert_eq!(
+        page.body["data"].as_array().map(Vec::len),
+        Some(4),
+        "the held payment and the three queued: {}",
+        page.body
+    );
+    assert_eq!(
+        metric_value(&app.metrics().await, yields),
+        before + 1.0,
+        "nothing queued: no wait"
+    );
+}
+
 #[tokio::test]
 async fn beside_another_paying_tenant_a_tenant_has_at_most_its_share_in_statements_and_alone_no_limit() {
     let app = spawn_app_with(|s| {
