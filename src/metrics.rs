@@ -35,8 +35,8 @@ pub struct Metrics {
     pool_connections: IntGaugeVec,
     /// Requests waiting for a pooled connection right now.
     pub pool_waiting: IntGauge,
-    /// List pages that waited for payments queued for the database (`crate::state`,
-    /// `AppState::list_conn`).
+    /// List pages that waited while payments kept the database busy
+    /// (`AppState::list_conn`).
     pub list_yields: IntCounter,
     /// Replays answered from this process's memory, and keyed requests it had to ask the
     /// database about; entries held.
@@ -147,7 +147,7 @@ impl Metrics {
         let pool_waiting = series.int_gauge("oncepay_db_pool_waiting", "Requests waiting for a database connection");
         let list_yields = series.counter(
             "oncepay_list_yields_total",
-            "List pages that waited while payments were queued for the database",
+            "List pages that waited while payments kept the database busy",
         );
         let replay_cache_hits = series.counter(
             "oncepay_replay_cache_hits_total",

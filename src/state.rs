@@ -23,11 +23,11 @@ use crate::operation::Decline;
 use crate::tenants::Tenant;
 use crate::webhooks::SecretBox;
 
-/// The longest a list page waits for queued payments ([`AppState::list_conn`]): under a
-/// sustained payment load a client paging through a list reads about 90 pages a second,
-/// the order of the read rates APIs such as Stripe's allow.
+/// The longest a list page waits while payments keep the database busy
+/// ([`AppState::list_conn`]): under a sustained payment load a client paging through a list
+/// reads about 90 pages a second, the order of the read rates APIs such as Stripe's allow.
 pub const LIST_YIELD: std::time::Duration = std::time::Duration::from_millis(10);
-/// How often a waiting page looks at the payments' queue again.
+/// How often a waiting page looks at the batcher again.
 const LIST_YIELD_POLL: std::time::Duration = std::time::Duration::from_millis(1);
 
 pub struct AppState {

@@ -444,14 +444,19 @@ impl<E: Batched> Dispatcher<E> {
             self.out.insert(h);
         }
         self.in_flight += 1;
-        self.out
-            .full
-            .store(self.in_flight >= self.limit.current(), Ordering::Relaxed);
+        self.note_full();
         let (db, counters, done) = (self.db.clone(), self.counters.clone(), self.done.0.clone());
         tokio::spawn(async move {
             let took = execute(&db, batch, &counters).await;
             let _ = done.send(Finished { holds, took });
         });
+    }
+
+    /// Tells the [`Batcher`] whether every slot is out ([`Batcher::busy`]).
+    fn note_full(&self) {
+        self.out
+            .full
+            .store(self.in_flight >= self.limit.current(), Ordering::Relaxed);
     }
 
     /// A statement came back: what it held is released, and its latency moves the limit.
@@ -461,9 +466,7 @@ impl<E: Batched> Dispatcher<E> {
         }
         let in_flight = self.in_flight;
         self.in_flight = self.in_flight.saturating_sub(1);
-        self.out
-            .full
-            .store(self.in_flight >= self.limit.current(), Ordering::Relaxed);
+        self.note_full();
         let Some((latency, items)) = finished.took else {
             return;
         };
@@ -481,9 +484,7 @@ impl<E: Batched> Dispatcher<E> {
         }
         if change != Change::Held {
             self.counters.limit.set(self.limit.current() as i64);
-            self.out
-                .full
-                .store(self.in_flight >= self.limit.current(), Ordering::Relaxed);
+            self.note_full();
         }
         if let Some(least) = self.limit.least_latency() {
             self.counters.least_latency.set(least.as_secs_f64());
