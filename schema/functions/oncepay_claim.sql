@@ -1,7 +1,6 @@
 CREATE OR REPLACE FUNCTION public.oncepay_claim(p_tenant uuid, p oncepay_claim_args, p_resource_id text)
  RETURNS oncepay_claimed
  LANGUAGE plpgsql
- SET enable_seqscan TO 'off'
 AS $function$
 DECLARE
     k idempotency_keys%ROWTYPE;

@@ -1,6 +1,7 @@
 CREATE OR REPLACE FUNCTION public.oncepay_create_webhook_endpoint(p_tenant uuid, p oncepay_claim_args, p_url text, p_event_types text[], p_secret_encrypted bytea)
  RETURNS TABLE(outcome oncepay_outcome, decline oncepay_decline, expires_at timestamp with time zone, resource webhook_endpoints)
  LANGUAGE sql
+ SET enable_seqscan TO 'off'
 AS $function$
     SELECT * FROM oncepay_create_webhook_endpoint(p_tenant, p, p_url, p_event_types, p_secret_encrypted, 16)
 $function$
@@ -9,6 +10,7 @@ $function$
 CREATE OR REPLACE FUNCTION public.oncepay_create_webhook_endpoint(p_tenant uuid, p oncepay_claim_args, p_url text, p_event_types text[], p_secret_encrypted bytea, p_max_endpoints integer)
  RETURNS TABLE(outcome oncepay_outcome, decline oncepay_decline, expires_at timestamp with time zone, resource webhook_endpoints)
  LANGUAGE plpgsql
+ SET enable_seqscan TO 'off'
 AS $function$
 #variable_conflict use_column
 DECLARE

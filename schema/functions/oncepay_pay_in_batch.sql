@@ -2,7 +2,6 @@ CREATE OR REPLACE FUNCTION public.oncepay_pay_in_batch(p_tenant uuid, p oncepay_
  RETURNS TABLE(outcome oncepay_outcome, decline oncepay_decline, expires_at timestamp with time zone, resource payments)
  LANGUAGE plpgsql
  ROWS 1
- SET enable_seqscan TO 'off'
 AS $function$
 #variable_conflict use_column
 DECLARE

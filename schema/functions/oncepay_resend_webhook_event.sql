@@ -1,6 +1,7 @@
 CREATE OR REPLACE FUNCTION public.oncepay_resend_webhook_event(p_tenant uuid, p oncepay_claim_args, p_endpoint uuid, p_event uuid)
  RETURNS TABLE(outcome oncepay_outcome, decline oncepay_decline, expires_at timestamp with time zone, resource uuid)
  LANGUAGE plpgsql
+ SET enable_seqscan TO 'off'
 AS $function$
 #variable_conflict use_column
 DECLARE
