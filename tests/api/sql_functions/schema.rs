@@ -442,7 +442,16 @@ async fn oncepay_pay_in_batch_is_oncepay_pay_without_its_event() {
                 .unwrap()
         }
     };
+    // oncepay_pay, called by the server, carries the seqscan setting; oncepay_pay_in_batch
+    // plans under that of oncepay_pay_batch, its only caller (migrations/V27).
+    let setting = "\n SET enable_seqscan TO 'off'\n";
     let pay = definition("oncepay_pay").await;
+    assert!(pay.contains(setting), "oncepay_pay plans without the seqscan setting");
+    assert!(
+        definition("oncepay_pay_batch").await.contains(setting),
+        "oncepay_pay_batch plans without the seqscan setting"
+    );
+    let pay = pay.replacen(setting, "\n", 1);
     let in_batch = definition("oncepay_pay_in_batch").await;
     // The event: the check for an endpoint and the event's INSERT, one IF block.
     let start = pay
