@@ -60,6 +60,50 @@ pub struct Record {
     /// adaptive batcher settled on; `None` where the servers do not export it.
     #[serde(default)]
     pub batch_limit: Option<f64>,
+    /// The payments' batch statements during the step, summed over the instances
+    /// (`oncepay_db_batch_size` of their `/metrics`); `None` where the servers do not export it.
+    #[serde(default)]
+    pub batches: Option<Batches>,
+}
+
+/// Batch statements that committed during a step: how many, the payments they carried, and
+/// how many carried one payment (a statement's fixed costs, its round trip, wake-ups and
+/// commit, then fall on that payment alone).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Batches {
+    pub statements: u64,
+    pub payments: u64,
+    pub singles: u64,
+}
+
+impl Batches {
+    /// What was counted since `before` (a counter that went back, a restarted server, reads
+    /// as nothing rather than as a negative count).
+    pub fn since(self, before: Batches) -> Batches {
+        Batches {
+            statements: self.statements.saturating_sub(before.statements),
+            payments: self.payments.saturating_sub(before.payments),
+            singles: self.singles.saturating_sub(before.singles),
+        }
+    }
+
+    pub fn plus(self, other: Batches) -> Batches {
+        Batches {
+            statements: self.statements + other.statements,
+            payments: self.payments + other.payments,
+            singles: self.singles + other.singles,
+        }
+    }
+
+    /// Payments per statement; `None` without a statement.
+    pub fn mean_size(&self) -> Option<f64> {
+        (self.statements > 0).then(|| self.payments as f64 / self.statements as f64)
+    }
+
+    /// The share of statements that carried one payment; `None` without a statement.
+    pub fn single_share(&self) -> Option<f64> {
+        (self.statements > 0).then(|| self.singles as f64 / self.statements as f64)
+    }
 }
 
 /// Latencies in microseconds, 1 µs to 60 s at three significant figures.

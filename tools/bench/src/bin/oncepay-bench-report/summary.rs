@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write;
 
-use oncepay_bench::Record;
+use oncepay_bench::{Batches, Record};
 
 /// What identifies a group of rounds.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -38,6 +38,8 @@ pub struct Group {
     /// The adaptive batcher's limit on statements in flight at the steps' ends, where the
     /// servers export it (the mean over the rounds).
     pub batch_limit: Option<f64>,
+    /// The payments' batch statements over all rounds, where the servers export them.
+    pub batches: Option<Batches>,
 }
 
 impl Group {
@@ -102,6 +104,11 @@ pub fn group(records: &[Record]) -> Groups {
                     let limits: Vec<f64> = rs.iter().filter_map(|r| r.batch_limit).collect();
                     (!limits.is_empty()).then(|| limits.iter().sum::<f64>() / limits.len() as f64)
                 },
+                batches: rs
+                    .iter()
+                    .filter_map(|r| r.batches)
+                    .reduce(Batches::plus)
+                    .filter(|b| b.statements > 0),
             };
             (k, group)
         })
@@ -280,13 +287,15 @@ fn sweep_table(w: &mut String, groups: &Groups) {
         "\n## Statements in flight, chosen by the batcher\n\n\
          New payments at each concurrency, oncepay (one instance, its limit on batch statements in \
          flight chosen from their latency) against the yardstick at the same concurrency, same rounds; \
-         `limit` is the limit when the step ended (mean over the rounds). Halved: the PostgreSQL \
+         `limit` is the limit when the step ended (mean over the rounds); `per statement`, the \
+         payments a batch statement carried, and `alone`, the share of statements that carried one \
+         (each pays a statement's round trip, wake-ups and commit by itself). Halved: the PostgreSQL \
          cluster pinned to half of the host's CPUs, where the database is the bound.\n"
     );
     let _ = writeln!(
         w,
-        "| host | c | oncepay rps | yardstick tps | oncepay / yardstick | limit | oncepay p99 / p50 | PG CPU per payment, oncepay / yardstick |\n\
-         | --- | --- | --- | --- | --- | --- | --- | --- |"
+        "| host | c | oncepay rps | yardstick tps | oncepay / yardstick | limit | per statement | alone | oncepay p99 / p50 | PG CPU per payment, oncepay / yardstick |\n\
+         | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
     );
     for (host, note) in [("whole", ""), ("halved", HALVED)] {
         for c in SWEEP {
@@ -302,11 +311,15 @@ fn sweep_table(w: &mut String, groups: &Groups) {
             let pg = o.pg_cpu_ms_per_request.zip(y.pg_cpu_ms_per_request).map(|(o, y)| o / y);
             let _ = writeln!(
                 w,
-                "| {host} | {c} | {:.0} | {:.0} | {:.2} | {} | {:.1} | {} |",
+                "| {host} | {c} | {:.0} | {:.0} | {:.2} | {} | {} | {} | {:.1} | {} |",
                 o.throughput,
                 y.throughput,
                 o.throughput / y.throughput,
                 opt(o.batch_limit, 1),
+                opt(o.batches.and_then(|b| b.mean_size()), 1),
+                o.batches
+                    .and_then(|b| b.single_share())
+                    .map_or_else(|| "-".to_owned(), |s| format!("{:.0} %", s * 100.0)),
                 o.p99_ms / o.p50_ms,
                 opt(pg, 2),
             );
@@ -961,6 +974,7 @@ mod tests {
             note: String::new(),
             host_steal: None,
             batch_limit: None,
+            batches: None,
         }
     }
 
@@ -1023,6 +1037,66 @@ mod tests {
         assert_eq!(value("a page of 100 deep"), (2.0, false));
         let (paging, met) = value("new payments, c=32: while a client pages");
         assert!((paging - 0.95).abs() < 1e-9 && met, "{paging}");
+    }
+
+    #[test]
+    fn the_sweep_shows_the_payments_per_statement_and_the_share_alone_summed_over_rounds() {
+        let new = |side: &str, round: u32, requests: u64, batches: Option<Batches>| Record {
+            scenario: "new".to_owned(),
+            concurrency: 8,
+            batch_limit: batches.map(|_| 2.0),
+            batches,
+            ..record(side, round, requests, 0)
+        };
+        let b = |statements, payments, singles| {
+            Some(Batches {
+                statements,
+                payments,
+                singles,
+            })
+        };
+        // Rounds of 100 statements (40 alone) carrying 300 payments and of 50 (10 alone)
+        // carrying 300: 600 payments in 150 statements, 50 of them alone.
+        let records = [
+            new(YARDSTICK, 1, 200, None),
+            new("oncepay", 1, 300, b(100, 300, 40)),
+            new("oncepay", 2, 300, b(50, 300, 10)),
+            new(YARDSTICK, 2, 200, None),
+        ];
+        let mut md = String::new();
+        sweep_table(&mut md, &group(&records));
+        assert!(
+            md.contains("| whole | 8 | 150 | 100 | 1.50 | 2.0 | 4.0 | 33 % | 2.0 | 1.00 |"),
+            "{md}"
+        );
+        // Servers that export no batch figures: dashes, the row still there.
+        let records = [new(YARDSTICK, 1, 200, None), new("oncepay", 1, 300, None)];
+        let mut md = String::new();
+        sweep_table(&mut md, &group(&records));
+        assert!(
+            md.contains("| whole | 8 | 150 | 100 | 1.50 | - | - | - | 2.0 | 1.00 |"),
+            "{md}"
+        );
+    }
+
+    #[test]
+    fn batches_since_a_reading_never_go_negative() {
+        let before = Batches {
+            statements: 10,
+            payments: 40,
+            singles: 3,
+        };
+        let after = Batches {
+            statements: 25,
+            payments: 100,
+            singles: 5,
+        };
+        let step = after.since(before);
+        assert_eq!((step.statements, step.payments, step.singles), (15, 60, 2));
+        assert_eq!(step.mean_size(), Some(4.0));
+        // A restarted server counts from zero: nothing, not a wrapped count.
+        assert_eq!(before.since(after), Batches::default());
+        assert_eq!(Batches::default().mean_size(), None);
     }
 
     #[test]

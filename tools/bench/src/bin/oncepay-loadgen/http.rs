@@ -10,7 +10,7 @@ use hyper::body::Bytes;
 use hyper::client::conn::http1::SendRequest;
 use hyper::header::{HeaderValue, AUTHORIZATION, CONTENT_TYPE, HOST};
 use hyper_util::rt::TokioIo;
-use oncepay_bench::{histogram, percentiles_ms, Record};
+use oncepay_bench::{histogram, percentiles_ms, Batches, Record};
 use rand::Rng;
 use serde::Deserialize;
 use serde_json::json;
@@ -526,6 +526,7 @@ pub async fn run(args: Args) -> anyhow::Result<Record> {
         .map(|u| metrics_url(u, args.metrics_port_offset))
         .collect::<anyhow::Result<_>>()?;
     let cache_before = cache_counters(&metrics_client, &metrics_urls).await;
+    let batches_before = batch_counters(&metrics_client, &metrics_urls).await;
     let meter = Meter::start_with_processor(
         &args.pids,
         args.step.pg_pid,
@@ -543,6 +544,10 @@ pub async fn run(args: Args) -> anyhow::Result<Record> {
     let cpu = meter.stop(tally.ok)?;
     let cache_after = cache_counters(&metrics_client, &metrics_urls).await;
     let batch_limit = mean_gauge(&metrics_client, &metrics_urls, "oncepay_db_batches_in_flight_limit").await;
+    let batches = batch_counters(&metrics_client, &metrics_urls)
+        .await
+        .zip(batches_before)
+        .map(|(after, before)| after.since(before));
     let cache = cache_before
         .zip(cache_after)
         .map(|(b, a)| (a.0.saturating_sub(b.0), a.1.saturating_sub(b.1)));
@@ -578,6 +583,7 @@ pub async fn run(args: Args) -> anyhow::Result<Record> {
         note: step.note.clone(),
         host_steal: cpu.host_steal,
         batch_limit,
+        batches,
     })
 }
 
@@ -613,6 +619,30 @@ async fn cache_counters(client: &reqwest::Client, urls: &[String]) -> Option<(u6
         misses += metric(&text, "oncepay_replay_cache_misses_total")?;
     }
     Some((hits, misses))
+}
+
+/// The payments' batch statements summed over the instances' `/metrics`
+/// (`oncepay_db_batch_size`: its count, its sum and its bucket of one); `None` if an instance
+/// does not export them.
+async fn batch_counters(client: &reqwest::Client, urls: &[String]) -> Option<Batches> {
+    let mut total = Batches::default();
+    for url in urls {
+        let text = metrics_text(client, url).await?;
+        total = total.plus(Batches {
+            statements: metric(&text, "oncepay_db_batch_size_count")?,
+            payments: metric(&text, "oncepay_db_batch_size_sum")?,
+            singles: series(&text, "oncepay_db_batch_size_bucket{le=\"1\"}")?,
+        });
+    }
+    Some(total)
+}
+
+/// The value of one series, named with its labels as the text format writes them.
+fn series(text: &str, name: &str) -> Option<u64> {
+    text.lines().find_map(|l| {
+        let (series, value) = l.rsplit_once(' ')?;
+        (series == name).then(|| value.parse::<f64>().ok().map(|v| v as u64))?
+    })
 }
 
 /// A gauge's mean over the instances' `/metrics`; `None` if one does not export it.

@@ -126,5 +126,6 @@ fn summarise(logs: &std::path::Path, step: &Step, side: &str) -> anyhow::Result<
         note: step.note.clone(),
         host_steal: None,
         batch_limit: None,
+        batches: None,
     })
 }
