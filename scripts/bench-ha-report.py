@@ -115,8 +115,8 @@ for conc in sorted({r["concurrency"] for r in rows if r["scenario"] == "new"}):
                         and r["side"].startswith("oncepay")}):
         rs = steps("new", side, conc)
         t = med(rs, "throughput")
-        st = sum(r.get("batches", {}).get("statements", 0) for r in rs)
-        pay = sum(r.get("batches", {}).get("payments", 0) for r in rs)
+        st = sum((r.get("batches") or {}).get("statements", 0) for r in rs)
+        pay = sum((r.get("batches") or {}).get("payments", 0) for r in rs)
         limit = med(rs, "batch_limit")
         w(f"| {conc} | {side} | {t:.0f} | {'-' if not y else f'{t / y:.2f}'} | "
           f"{'-' if limit is None else f'{limit:.1f}'} | {f'{pay / st:.1f}' if st else '-'} |")
@@ -207,8 +207,8 @@ for scenario, side, rs in measured():
     total = sum(counts.values())
     if not total:
         continue
-    st = sum(r.get("batches", {}).get("statements", 0) for r in rs)
-    pay = sum(r.get("batches", {}).get("payments", 0) for r in rs)
+    st = sum((r.get("batches") or {}).get("statements", 0) for r in rs)
+    pay = sum((r.get("batches") or {}).get("payments", 0) for r in rs)
     per = f"{pay / st:.1f}" if st else "-"
     oth = ", ".join(f"{k} {v / total:.0%}" for k, v in sorted(others.items(), key=lambda kv: -kv[1])[:3]) or "-"
     w(f"| {scenario} | {side} | {total / max(samples, 1):.1f} | "

@@ -45,6 +45,9 @@ pooled_port=26114               # cache off, through PgBouncer
 default_port=26115              # the default batch slots
 
 SQLX_OFFLINE=true cargo build --release --locked -p oncepay -p oncepay-bench -p oncepay-ha --quiet
+# Before the cluster starts: a fresh machine has no PgBouncer (installed from Debian as
+# make test-pgbouncer does).
+pgbouncer="$(scripts/pgbouncer.sh bin)"
 bin="$top/target/release/oncepay"
 lg="$top/target/release/oncepay-loadgen"
 pg_bin=/usr/lib/postgresql/15/bin
@@ -148,7 +151,7 @@ BEGIN
 END $$;
 SQL
 
-say "PgBouncer $(/usr/sbin/pgbouncer --version | head -n 1 | awk '{print $2}') in the hub, transaction mode, in front of HAProxy"
+say "PgBouncer $("$pgbouncer" --version | head -n 1 | awk '{print $2}') in the hub, transaction mode, in front of HAProxy"
 mkdir -p "$work/pgbouncer"
 cat >"$work/pgbouncer/pgbouncer.ini" <<CONF
 [databases]
@@ -175,7 +178,7 @@ echo '"oncepay" ""' >"$work/pgbouncer/userlist.txt"
 chown -R postgres:postgres "$work/pgbouncer"
 # (ip netns exec and setpriv exec what they run: $! is PgBouncer's own PID, as for the
 # instances below; a shell function in the background would be a subshell's.)
-ip netns exec "$ha_ns_hub" setpriv --reuid=postgres --regid=postgres --init-groups -- /usr/sbin/pgbouncer \
+ip netns exec "$ha_ns_hub" setpriv --reuid=postgres --regid=postgres --init-groups -- "$pgbouncer" \
   "$work/pgbouncer/pgbouncer.ini" >>"$work/pgbouncer/stdout.log" 2>&1 &
 pgbouncer_pid=$!
 pids+=("$pgbouncer_pid")
@@ -226,7 +229,7 @@ clk="$(getconf CLK_TCK)"
   echo "memory: $(awk '/MemTotal/ {printf "%.1f GiB", $2 / 1048576}' /proc/meminfo)"
   echo "kernel: $(uname -r)"
   echo "postgresql: $("$pg_bin/postgres" --version)"
-  echo "pgbouncer: $(/usr/sbin/pgbouncer --version | head -n 1)"
+  echo "pgbouncer: $("$pgbouncer" --version | head -n 1)"
   echo "cluster: Patroni 3.1.2, 3 nodes, synchronous_mode_strict, synchronous_node_count 2, synchronous_commit on; leader $leader"
   echo "network: ${delay_us} µs each way between the namespaces (oncepay-delay relay in front of every node's PostgreSQL); SELECT 1 from the hub through HAProxy: $rtt_ms ms"
   echo "load average at start: $(cut -d' ' -f1-3 /proc/loadavg)"

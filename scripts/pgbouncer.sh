@@ -5,6 +5,8 @@
 #   scripts/pgbouncer.sh up      install it if missing (Debian `pgbouncer`), write its config, start it
 #   scripts/pgbouncer.sh down    stop it (by the PID in its pidfile)
 #   scripts/pgbouncer.sh url DB  print the URL of database DB through it
+#   scripts/pgbouncer.sh bin     print the path of its binary, installing it if missing
+#                                (make bench-ha runs its own PgBouncer with it)
 #
 # It listens on 127.0.0.1:$ONCEPAY_PGBOUNCER_PORT only (default 25139) and forwards every
 # database to 127.0.0.1:$ONCEPAY_PG_PORT (default 25130), trusting the user `oncepay` like
@@ -108,5 +110,6 @@ case "${1:-}" in
   down) down ;;
   url) echo "postgres://oncepay@127.0.0.1:$port/${2:-oncepay}" ;;
   dir) echo "$dir" ;;
-  *) echo "usage: $0 up|down|url [DB]|dir" >&2; exit 2 ;;
+  bin) binary || { install; binary; } ;;
+  *) echo "usage: $0 up|down|url [DB]|dir|bin" >&2; exit 2 ;;
 esac

@@ -62,7 +62,7 @@ pub struct Record {
     pub batch_limit: Option<f64>,
     /// The payments' batch statements during the step, summed over the instances
     /// (`oncepay_db_batch_size` of their `/metrics`); `None` where the servers do not export it.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub batches: Option<Batches>,
 }
 
