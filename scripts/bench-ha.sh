@@ -266,33 +266,24 @@ print(json.dumps({g: sum(tree(p) for p in ps.split()) for g, ps in groups.items(
 PY
 }
 pgb_stats() { in_hub psql -X -q --csv "$admin_pgb" -c 'SHOW STATS' 2>/dev/null | grep -E '^(database|oncepay),' || true; }
-batch_metrics() { # urls (comma separated): sum and count of oncepay_db_batch_size over them
-  local u s=0 n=0 m
-  for u in ${1//,/ }; do
-    m="$(in_hub curl -sf "${u%:*}:$((${u##*:} + 1000))/metrics" || true)"
-    s="$(awk -v s="$s" '/^oncepay_db_batch_size_sum/ {s += $2} END {print s}' <<<"$m")"
-    n="$(awk -v n="$n" '/^oncepay_db_batch_size_count/ {n += $2} END {print n}' <<<"$m")"
-  done
-  echo "$s $n"
-}
 
-# measure SAMPLES URLS COMMAND...: runs one step (a loadgen command printing its record) with
+# measure SAMPLES COMMAND...: runs one step (a loadgen command printing its record) with
 # the sampler and the snapshots around it, and appends the record with them to results.jsonl.
 measure() {
-  local samples="$1" urls="$2" rec
-  shift 2
-  local cpu0 cpu1 pgb0 pgb1 b0 b1
-  cpu0="$(cpu_snap)" pgb0="$(pgb_stats)" b0="$(batch_metrics "$urls")"
+  local samples="$1" rec
+  shift
+  local cpu0 cpu1 pgb0 pgb1
+  cpu0="$(cpu_snap)" pgb0="$(pgb_stats)"
   in_hub psql -X -qtA --csv "$su" -c "SELECT db, ev, n FROM bench_waits($samples, 0.025)" >"$work/waits.csv" 2>/dev/null &
   local sampler=$!
   rec="$("$@")"
   wait "$sampler" || true
-  cpu1="$(cpu_snap)" pgb1="$(pgb_stats)" b1="$(batch_metrics "$urls")"
-  python3 - "$rec" "$cpu0" "$cpu1" "$pgb0" "$pgb1" "$b0" "$b1" "$work/waits.csv" "$clk" "$samples" >>"$results" <<'PY'
+  cpu1="$(cpu_snap)" pgb1="$(pgb_stats)"
+  python3 - "$rec" "$cpu0" "$cpu1" "$pgb0" "$pgb1" "$work/waits.csv" "$clk" "$samples" >>"$results" <<'PY'
 import csv, io, json, sys
 rec = json.loads(sys.argv[1])
 c0, c1 = json.loads(sys.argv[2]), json.loads(sys.argv[3])
-clk = int(sys.argv[9])
+clk = int(sys.argv[7])
 n = max(rec["requests"], 1)
 rec["extra_cpu_ms_per_request"] = {g: (c1[g] - c0[g]) / clk / n * 1000 for g in c0}
 def stats(text):
@@ -303,15 +294,12 @@ if s0 and s1:
     d = {k: int(s1[k]) - int(s0[k]) for k in ("total_xact_count", "total_query_count", "total_xact_time", "total_query_time", "total_wait_time")}
     if d["total_xact_count"] > 0:
         rec["pgbouncer"] = d
-b0, b1 = [tuple(float(x) for x in a.split()) for a in (sys.argv[6], sys.argv[7])]
-if b1[1] > b0[1]:
-    rec["batches"] = {"statements": b1[1] - b0[1], "payments": b1[0] - b0[0]}
 waits = {}
-for row in csv.reader(open(sys.argv[8])):
+for row in csv.reader(open(sys.argv[6])):
     if len(row) == 3:
         waits.setdefault(row[0], {})[row[1]] = int(row[2])
 rec["waits"] = waits
-rec["wait_samples"] = int(sys.argv[10])
+rec["wait_samples"] = int(sys.argv[8])
 print(json.dumps(rec))
 PY
 }
@@ -319,14 +307,14 @@ PY
 http() { # side scenario round urls pids [extra loadgen args...]
   local side="$1" scenario="$2" round="$3" u="$4" p="$5"
   shift 5
-  measure $((secs * 40 - 8)) "$u" in_hub "$lg" http --side "$side" --urls "$u" --pids "$p" --api-key "$api_key" \
+  measure $((secs * 40 - 8)) in_hub "$lg" http --side "$side" --urls "$u" --pids "$p" --api-key "$api_key" \
     --clock-ticks "$clk" --pg-pid "$pg_pid" --scenario "$scenario" --concurrency "$c" --duration-secs "$secs" \
     --round "$round" --accounts "$accounts" --replay-keys "$replay_keys" "$@"
 }
 yardstick() { # script scenario round [-D name=value ...]
   local script="$1" scenario="$2" round="$3"
   shift 3
-  measure $((secs * 40 - 8)) "" in_hub "$lg" pgbench --side yardstick --threads 2 --pgbench "$pg_bin/pgbench" --pgoptions= \
+  measure $((secs * 40 - 8)) in_hub "$lg" pgbench --side yardstick --threads 2 --pgbench "$pg_bin/pgbench" --pgoptions= \
     --database-url "$yurl" --script "$yard/$script.sql" --scenario "$scenario" --concurrency "$c" \
     --duration-secs "$secs" --round "$round" --clock-ticks "$clk" --pg-pid "$pg_pid" "$@"
 }
@@ -336,7 +324,7 @@ storm() { # round cache(on|off) urls pids [affinity]
   [ -n "$affinity" ] && { side="$side, key affinity"; flags=(--affinity); }
   in_hub "$lg" http --urls "$u" --api-key "$api_key" --scenario storm-seed --concurrency 32 --duration-secs 300 \
     --replay-keys "$replay_keys" --accounts "$accounts" --key-prefix "$prefix" >/dev/null
-  measure 120 "$u" in_hub "$lg" http --side "$side" --urls "$u" --pids "$p" --api-key "$api_key" --clock-ticks "$clk" \
+  measure 120 in_hub "$lg" http --side "$side" --urls "$u" --pids "$p" --api-key "$api_key" --clock-ticks "$clk" \
     --pg-pid "$pg_pid" --scenario storm --concurrency 32 --duration-secs 300 --round "$round" \
     --replay-keys "$replay_keys" --accounts "$accounts" --passes "$storm_passes" --key-prefix "$prefix" "${flags[@]}"
 }

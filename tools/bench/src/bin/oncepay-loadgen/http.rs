@@ -525,8 +525,9 @@ pub async fn run(args: Args) -> anyhow::Result<Record> {
         .iter()
         .map(|u| metrics_url(u, args.metrics_port_offset))
         .collect::<anyhow::Result<_>>()?;
-    let cache_before = cache_counters(&metrics_client, &metrics_urls).await;
-    let batches_before = batch_counters(&metrics_client, &metrics_urls).await;
+    let before = metrics_texts(&metrics_client, &metrics_urls).await;
+    let cache_before = before.as_deref().and_then(cache_counters);
+    let batches_before = before.as_deref().and_then(batch_counters);
     let meter = Meter::start_with_processor(
         &args.pids,
         args.step.pg_pid,
@@ -542,10 +543,14 @@ pub async fn run(args: Args) -> anyhow::Result<Record> {
     };
     let elapsed = started.elapsed().as_secs_f64();
     let cpu = meter.stop(tally.ok)?;
-    let cache_after = cache_counters(&metrics_client, &metrics_urls).await;
-    let batch_limit = mean_gauge(&metrics_client, &metrics_urls, "oncepay_db_batches_in_flight_limit").await;
-    let batches = batch_counters(&metrics_client, &metrics_urls)
-        .await
+    let after = metrics_texts(&metrics_client, &metrics_urls).await;
+    let cache_after = after.as_deref().and_then(cache_counters);
+    let batch_limit = after
+        .as_deref()
+        .and_then(|texts| mean_gauge(texts, "oncepay_db_batches_in_flight_limit"));
+    let batches = after
+        .as_deref()
+        .and_then(batch_counters)
         .zip(batches_before)
         .map(|(after, before)| after.since(before));
     let cache = cache_before
@@ -609,52 +614,55 @@ async fn metrics_text(client: &reqwest::Client, url: &str) -> Option<String> {
         .ok()
 }
 
-/// The replay cache's hits and misses summed over the instances' `/metrics`; `None` if an
-/// instance does not export them (a server without the cache).
-async fn cache_counters(client: &reqwest::Client, urls: &[String]) -> Option<(u64, u64)> {
-    let (mut hits, mut misses) = (0u64, 0u64);
+/// Every instance's `/metrics` text, read once for all the figures taken from it; `None` if
+/// one could not be read.
+async fn metrics_texts(client: &reqwest::Client, urls: &[String]) -> Option<Vec<String>> {
+    let mut texts = Vec::with_capacity(urls.len());
     for url in urls {
-        let text = metrics_text(client, url).await?;
-        hits += metric(&text, "oncepay_replay_cache_hits_total")?;
-        misses += metric(&text, "oncepay_replay_cache_misses_total")?;
+        texts.push(metrics_text(client, url).await?);
+    }
+    Some(texts)
+}
+
+/// The replay cache's hits and misses summed over the instances; `None` if an instance does
+/// not export them (a server without the cache).
+fn cache_counters(texts: &[String]) -> Option<(u64, u64)> {
+    let (mut hits, mut misses) = (0u64, 0u64);
+    for text in texts {
+        hits += metric(text, "oncepay_replay_cache_hits_total")?;
+        misses += metric(text, "oncepay_replay_cache_misses_total")?;
     }
     Some((hits, misses))
 }
 
-/// The payments' batch statements summed over the instances' `/metrics`
-/// (`oncepay_db_batch_size`: its count, its sum and its bucket of one); `None` if an instance
-/// does not export them.
-async fn batch_counters(client: &reqwest::Client, urls: &[String]) -> Option<Batches> {
+/// The payments' batch statements summed over the instances (`oncepay_db_batch_size`: its
+/// count, its sum and its bucket of one); `None` if an instance does not export them.
+fn batch_counters(texts: &[String]) -> Option<Batches> {
     let mut total = Batches::default();
-    for url in urls {
-        let text = metrics_text(client, url).await?;
+    for text in texts {
         total = total.plus(Batches {
-            statements: metric(&text, "oncepay_db_batch_size_count")?,
-            payments: metric(&text, "oncepay_db_batch_size_sum")?,
-            singles: series(&text, "oncepay_db_batch_size_bucket{le=\"1\"}")?,
+            statements: metric(text, "oncepay_db_batch_size_count")?,
+            payments: metric(text, "oncepay_db_batch_size_sum")?,
+            singles: series(text, "oncepay_db_batch_size_bucket{le=\"1\"}")? as u64,
         });
     }
     Some(total)
 }
 
 /// The value of one series, named with its labels as the text format writes them.
-fn series(text: &str, name: &str) -> Option<u64> {
+fn series(text: &str, name: &str) -> Option<f64> {
     text.lines().find_map(|l| {
         let (series, value) = l.rsplit_once(' ')?;
-        (series == name).then(|| value.parse::<f64>().ok().map(|v| v as u64))?
+        (series == name).then(|| value.parse::<f64>().ok())?
     })
 }
 
-/// A gauge's mean over the instances' `/metrics`; `None` if one does not export it.
-async fn mean_gauge(client: &reqwest::Client, urls: &[String], name: &str) -> Option<f64> {
-    let mut values = Vec::with_capacity(urls.len());
-    for url in urls {
-        let text = metrics_text(client, url).await?;
-        values.push(text.lines().find_map(|l| {
-            let (series, value) = l.rsplit_once(' ')?;
-            (series == name).then(|| value.parse::<f64>().ok())?
-        })?);
-    }
+/// A gauge's mean over the instances; `None` if one does not export it.
+fn mean_gauge(texts: &[String], name: &str) -> Option<f64> {
+    let values = texts
+        .iter()
+        .map(|text| series(text, name))
+        .collect::<Option<Vec<f64>>>()?;
     (!values.is_empty()).then(|| values.iter().sum::<f64>() / values.len() as f64)
 }
 
