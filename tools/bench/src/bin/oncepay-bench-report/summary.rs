@@ -104,11 +104,7 @@ pub fn group(records: &[Record]) -> Groups {
                     let limits: Vec<f64> = rs.iter().filter_map(|r| r.batch_limit).collect();
                     (!limits.is_empty()).then(|| limits.iter().sum::<f64>() / limits.len() as f64)
                 },
-                batches: rs
-                    .iter()
-                    .filter_map(|r| r.batches)
-                    .reduce(Batches::plus)
-                    .filter(|b| b.statements > 0),
+                batches: rs.iter().filter_map(|r| r.batches).reduce(Batches::plus),
             };
             (k, group)
         })
