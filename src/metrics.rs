@@ -33,6 +33,8 @@ pub struct Metrics {
     pub purged_keys: IntCounter,
     pub purge_runs: IntCounter,
     pool_connections: IntGaugeVec,
+    /// The list pool's connections by state (`Db::for_lists`).
+    list_pool_connections: IntGaugeVec,
     /// Requests waiting for a pooled connection right now.
     pub pool_waiting: IntGauge,
     /// List pages that waited while payments kept the database busy
@@ -142,6 +144,11 @@ impl Metrics {
         let pool_connections = series.int_gauges(
             "oncepay_db_pool_connections",
             "Database pool connections by state",
+            &["state"],
+        );
+        let list_pool_connections = series.int_gauges(
+            "oncepay_db_list_pool_connections",
+            "Connections of the pool list pages are read through, by state",
             &["state"],
         );
         let pool_waiting = series.int_gauge("oncepay_db_pool_waiting", "Requests waiting for a database connection");
@@ -338,6 +345,7 @@ impl Metrics {
             purged_keys,
             purge_runs,
             pool_connections,
+            list_pool_connections,
             pool_waiting,
             list_yields,
             replay_cache_hits,
@@ -373,25 +381,30 @@ impl Metrics {
         self.purge_runs.inc();
     }
 
-    /// The text exposition, with the pool and database gauges read at scrape time. Before
-    /// `serve` has reached the database (`started` false) nothing is asked of it: the scrape
-    /// answers at once, with `oncepay_ready` 0.
-    pub async fn render(&self, db: &Db, retention: Duration, started: bool) -> String {
+    /// The text exposition, with the pools' and the database's gauges read at scrape time
+    /// (`db` the main pool, `lists` the list pool). Before `serve` has reached the database
+    /// (`started` false) nothing is asked of it: the scrape answers at once, with
+    /// `oncepay_ready` 0.
+    pub async fn render(&self, db: &Db, lists: &Db, retention: Duration, started: bool) -> String {
         if started {
             self.probe_database(db).await;
         } else {
             self.ready.set(0);
         }
-        let pool = db.status();
         self.retention.set(retention.as_secs_f64());
-        let gauge = |label: &str, n: usize| {
-            self.pool_connections
-                .with_label_values(&[label])
-                .set(i64::try_from(n).unwrap_or(i64::MAX));
-        };
-        gauge("in_use", pool.size - pool.idle);
-        gauge("idle", pool.idle);
-        gauge("max", pool.max);
+        for (gauges, pool) in [
+            (&self.pool_connections, db.status()),
+            (&self.list_pool_connections, lists.status()),
+        ] {
+            let gauge = |label: &str, n: usize| {
+                gauges
+                    .with_label_values(&[label])
+                    .set(i64::try_from(n).unwrap_or(i64::MAX));
+            };
+            gauge("in_use", pool.size - pool.idle);
+            gauge("idle", pool.idle);
+            gauge("max", pool.max);
+        }
         let mut out = Vec::new();
         TextEncoder::new()
             .encode(&self.registry.gather(), &mut out)

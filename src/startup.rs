@@ -46,6 +46,7 @@ impl Application {
     /// inside a Tokio runtime (the payments' batcher starts its task here).
     pub fn build(settings: Settings) -> anyhow::Result<Self> {
         let db = db::Db::new(&settings)?;
+        let lists = db::Db::for_lists(&settings, &db)?;
         let listener = TcpListener::bind(&settings.bind).with_context(|| format!("cannot bind {}", settings.bind))?;
         let operations_listener = TcpListener::bind(&settings.metrics_bind)
             .with_context(|| format!("cannot bind {} (ONCEPAY_METRICS_BIND)", settings.metrics_bind))?;
@@ -122,6 +123,7 @@ impl Application {
         let state = web::Data::new(AppState {
             top_ups,
             db,
+            lists,
             settings,
             tenants: TenantCache::new(),
             metrics,
@@ -202,6 +204,7 @@ impl Application {
         let _ = operations_task.await;
         workers.stop().await;
         self.state.db.close().await;
+        self.state.lists.close().await;
         outcome
     }
 

@@ -31,8 +31,10 @@ pub const LIST_YIELD: std::time::Duration = std::time::Duration::from_millis(10)
 const LIST_YIELD_POLL: std::time::Duration = std::time::Duration::from_millis(1);
 
 pub struct AppState {
-    /// Every query goes through it (`ONCEPAY_DB_POOLER`).
+    /// Every query goes through it (`ONCEPAY_DB_POOLER`), but list pages.
     pub db: Db,
+    /// List pages are read through it ([`Db::for_lists`]: planned once, never a table scan).
+    pub lists: Db,
     pub settings: Settings,
     pub tenants: TenantCache,
     pub metrics: Metrics,
@@ -119,7 +121,8 @@ impl AppState {
     /// [`LIST_YIELD`], before it takes a connection. Payments are what clients retry and wait
     /// on; a page costs the database as much as a batch of payments, and a client paging
     /// through every list as fast as it can took 15 % of the payments of a two-core host
-    /// (docs/bench/README.md). Under no load a page waits for nothing.
+    /// (docs/bench/README.md). Under no load a page waits for nothing. The connection is the
+    /// list pool's ([`Db::for_lists`]).
     pub async fn list_conn(&self) -> Result<Conn, DbError> {
         if let Some(payments) = &self.payments {
             if payments.busy() {
@@ -130,7 +133,7 @@ impl AppState {
                 }
             }
         }
-        self.conn().await
+        self.lists.conn().await
     }
 
     /// Runs `effect` in a statement of its own.

@@ -43,22 +43,46 @@ const IDLE_IN_TRANSACTION: &str = "60s";
 /// transaction to any server connection, so the start-up packet carries nothing but the
 /// application name, and no statement is cached: the settings travel in each call's
 /// `BEGIN` instead (see [`Conn::run`]).
-fn connect_options(settings: &Settings) -> anyhow::Result<PgConnectOptions> {
+fn connect_options(settings: &Settings, extra: &[(&str, &str)]) -> anyhow::Result<PgConnectOptions> {
     let options = PgConnectOptions::from_str(&settings.database_url)
         .context("DATABASE_URL is not a valid PostgreSQL URL")?
         .application_name(APPLICATION_NAME);
     Ok(match settings.db_pooler {
-        Pooler::None => options.options([
-            (
-                "statement_timeout",
-                format!("{}ms", settings.statement_timeout.as_millis()),
-            ),
-            ("idle_in_transaction_session_timeout", IDLE_IN_TRANSACTION.to_owned()),
-        ]),
+        Pooler::None => options
+            .options([
+                (
+                    "statement_timeout",
+                    format!("{}ms", settings.statement_timeout.as_millis()),
+                ),
+                ("idle_in_transaction_session_timeout", IDLE_IN_TRANSACTION.to_owned()),
+            ])
+            .options(extra.iter().copied()),
         // PgBouncer 1.18 also refuses `extra_float_digits` unless told to ignore it; sqlx
         // reads floats in binary, so the server's default does as well.
         Pooler::Transaction => options.statement_cache_capacity(0).extra_float_digits(None),
     })
+}
+
+/// What the list pool's sessions add to the main pool's start-up options (mode `none`; see
+/// [`Db::for_lists`]).
+///
+/// `plan_cache_mode`: a list's statement takes optional filters and a cursor as parameters
+/// (`CASE WHEN $2 IS NULL ...`, `coalesce($3, '-infinity')`), so a custom plan, which folds them
+/// away, always looks cheaper to PostgreSQL than the generic plan, and the page was planned
+/// again on every call: measured through oncepay at c=1 over 3 million payments, PostgreSQL
+/// spent 143 us of CPU a first page and 170 a deep one, 86 and 87 with the generic plan
+/// (docs/bench/README.md, "Lists planned once").
+///
+/// `enable_seqscan`: a generic plan is kept until the table's next ANALYZE, and one made while
+/// the statistics said "empty" scans and sorts the whole table (the trap of migrations/V26,
+/// here for every page); every list is read through an index (tests/api/list_plans.rs), so
+/// no list statement needs a sequential scan.
+const LIST_SESSION: [(&str, &str); 2] = [("plan_cache_mode", "force_generic_plan"), ("enable_seqscan", "off")];
+
+/// Connections of the list pool ([`Db::for_lists`]) for a main pool of `main`: a quarter as
+/// many, at least one. Pages wait for one of them rather than take a payment's connection.
+pub fn list_pool_size(main: u32) -> usize {
+    (main as usize / 4).max(1)
 }
 
 /// The database as the service uses it: a pool, and how each call runs on it
@@ -129,11 +153,31 @@ impl Db {
     pub fn new(settings: &Settings) -> anyhow::Result<Self> {
         Ok(Self {
             pool: pool(
-                connect_options(settings)?,
+                connect_options(settings, &[])?,
                 settings.db_pool_size as usize,
                 settings.db_acquire_timeout,
+                pool::closed_counter(),
             ),
             session: Arc::new(Session::new(settings.db_pooler, settings.statement_timeout)),
+        })
+    }
+
+    /// The pool list pages are read through, beside `main` (whose count of closed
+    /// connections it shares): [`list_pool_size`] connections whose sessions plan each
+    /// statement once and never scan a table ([`LIST_SESSION`]). A page is one statement
+    /// that only reads, so nothing else needs these settings, and nothing else gets them: the
+    /// payments' functions and the purge keep PostgreSQL's choice of plan. Behind a
+    /// transaction-mode pooler no statement is kept prepared (each is planned with its
+    /// values anyway), so the list pool's connections are like the main pool's.
+    pub fn for_lists(settings: &Settings, main: &Db) -> anyhow::Result<Self> {
+        Ok(Self {
+            pool: pool(
+                connect_options(settings, &LIST_SESSION)?,
+                list_pool_size(settings.db_pool_size),
+                settings.db_acquire_timeout,
+                main.pool.manager().closed.clone(),
+            ),
+            session: Arc::clone(&main.session),
         })
     }
 
@@ -141,7 +185,7 @@ impl Db {
     /// tests): mode `none`, no timeouts added.
     pub fn direct(options: PgConnectOptions, size: usize) -> Self {
         Self {
-            pool: pool(options, size, Duration::from_secs(30)),
+            pool: pool(options, size, Duration::from_secs(30), pool::closed_counter()),
             session: Arc::new(Session::new(Pooler::None, Duration::ZERO)),
         }
     }

@@ -57,18 +57,9 @@ impl Manager for Connector {
 pub(super) type Pool = deadpool::managed::Pool<Connector>;
 
 /// A pool of at most `size` connections, opened when first needed; a caller waits at most
-/// `acquire_timeout` for one (also for opening it).
-pub(super) fn pool(options: PgConnectOptions, size: usize, acquire_timeout: Duration) -> Pool {
-    let closed = IntCounterVec::new(
-        Opts::new(
-            "oncepay_db_connections_closed_total",
-            "Pooled connections closed instead of reused: broken (a connection-level failure or a \
-             read-only node), abandoned (a call or transaction cancelled midway), dead_idle (failed \
-             the ping after sitting idle)",
-        ),
-        &["reason"],
-    )
-    .expect("valid metric");
+/// `acquire_timeout` for one (also for opening it). `closed` counts the connections it closes
+/// instead of reusing ([`closed_counter`]; pools of one process share one).
+pub(super) fn pool(options: PgConnectOptions, size: usize, acquire_timeout: Duration, closed: IntCounterVec) -> Pool {
     Pool::builder(Connector { options, closed })
         .max_size(size)
         .wait_timeout(Some(acquire_timeout))
@@ -77,6 +68,20 @@ pub(super) fn pool(options: PgConnectOptions, size: usize, acquire_timeout: Dura
         .runtime(deadpool::Runtime::Tokio1)
         .build()
         .expect("a runtime is set, so the timeouts are valid")
+}
+
+/// `oncepay_db_connections_closed_total{reason}`.
+pub(super) fn closed_counter() -> IntCounterVec {
+    IntCounterVec::new(
+        Opts::new(
+            "oncepay_db_connections_closed_total",
+            "Pooled connections closed instead of reused: broken (a connection-level failure or a \
+             read-only node), abandoned (a call or transaction cancelled midway), dead_idle (failed \
+             the ping after sitting idle)",
+        ),
+        &["reason"],
+    )
+    .expect("valid metric")
 }
 
 /// What the pool holds now: connections open, of which idle, and the most it may open.

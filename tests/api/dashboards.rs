@@ -113,9 +113,10 @@ async fn readiness_is_0_when_the_database_does_not_answer() {
     settings.database_url = "postgres://oncepay@127.0.0.1:1/oncepay".to_owned();
     settings.db_acquire_timeout = Duration::from_millis(300);
     let db = oncepay::db::Db::new(&settings).unwrap();
+    let lists = oncepay::db::Db::for_lists(&settings, &db).unwrap();
     let metrics = oncepay::metrics::Metrics::new();
 
-    let text = metrics.render(&db, settings.retention, true).await;
+    let text = metrics.render(&db, &lists, settings.retention, true).await;
 
     assert_eq!(sample(&text, "oncepay_ready"), 0.0);
     assert_eq!(sample(&text, "oncepay_idempotency_key_oldest_age_seconds"), 0.0);

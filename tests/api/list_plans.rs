@@ -20,7 +20,7 @@ const LIMIT: u32 = 25;
 /// Rows of `table` this backend read and has not reported yet: (by sequential scans, fetched
 /// through an index). PostgreSQL 15 keeps a backend's counts until it reports them (at most
 /// once a second), so they may include the previous transactions': read them before and after.
-async fn reads(conn: &mut PgConnection, table: &str) -> (i64, i64) {
+pub async fn reads(conn: &mut PgConnection, table: &str) -> (i64, i64) {
     sqlx::query_as(
         "SELECT coalesce(seq_tup_read, 0), coalesce(idx_tup_fetch, 0)
            FROM pg_stat_xact_user_tables WHERE relname = $1",

@@ -26,6 +26,7 @@ mod hardening;
 mod key_lookups;
 mod limits;
 mod list_plans;
+mod list_pool;
 mod lists;
 mod lock_order;
 mod openapi;
