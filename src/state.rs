@@ -122,7 +122,8 @@ impl AppState {
     /// on; a page costs the database as much as a batch of payments, and a client paging
     /// through every list as fast as it can took 15 % of the payments of a two-core host
     /// (docs/bench/README.md). Under no load a page waits for nothing. The connection is the
-    /// list pool's ([`Db::for_lists`]).
+    /// list pool's ([`Db::for_lists`]); while it is awaited it counts in
+    /// `oncepay_db_pool_waiting` as a request waiting for any other connection does.
     pub async fn list_conn(&self) -> Result<Conn, DbError> {
         if let Some(payments) = &self.payments {
             if payments.busy() {
@@ -133,6 +134,7 @@ impl AppState {
                 }
             }
         }
+        let _waiting = Waiting::new(&self.metrics.pool_waiting);
         self.lists.conn().await
     }
 

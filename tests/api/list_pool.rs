@@ -7,6 +7,8 @@
 //! Direct connections in mode `none` (the list pool's settings travel in the start-up packet,
 //! which a transaction-mode pooler refuses; there no statement is kept prepared at all).
 
+use std::time::{Duration, Instant};
+
 use sqlx::{Connection, PgConnection};
 use uuid::Uuid;
 
@@ -17,7 +19,9 @@ use oncepay::domain::{PaymentId, TenantId};
 use oncepay::ledger::lists;
 
 use crate::list_plans::reads;
-use crate::support::helpers::{drop_database, empty_database, test_settings};
+use crate::support::helpers::{
+    drop_database, empty_database, metric_value, spawn_app_on_own_database_with, test_settings,
+};
 
 const LIMIT: u32 = 25;
 
@@ -189,5 +193,49 @@ async fn a_list_planned_on_an_empty_table_still_reads_its_page_through_the_index
     main.close().await;
     for_lists.close().await;
     drop(conn);
+    drop_database(&url).await;
+}
+
+/// A page that waits for the list pool's one connection (the first page holds it, waiting on
+/// a lock the test holds) counts in `oncepay_db_pool_waiting`, as any request waiting for a
+/// connection does; both pages are answered once the lock goes.
+#[tokio::test]
+async fn a_page_waiting_for_a_list_connection_counts_as_a_request_waiting_for_one() {
+    let (app, url) = spawn_app_on_own_database_with("list_pool_waiting", |s| {
+        s.db_pool_size = 4; // one list connection
+        s.db_acquire_timeout = Duration::from_secs(10);
+    })
+    .await;
+    let mut lock = PgConnection::connect(&url).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut lock).await.unwrap();
+    sqlx::query("LOCK TABLE payments IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut lock)
+        .await
+        .unwrap();
+    let watch = async {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let mut waiting = metric_value(&app.metrics().await, "oncepay_db_pool_waiting");
+        while waiting < 1.0 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            waiting = metric_value(&app.metrics().await, "oncepay_db_pool_waiting");
+        }
+        sqlx::query("COMMIT").execute(&mut lock).await.unwrap();
+        waiting
+    };
+
+    let (first, second, waiting) = tokio::join!(app.get("/payments"), app.get("/payments"), watch);
+
+    assert_eq!(
+        waiting, 1.0,
+        "requests waiting for a connection while a page held the list pool's one"
+    );
+    assert_eq!((first.status, second.status), (200, 200));
+    let text = app.metrics().await;
+    assert_eq!(metric_value(&text, "oncepay_db_pool_waiting"), 0.0);
+    assert_eq!(
+        metric_value(&text, r#"oncepay_db_list_pool_connections{state="max"}"#),
+        1.0
+    );
+    drop(app);
     drop_database(&url).await;
 }

@@ -121,13 +121,14 @@ async fn metrics_count_a_new_request_and_its_replay_apart() {
     );
     let replays_of_tenant = format!(r#"oncepay_replays_total{{tenant="{}"}}"#, app.tenant_id);
     // Both requests timed; nothing purged, no request waiting for a connection, the
-    // pool's size as configured (10 in the test settings).
+    // pool's size as configured (10 in the test settings) and the list pool's a quarter of it.
     for (series, value) in [
         (r#"oncepay_request_duration_seconds_count{route="/payments"}"#, 2.0),
         (replays_of_tenant.as_str(), 1.0),
         ("oncepay_purged_keys_total", 0.0),
         ("oncepay_db_pool_waiting", 0.0),
         (r#"oncepay_db_pool_connections{state="max"}"#, 10.0),
+        (r#"oncepay_db_list_pool_connections{state="max"}"#, 2.0),
     ] {
         assert!(
             text.lines().any(|line| line.starts_with(series)),
