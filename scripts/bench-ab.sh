@@ -7,8 +7,9 @@
 # and replays (BENCH_AB_REPLAY_CACHE=0 turns this tree's replay cache off, for a comparison of
 # the database paths), at BENCH_AB_CONCURRENCY clients (32); BENCH_AB_SCENARIOS names others
 # of oncepay-loadgen's (e.g. "list-first": the first page of 100 of GET /payments, over the
-# payments the other scenarios made). Prints one line per step and the tree/base ratio per
-# scenario.
+# payments the other scenarios made; "list-deep": a page from a cursor halfway through them,
+# each side's own). Prints one line per step and, per scenario, the tree/base ratios of the
+# medians of throughput and of p99.
 # BENCH_AB_BASE_ENV / BENCH_AB_TREE_ENV ("NAME=VALUE ...") add settings to one side's server:
 # with BASE_BIN=target/release the same build is compared with itself under other settings
 # (e.g. BENCH_AB_TREE_ENV="ONCEPAY_DB_POOL_SIZE=8").
@@ -50,13 +51,14 @@ cleanup() {
 }
 trap cleanup EXIT
 
-declare -A url key pid
+declare -A url key pid db
 setup() { # side binary port [NAME=VALUE ...]
   local side="$1" bin="$2" p="$3" u tenant api_key
   shift 3
   u="$(scripts/db.sh url "oncepay_ab_$side")"
   bench_database "$admin_url" "$u" "$bin" "$accounts"
   key[$side]="$api_key"
+  db[$side]="$u"
   env DATABASE_URL="$u" RUST_LOG=warn ONCEPAY_BIND="127.0.0.1:$p" ONCEPAY_METRICS_BIND="127.0.0.1:$((p + 1000))" "$@" "$bin" serve 2>>"$out/server-$side.log" &
   pid[$side]=$!
   pids+=("$!")
@@ -74,19 +76,29 @@ setup base "$base_bin/oncepay" "$port" ${BENCH_AB_BASE_ENV:-}
 setup tree target/release/oncepay "$((port + 1))" ONCEPAY_REPLAY_CACHE_ENTRIES="${BENCH_AB_REPLAY_CACHE:-100000}" \
   ${BENCH_AB_TREE_ENV:-}
 
-printf '%-8s %-5s %-6s %10s %12s %12s %8s\n' scenario side round "req/s" "server µs" "postgres µs" errors
+# A cursor halfway through the side's payments, newest first, read before the first round
+# (list-deep pages from it; the payments made later are newer and lie before it).
+middle() { # side
+  psql -X -q -tA "${db[$1]}" -c "SELECT payment_id FROM payments ORDER BY created_at DESC, payment_id DESC
+    OFFSET (SELECT count(*) / 2 FROM payments) LIMIT 1"
+}
+declare -A cursor
+for side in base tree; do cursor[$side]="$(middle "$side")"; done
+
+printf '%-10s %-5s %-6s %10s %8s %12s %12s %8s\n' scenario side round "req/s" "p99 ms" "server µs" "postgres µs" errors
 for round in $(seq "$rounds"); do
   for scenario in $scenarios; do
     for side in base tree; do
       "$lg" http --side "$side" --urls "${url[$side]}" --pids "${pid[$side]}" --api-key "${key[$side]}" \
         --clock-ticks "$clk" --pg-pid "$pg_pid" --scenario "$scenario" --concurrency "$concurrency" --duration-secs "$secs" \
-        --round "$round" --accounts "$accounts" --replay-keys "$replay_keys" | tee -a "$out/results.jsonl" |
+        --round "$round" --accounts "$accounts" --replay-keys "$replay_keys" --cursor "${cursor[$side]}" |
+        tee -a "$out/results.jsonl" |
         python3 -c '
 import json, sys
 r = json.load(sys.stdin)
 us = lambda v: "%.0f" % (v * 1e6) if v is not None else "-"
-print("%-8s %-5s %-6d %10.0f %12s %12s %8d" % (r["scenario"], r["side"], r["round"], r["throughput"],
-      us(r["cpu_secs_per_request"]), us(r["pg_cpu_secs_per_request"]), r["errors"]))'
+print("%-10s %-5s %-6d %10.0f %8.2f %12s %12s %8d" % (r["scenario"], r["side"], r["round"], r["throughput"],
+      r["p99_ms"], us(r["cpu_secs_per_request"]), us(r["pg_cpu_secs_per_request"]), r["errors"]))'
     done
   done
 done
@@ -98,6 +110,9 @@ for scenario in sys.argv[2:]:
          for s in ("base", "tree")}
     pg = {s: statistics.median(r["pg_cpu_secs_per_request"] for r in rows if r["scenario"] == scenario and r["side"] == s)
           for s in ("base", "tree")}
+    p99 = {s: statistics.median(r["p99_ms"] for r in rows if r["scenario"] == scenario and r["side"] == s)
+           for s in ("base", "tree")}
     print(f"{scenario}: tree/base throughput {t['tree'] / t['base']:.2f} (medians {t['tree']:.0f} / {t['base']:.0f} req/s), "
+          f"p99 {p99['tree'] / p99['base']:.2f} ({p99['tree']:.2f} / {p99['base']:.2f} ms), "
           f"PostgreSQL CPU per request {pg['tree'] * 1e6:.0f} / {pg['base'] * 1e6:.0f} µs")
 EOF

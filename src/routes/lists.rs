@@ -3,7 +3,8 @@
 //! parameter, for anything else), the answer `{"object":"list","data","has_more","url"}`, and
 //! their OpenAPI description.
 
-use actix_web::{web, HttpRequest, HttpResponse};
+use actix_web::http::header::ContentType;
+use actix_web::{web, HttpRequest, HttpResponse, ResponseError};
 use chrono::{DateTime, TimeZone, Utc};
 use serde::{Deserialize, Serialize};
 use utoipa::openapi::path::{Parameter, ParameterBuilder, ParameterIn};
@@ -30,13 +31,25 @@ pub struct ListOut<T> {
 }
 
 /// Answers a page of the list at `url`.
+///
+/// Written by sonic-rs, not serde_json as every other answer: the same `Serialize`, the same
+/// bytes (`sonic_rs_writes_what_serde_json_writes`), but its strings are scanned for escapes 16
+/// bytes at a time. A page of 100 payments is about 20 KB of strings, and serde_json's escape
+/// scan, a byte at a time, was a fifth of the server's instructions for it (`make callgrind`,
+/// list phase: 805k -> 729k a page).
 pub fn answer<T: Serialize>(url: String, page: Page<T>) -> HttpResponse {
-    HttpResponse::Ok().json(ListOut {
+    let out = ListOut {
         object: "list",
         data: page.items,
         has_more: page.has_more,
         url,
-    })
+    };
+    match sonic_rs::to_vec(&out) {
+        Ok(body) => HttpResponse::Ok().content_type(ContentType::json()).body(body),
+        // What `HttpResponse::json` answers when serialising fails: nothing of oncepay's
+        // does (no map with non-string keys, no failing `Serialize`).
+        Err(e) => ApiError::Internal(anyhow::anyhow!("a list page could not be written: {e}")).error_response(),
+    }
 }
 
 /// A cursor that names no item of the list (unknown, another tenant's, or purged since).
@@ -296,8 +309,59 @@ pub fn parameters(filters: &[Filter]) -> Vec<Parameter> {
 #[cfg(test)]
 mod tests {
     use actix_web::test::TestRequest;
+    use proptest::prelude::*;
+    use serde_json::{json, Value};
 
     use super::*;
+
+    /// Any JSON value: strings of any characters (control characters, quotes, backslashes,
+    /// astral ones), integers and floats of any size, nested arrays and objects.
+    fn value() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::Bool),
+            any::<i64>().prop_map(Value::from),
+            any::<u64>().prop_map(Value::from),
+            any::<f64>()
+                .prop_filter("JSON has no NaN or infinity", |f| f.is_finite())
+                .prop_map(Value::from),
+            any::<String>().prop_map(Value::String),
+            "[\\x00-\\x1f\"\\\\/\\u{7f}-\\u{a0}\\u{2028}\\u{2029}a-z]{0,40}".prop_map(Value::String),
+        ];
+        leaf.prop_recursive(3, 48, 6, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..6).prop_map(Value::Array),
+                prop::collection::btree_map(any::<String>(), inner, 0..6)
+                    .prop_map(|m| Value::Object(m.into_iter().collect())),
+            ]
+        })
+    }
+
+    proptest! {
+        #[test]
+        fn sonic_rs_writes_what_serde_json_writes(data in prop::collection::vec(value(), 0..4), has_more: bool, url: String) {
+            let out = ListOut { object: "list", data, has_more, url };
+            let sonic = sonic_rs::to_vec(&out).unwrap();
+            let serde = serde_json::to_vec(&out).unwrap();
+            prop_assert_eq!(String::from_utf8_lossy(&sonic), String::from_utf8_lossy(&serde));
+        }
+    }
+
+    #[actix_web::test]
+    async fn a_page_answers_as_json_with_the_lists_shape() {
+        let page = Page {
+            items: vec![json!({"id": "a\u{1}\"b"}), json!(12)],
+            has_more: true,
+        };
+        let response = answer("/payments".to_owned(), page);
+        assert_eq!(response.status(), 200);
+        assert_eq!(response.headers().get("content-type").unwrap(), "application/json");
+        let body = actix_web::body::to_bytes(response.into_body()).await.unwrap();
+        assert_eq!(
+            serde_json::from_slice::<Value>(&body).unwrap(),
+            json!({"object": "list", "data": [{"id": "a\u{1}\"b"}, 12], "has_more": true, "url": "/payments"})
+        );
+    }
 
     fn read(query: &str, allowed: &[Filter]) -> Result<(PageRequest<u32>, Filters), String> {
         let req = TestRequest::get().uri(&format!("/x?{query}")).to_http_request();
