@@ -267,7 +267,7 @@ async fn gone_disables_the_endpoint_and_a_spent_schedule_gives_up_the_message_al
 /// otherwise take the retry.
 #[tokio::test]
 async fn retry_after_on_503_is_honoured() {
-    let (app, _) = crate::support::helpers::spawn_app_on_own_database_with("retry_after", delivering).await;
+    let (app, url) = spawn_app_on_own_database_with("retry_after", delivering).await;
     let receiver = Receiver::start().await;
     receiver.script(|m| {
         if m.nth == 1 {
@@ -284,6 +284,7 @@ async fn retry_after_on_503_is_honoured() {
     let gap = messages[1].at - messages[0].at;
     // The schedule's first wait is 0.2 s; Retry-After asked for 2.
     assert!(gap >= Duration::from_millis(1_900), "{gap:?}");
+    drop_database(&url).await;
 }
 
 /// Three replicas deliver at once, each claiming from the same tables, while the payments
