@@ -13,7 +13,7 @@ use prometheus::{
     Registry, TextEncoder,
 };
 
-use crate::db::{Db, DbError};
+use crate::db::{Db, DbError, PoolStatus};
 
 pub struct Metrics {
     registry: Registry,
@@ -382,10 +382,10 @@ impl Metrics {
     }
 
     /// The text exposition, with the pools' and the database's gauges read at scrape time
-    /// (`db` the main pool, `lists` the list pool). Before `serve` has reached the database
+    /// (`db` the main pool, `lists` the list pools' added up). Before `serve` has reached the database
     /// (`started` false) nothing is asked of it: the scrape answers at once, with
     /// `oncepay_ready` 0.
-    pub async fn render(&self, db: &Db, lists: &Db, retention: Duration, started: bool) -> String {
+    pub async fn render(&self, db: &Db, lists: PoolStatus, retention: Duration, started: bool) -> String {
         if started {
             self.probe_database(db).await;
         } else {
@@ -394,7 +394,7 @@ impl Metrics {
         self.retention.set(retention.as_secs_f64());
         for (gauges, pool) in [
             (&self.pool_connections, db.status()),
-            (&self.list_pool_connections, lists.status()),
+            (&self.list_pool_connections, lists),
         ] {
             let gauge = |label: &str, n: usize| {
                 gauges

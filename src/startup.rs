@@ -23,7 +23,7 @@ use crate::config::Settings;
 use crate::db;
 use crate::idempotency::cache::ReplayCache;
 use crate::metrics::Metrics;
-use crate::state::{AppState, Readiness};
+use crate::state::{AppState, Readiness, WorkerLists};
 use crate::top_ups::processor::ProcessorClient;
 use crate::top_ups::{completer, Clocks, TopUps};
 use crate::webhooks::{Deliverer, SecretBox};
@@ -46,7 +46,7 @@ impl Application {
     /// inside a Tokio runtime (the payments' batcher starts its task here).
     pub fn build(settings: Settings) -> anyhow::Result<Self> {
         let db = db::Db::new(&settings)?;
-        let lists = db::Db::for_lists(&settings, &db)?;
+        let lists = db::PerWorker::new(db::Db::for_lists(&settings, &db)?, settings.workers);
         let listener = TcpListener::bind(&settings.bind).with_context(|| format!("cannot bind {}", settings.bind))?;
         let operations_listener = TcpListener::bind(&settings.metrics_bind)
             .with_context(|| format!("cannot bind {} (ONCEPAY_METRICS_BIND)", settings.metrics_bind))?;
@@ -134,9 +134,11 @@ impl Application {
         });
         let app_state = state.clone();
         let counters = state.metrics.connections.clone();
+        let lists = state.lists.clone();
         let server = http1::serve(listener, limits, counters, tls, move || {
             App::new()
                 .app_data(app_state.clone())
+                .app_data(web::Data::new(WorkerLists(lists.for_worker())))
                 .wrap(middleware::from_fn(telemetry::request_log))
                 .configure(routes::configure)
         })?;

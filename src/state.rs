@@ -12,7 +12,7 @@ use prometheus::IntGauge;
 use crate::auth::{self, TenantCache};
 use crate::batch::Batcher;
 use crate::config::Settings;
-use crate::db::{Conn, Db, DbError};
+use crate::db::{Conn, Db, DbError, PerWorker};
 use crate::domain::TenantId;
 use crate::error::ApiError;
 use crate::idempotency::cache::ReplayCache;
@@ -33,8 +33,9 @@ const LIST_YIELD_POLL: std::time::Duration = std::time::Duration::from_millis(1)
 pub struct AppState {
     /// Every query goes through it (`ONCEPAY_DB_POOLER`), but list pages.
     pub db: Db,
-    /// List pages are read through it ([`Db::for_lists`]: planned once, never a table scan).
-    pub lists: Db,
+    /// List pages are read through them, a pool per HTTP worker ([`PerWorker`]) made from
+    /// [`Db::for_lists`] (planned once, never a table scan).
+    pub lists: PerWorker,
     pub settings: Settings,
     pub tenants: TenantCache,
     pub metrics: Metrics,
@@ -50,6 +51,10 @@ pub struct AppState {
     /// Set once `serve` has reached the database and found its schema current.
     pub ready: Readiness,
 }
+
+/// The list pool of one HTTP worker ([`PerWorker`]): app data of each worker's `App`, which
+/// the list handlers take as an argument.
+pub struct WorkerLists(pub Db);
 
 /// Whether `serve` has reached its database and checked the schema (`db::wait_for_schema`).
 /// It starts false and is set once; it never goes back (a database lost later is the
@@ -122,9 +127,9 @@ impl AppState {
     /// on; a page costs the database as much as a batch of payments, and a client paging
     /// through every list as fast as it can took 15 % of the payments of a two-core host
     /// (docs/bench/README.md). Under no load a page waits for nothing. The connection is the
-    /// list pool's ([`Db::for_lists`]); while it is awaited it counts in
-    /// `oncepay_db_pool_waiting` as a request waiting for any other connection does.
-    pub async fn list_conn(&self) -> Result<Conn, DbError> {
+    /// list pool of the HTTP worker serving the page ([`WorkerLists`]); while it is awaited it
+    /// counts in `oncepay_db_pool_waiting` as a request waiting for any other connection does.
+    pub async fn list_conn(&self, lists: &WorkerLists) -> Result<Conn, DbError> {
         if let Some(payments) = &self.payments {
             if payments.busy() {
                 self.metrics.list_yields.inc();
@@ -135,7 +140,7 @@ impl AppState {
             }
         }
         let _waiting = Waiting::new(&self.metrics.pool_waiting);
-        self.lists.conn().await
+        lists.0.conn().await
     }
 
     /// Runs `effect` in a statement of its own.

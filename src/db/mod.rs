@@ -4,6 +4,7 @@
 
 mod conn;
 mod error;
+mod per_worker;
 mod pool;
 mod schema;
 
@@ -20,6 +21,7 @@ use crate::config::{Pooler, Settings};
 
 pub use conn::Conn;
 pub use error::DbError;
+pub use per_worker::PerWorker;
 pub use pool::PoolStatus;
 pub use schema::{
     check_schema, embedded_migration_count, expected_schema_version, migrate, wait_for_schema, SchemaError,
@@ -179,6 +181,15 @@ impl Db {
             ),
             session: Arc::clone(&main.session),
         })
+    }
+
+    /// A pool like this one (its connect options, session and timeouts) of its own `size`
+    /// connections.
+    pub fn sibling(&self, size: usize) -> Self {
+        Self {
+            pool: pool::sibling(&self.pool, size),
+            session: Arc::clone(&self.session),
+        }
     }
 
     /// A pool of `size` direct connections made with `options` as they are (tools and

@@ -70,6 +70,21 @@ pub(super) fn pool(options: PgConnectOptions, size: usize, acquire_timeout: Dura
         .expect("a runtime is set, so the timeouts are valid")
 }
 
+/// A pool like `of` (its connect options, timeouts and count of closed connections) of its
+/// own `size` connections.
+pub(super) fn sibling(of: &Pool, size: usize) -> Pool {
+    let manager = of.manager();
+    Pool::builder(Connector {
+        options: manager.options.clone(),
+        closed: manager.closed.clone(),
+    })
+    .max_size(size)
+    .timeouts(of.timeouts())
+    .runtime(deadpool::Runtime::Tokio1)
+    .build()
+    .expect("a runtime is set, so the timeouts are valid")
+}
+
 /// `oncepay_db_connections_closed_total{reason}`.
 pub(super) fn closed_counter() -> IntCounterVec {
     IntCounterVec::new(

@@ -14,7 +14,7 @@ use super::schemas::{BadRequest, NotFound, Overloaded, Unauthorized, Unavailable
 use crate::domain::{time, AccountId, Amount, DepositId, OpeningBalance};
 use crate::error::ApiError;
 use crate::ledger::{self, AccountRow, DepositRow};
-use crate::state::AppState;
+use crate::state::{AppState, WorkerLists};
 
 pub fn configure(cfg: &mut web::ServiceConfig) {
     route::<OpenAccount>(cfg);
@@ -170,10 +170,14 @@ impl utoipa::IntoParams for AccountListParams {
         (status = 429, response = Overloaded), (status = 503, response = Unavailable),
     )
 )]
-pub(super) async fn list(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+pub(super) async fn list(
+    req: HttpRequest,
+    state: web::Data<AppState>,
+    pool: web::Data<WorkerLists>,
+) -> Result<HttpResponse, ApiError> {
     let tenant = state.tenant(&req).await?;
     let (page, _) = lists::query(&req, &[], |raw| AccountId::parse(raw).ok())?;
-    let mut conn = state.list_conn().await?;
+    let mut conn = state.list_conn(&pool).await?;
     let page = conn
         .run(async |c| ledger::lists::accounts(c, tenant.id, &page).await)
         .await?

@@ -67,7 +67,12 @@ pub(super) async fn metrics(state: web::Data<AppState>) -> HttpResponse {
         .body(
             state
                 .metrics
-                .render(&state.db, &state.lists, state.settings.retention, state.is_ready())
+                .render(
+                    &state.db,
+                    state.lists.status(),
+                    state.settings.retention,
+                    state.is_ready(),
+                )
                 .await,
         )
 }

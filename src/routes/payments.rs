@@ -16,7 +16,7 @@ use crate::domain::{time, AccountId, Amount, PaymentId, TenantId};
 use crate::error::ApiError;
 use crate::ledger::lists::PaymentStatus as StatusFilter;
 use crate::ledger::{self, ClaimArgs, Outcome, PaymentRow, PaymentState};
-use crate::state::AppState;
+use crate::state::{AppState, WorkerLists};
 
 pub fn configure(cfg: &mut web::ServiceConfig) {
     route::<CreatePayment>(cfg);
@@ -225,12 +225,16 @@ impl utoipa::IntoParams for PaymentListParams {
         (status = 429, response = Overloaded), (status = 503, response = Unavailable),
     )
 )]
-pub(super) async fn list(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+pub(super) async fn list(
+    req: HttpRequest,
+    state: web::Data<AppState>,
+    pool: web::Data<WorkerLists>,
+) -> Result<HttpResponse, ApiError> {
     let tenant = state.tenant(&req).await?;
     let (page, filters) = lists::query(&req, LIST_FILTERS, PaymentId::parse)?;
     let account = lists::account(&filters)?;
     let status = filters.status.as_deref().and_then(StatusFilter::parse);
-    let mut conn = state.list_conn().await?;
+    let mut conn = state.list_conn(&pool).await?;
     let page = conn
         .run(async |c| ledger::lists::payments(c, tenant.id, account.as_ref(), status, &page).await)
         .await?

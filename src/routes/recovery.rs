@@ -18,7 +18,7 @@ use super::webhooks::EventOut;
 use crate::domain::{time, AttemptId, EndpointId, EventId};
 use crate::error::ApiError;
 use crate::operation::Spec;
-use crate::state::AppState;
+use crate::state::{AppState, WorkerLists};
 use crate::webhooks::endpoints::EVENT_TYPES;
 use crate::webhooks::recovery::{self, AttemptOutcome, AttemptsRefused, Recover, RecoveryRow, Resend, Resent};
 
@@ -166,10 +166,14 @@ impl utoipa::IntoParams for EventListParams {
         (status = 429, response = Overloaded), (status = 503, response = Unavailable),
     )
 )]
-pub(super) async fn list_events(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+pub(super) async fn list_events(
+    req: HttpRequest,
+    state: web::Data<AppState>,
+    pool: web::Data<WorkerLists>,
+) -> Result<HttpResponse, ApiError> {
     let tenant = state.tenant(&req).await?;
     let (page, filters) = lists::query(&req, EVENT_FILTERS, EventId::parse)?;
-    let mut conn = state.list_conn().await?;
+    let mut conn = state.list_conn(&pool).await?;
     let page = conn
         .run(async |c| recovery::events(c, tenant.id, filters.event_type.as_deref(), &page).await)
         .await?
@@ -234,12 +238,16 @@ impl utoipa::IntoParams for AttemptListParams {
         (status = 503, response = Unavailable),
     )
 )]
-pub(super) async fn list_attempts(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+pub(super) async fn list_attempts(
+    req: HttpRequest,
+    state: web::Data<AppState>,
+    pool: web::Data<WorkerLists>,
+) -> Result<HttpResponse, ApiError> {
     let tenant = state.tenant(&req).await?;
     let endpoint = endpoint_id(&req)?;
     let (page, filters) = lists::query(&req, ATTEMPT_FILTERS, AttemptId::parse)?;
     let outcome = filters.outcome.as_deref().and_then(AttemptOutcome::parse);
-    let mut conn = state.list_conn().await?;
+    let mut conn = state.list_conn(&pool).await?;
     let page = conn
         .run(async |c| recovery::attempts(c, tenant.id, endpoint, outcome, &page).await)
         .await?

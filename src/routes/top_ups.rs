@@ -28,7 +28,7 @@ use crate::error::ApiError;
 use crate::ledger::top_ups::NewTopUp;
 use crate::ledger::{self, TopUpRow};
 use crate::operation::Operation;
-use crate::state::AppState;
+use crate::state::{AppState, WorkerLists};
 use crate::top_ups::{Answer, TopUpError, TopUps};
 
 pub fn configure(cfg: &mut web::ServiceConfig) {
@@ -332,10 +332,14 @@ impl utoipa::IntoParams for TopUpListParams {
         (status = 429, response = Overloaded), (status = 503, response = Unavailable),
     )
 )]
-pub(super) async fn list(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+pub(super) async fn list(
+    req: HttpRequest,
+    state: web::Data<AppState>,
+    pool: web::Data<WorkerLists>,
+) -> Result<HttpResponse, ApiError> {
     let tenant = state.tenant(&req).await?;
     let (page, filters) = lists::query(&req, LIST_FILTERS, TopUpId::parse)?;
-    let mut conn = state.list_conn().await?;
+    let mut conn = state.list_conn(&pool).await?;
     let page = conn
         .run(async |c| ledger::lists::top_ups(c, tenant.id, filters.status.as_deref(), &page).await)
         .await?

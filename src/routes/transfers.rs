@@ -12,7 +12,7 @@ use super::schemas::{BadRequest, NotFound, Overloaded, Unauthorized, Unavailable
 use crate::domain::{time, AccountId, Amount, TransferId};
 use crate::error::ApiError;
 use crate::ledger::{self, TransferRow, TransferState};
-use crate::state::AppState;
+use crate::state::{AppState, WorkerLists};
 
 pub fn configure(cfg: &mut web::ServiceConfig) {
     route::<CreateTransfer>(cfg);
@@ -146,11 +146,15 @@ impl utoipa::IntoParams for TransferListParams {
         (status = 429, response = Overloaded), (status = 503, response = Unavailable),
     )
 )]
-pub(super) async fn list(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+pub(super) async fn list(
+    req: HttpRequest,
+    state: web::Data<AppState>,
+    pool: web::Data<WorkerLists>,
+) -> Result<HttpResponse, ApiError> {
     let tenant = state.tenant(&req).await?;
     let (page, filters) = lists::query(&req, LIST_FILTERS, TransferId::parse)?;
     let account = lists::account(&filters)?;
-    let mut conn = state.list_conn().await?;
+    let mut conn = state.list_conn(&pool).await?;
     let page = conn
         .run(async |c| ledger::lists::transfers(c, tenant.id, account.as_ref(), &page).await)
         .await?

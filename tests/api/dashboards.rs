@@ -116,7 +116,7 @@ async fn readiness_is_0_when_the_database_does_not_answer() {
     let lists = oncepay::db::Db::for_lists(&settings, &db).unwrap();
     let metrics = oncepay::metrics::Metrics::new();
 
-    let text = metrics.render(&db, &lists, settings.retention, true).await;
+    let text = metrics.render(&db, lists.status(), settings.retention, true).await;
 
     assert_eq!(sample(&text, "oncepay_ready"), 0.0);
     assert_eq!(sample(&text, "oncepay_idempotency_key_oldest_age_seconds"), 0.0);

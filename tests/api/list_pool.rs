@@ -203,6 +203,7 @@ async fn a_list_planned_on_an_empty_table_still_reads_its_page_through_the_index
 async fn a_page_waiting_for_a_list_connection_counts_as_a_request_waiting_for_one() {
     let (app, url) = spawn_app_on_own_database_with("list_pool_waiting", |s| {
         s.db_pool_size = 4; // one list connection
+        s.workers = 1; // its one pool: both pages ask the same worker
         s.db_acquire_timeout = Duration::from_secs(10);
     })
     .await;
