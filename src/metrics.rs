@@ -382,8 +382,8 @@ impl Metrics {
     }
 
     /// The text exposition, with the pools' and the database's gauges read at scrape time
-    /// (`db` the main pool, `lists` the list pools' added up). Before `serve` has reached the database
-    /// (`started` false) nothing is asked of it: the scrape answers at once, with
+    /// (`db` the main pool, `lists` the list pools' added up). Before `serve` has reached the
+    /// database (`started` false) nothing is asked of it: the scrape answers at once, with
     /// `oncepay_ready` 0.
     pub async fn render(&self, db: &Db, lists: PoolStatus, retention: Duration, started: bool) -> String {
         if started {

@@ -40,7 +40,9 @@ impl PerWorker {
     }
 
     /// A new pool, for the worker that calls this (from its `App` factory, which runs on
-    /// the worker's thread; the connections open later, on its first pages).
+    /// the worker's thread; the connections open later, on its first pages). A worker that
+    /// actix starts again after a panic gets a new one; the dead worker's stays counted in
+    /// the metrics until the process ends.
     pub fn for_worker(&self) -> Db {
         let db = self.template.sibling(self.size);
         self.pools().push(db.clone());
