@@ -6,8 +6,8 @@
 //! learned that its rows had come only once that worker finished what it was doing (writing a
 //! page of its own, about 0.1 ms), while its own thread sat idle: side by side (`make
 //! bench-ab`, c=8, three runs of three rounds), pages per second 1.07-1.20x (first page) and
-//! 1.07-1.18x (deep) with a pool per worker, p99 0.83-0.94x. Each worker's pool is opened by that worker's first page, so its connections are
-//! served by its own reactor.
+//! 1.07-1.18x (deep) with a pool per worker, p99 0.83-0.94x. Each worker's pool is opened by
+//! that worker's first pages, so its connections are served by its own reactor.
 //!
 //! The payments' batcher needs none of this: its dispatcher and the connections it opens share
 //! the main runtime, and a pool per worker measured no change there (docs/bench/README.md).
