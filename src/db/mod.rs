@@ -7,6 +7,7 @@ mod error;
 mod per_worker;
 mod pool;
 mod schema;
+mod timestamptz;
 
 use std::str::FromStr;
 use std::sync::Arc;
@@ -26,6 +27,7 @@ pub use pool::PoolStatus;
 pub use schema::{
     check_schema, embedded_migration_count, expected_schema_version, migrate, wait_for_schema, SchemaError,
 };
+pub use timestamptz::Timestamptz;
 
 use pool::{acquire, acquire_unlogged, pool, Pool};
 

@@ -40,6 +40,22 @@ pub fn rfc3339_opt<S: Serializer>(time: &Option<DateTime<Utc>>, serializer: S) -
     }
 }
 
+/// Appends `time` to `out` as a JSON string, as serde_json writes chrono's: for answers that
+/// write their JSON themselves (a list's items).
+pub fn append_json(time: &DateTime<Utc>, out: &mut Vec<u8>) {
+    let mut buf = [0u8; MAX_LEN];
+    match write(time, &mut buf) {
+        Some(len) => {
+            // Digits and separators: nothing to escape.
+            out.push(b'"');
+            out.extend_from_slice(&buf[..len]);
+            out.push(b'"');
+        }
+        // chrono writes its form through serde; a `Vec` takes any write.
+        None => serde_json::to_writer(out, time).expect("a Vec takes every write, and chrono's Serialize never fails"),
+    }
+}
+
 /// Writes `time` into `buf` and answers its length; `None` for the times left to chrono.
 fn write(time: &DateTime<Utc>, buf: &mut [u8; MAX_LEN]) -> Option<usize> {
     // The fields of the naive time: each accessor of a `DateTime` converts to local time

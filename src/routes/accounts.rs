@@ -57,6 +57,8 @@ pub(super) struct AccountOut {
     balance: i64,
 }
 
+impl super::lists::ListItem for AccountOut {}
+
 /// A deposit, as of its creation.
 #[derive(Serialize, ToSchema)]
 pub struct DepositOut {

@@ -6,9 +6,10 @@ use chrono::{DateTime, Utc};
 use oncepay_protocol::routes;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
+use uuid::Uuid;
 
 use super::intake::{present, EmptyBody};
-use super::lists::{self, Filter, ListOut};
+use super::lists::{self, Filter, ListItem, ListOut};
 use super::pipeline::{corrupt, route, Endpoint};
 use super::schemas::{BadRequest, NotFound, Overloaded, Unauthorized, Unavailable};
 use crate::db::DbError;
@@ -20,9 +21,11 @@ use crate::state::{AppState, WorkerLists};
 
 pub fn configure(cfg: &mut web::ServiceConfig) {
     route::<CreatePayment>(cfg);
+    // Before the paths with an id: actix tries each route in turn, and matching one with an
+    // id costs a regex run (12k instructions a request for the two ahead of it).
+    cfg.route(routes::LIST_PAYMENTS.path, web::get().to(list));
     route::<RefundPayment>(cfg);
     cfg.route(routes::GET_PAYMENT.path, web::get().to(show));
-    cfg.route(routes::LIST_PAYMENTS.path, web::get().to(list));
 }
 
 /// Body of `POST /payments` and `POST /pay`.
@@ -202,6 +205,40 @@ impl From<PaymentState> for PaymentStateOut {
     }
 }
 
+/// Written by hand, in the field order of its `Serialize`, to the same bytes
+/// (`tests::a_listed_payment_is_written_as_serde_json_writes_it`): through `Serialize`, each
+/// key went through the string escaper and each value through serde's calls, a third of the
+/// server's instructions for a page of 100 payments (`make callgrind`, the list phase).
+impl ListItem for PaymentStateOut {
+    fn write_json(&self, out: &mut Vec<u8>) -> Result<(), sonic_rs::Error> {
+        out.extend_from_slice(br#"{"id":""#);
+        out.extend_from_slice(
+            self.id
+                .get()
+                .hyphenated()
+                .encode_lower(&mut Uuid::encode_buffer())
+                .as_bytes(),
+        );
+        out.extend_from_slice(br#"","account":"#);
+        // The one field of a client's characters: escaped.
+        sonic_rs::to_writer(&mut *out, &self.account)?;
+        out.extend_from_slice(br#","amount":"#);
+        out.extend_from_slice(itoa::Buffer::new().format(self.amount).as_bytes());
+        out.extend_from_slice(match self.status {
+            PaymentStatus::Succeeded => br#","status":"succeeded","created_at":"#.as_slice(),
+            PaymentStatus::Refunded => br#","status":"refunded","created_at":"#.as_slice(),
+        });
+        time::append_json(&self.created_at, out);
+        out.extend_from_slice(br#","refunded_at":"#);
+        match &self.refunded_at {
+            Some(at) => time::append_json(at, out),
+            None => out.extend_from_slice(b"null"),
+        }
+        out.push(b'}');
+        Ok(())
+    }
+}
+
 pub(super) const LIST_FILTERS: &[Filter] = &[Filter::Account, Filter::Status(&["succeeded", "refunded"])];
 
 /// The query parameters of `GET /payments`.
@@ -243,4 +280,42 @@ pub(super) async fn list(
         routes::LIST_PAYMENTS.path.to_owned(),
         page.map(PaymentStateOut::from),
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use chrono::TimeZone;
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn time() -> impl Strategy<Value = DateTime<Utc>> {
+        // Years 1-9999 and beyond (chrono's own form), to the nanosecond.
+        (-62_135_596_800i64..300_000_000_000, 0u32..1_000_000_000)
+            .prop_map(|(secs, nanos)| Utc.timestamp_opt(secs, nanos).unwrap())
+    }
+
+    proptest! {
+        #[test]
+        fn a_listed_payment_is_written_as_serde_json_writes_it(
+            id: u128,
+            account in prop_oneof![any::<String>(), "[\\x00-\\x1f\"\\\\/\\u{7f}-\\u{a0}\\u{2028}a-z_]{0,24}"],
+            amount: i64,
+            created_at in time(),
+            refunded_at in prop::option::of(time()),
+        ) {
+            let payment = PaymentStateOut {
+                id: PaymentId::from_uuid(Uuid::from_u128(id)),
+                account,
+                amount,
+                status: if refunded_at.is_some() { PaymentStatus::Refunded } else { PaymentStatus::Succeeded },
+                created_at,
+                refunded_at,
+            };
+            let mut ours = Vec::new();
+            payment.write_json(&mut ours).unwrap();
+            let serde = serde_json::to_vec(&payment).unwrap();
+            prop_assert_eq!(String::from_utf8_lossy(&ours), String::from_utf8_lossy(&serde));
+        }
+    }
 }

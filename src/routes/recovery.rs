@@ -201,6 +201,8 @@ pub(super) struct AttemptOut {
     latency_ms: i32,
 }
 
+impl super::lists::ListItem for AttemptOut {}
+
 const ATTEMPT_FILTERS: &[Filter] = &[Filter::Outcome];
 
 /// The query parameters of `GET /webhook-endpoints/{id}/attempts`.

@@ -94,6 +94,8 @@ pub struct TopUpStateOut {
     created_at: DateTime<Utc>,
 }
 
+impl super::lists::ListItem for TopUpStateOut {}
+
 /// A refunded top-up, or one whose refund is pending at the processor.
 #[derive(Serialize, ToSchema)]
 pub struct TopUpRefundOut {

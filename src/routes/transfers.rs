@@ -55,6 +55,8 @@ pub(super) struct TransferStateOut {
     created_at: DateTime<Utc>,
 }
 
+impl super::lists::ListItem for TransferStateOut {}
+
 pub struct CreateTransfer;
 
 impl Endpoint for CreateTransfer {

@@ -100,6 +100,8 @@ pub(super) struct EventOut {
     data: serde_json::Value,
 }
 
+impl super::lists::ListItem for EventOut {}
+
 /// An endpoint enabled: as listed, as of that request (a replay answers the same).
 #[derive(Serialize, ToSchema)]
 pub struct EnabledEndpointOut {

@@ -199,6 +199,53 @@ async fn payments_are_filtered_by_account_status_and_creation_time() {
     assert_eq!(ids(&none), Vec::<String>::new());
 }
 
+/// A page's items are read and written by code of their own (`db::Timestamptz`, the
+/// payments' `ListItem`): each must read as `GET /payments/{id}` answers it, whatever its times.
+#[tokio::test]
+async fn each_listed_payment_reads_as_its_get_answers_it_at_any_time() {
+    let app = spawn_app().await;
+    let times = [
+        "1999-12-31 23:59:59.999999+00", // just before PostgreSQL's epoch
+        "2000-01-01 00:00:00+00",        // its epoch
+        "2000-01-01 00:00:00.000001+00",
+        "1970-01-01 00:00:00.5+00",
+        "2024-02-29 12:34:56.789+00",
+        "9999-12-31 23:59:59.123456+00",
+    ];
+    for (i, at) in times.iter().enumerate() {
+        let id = pay_from(&app, "main", 10 + i as i64).await;
+        if i % 2 == 1 {
+            assert_eq!(app.refund(Some(&new_key()), &id).await.status, 200);
+        }
+        sqlx::query(
+            "UPDATE payments SET created_at = $3::timestamptz,
+                    refunded_at = CASE WHEN refunded_at IS NULL THEN NULL ELSE $3::timestamptz + interval '1.000001 s' END
+              WHERE tenant_id = $1 AND payment_id = $2::uuid",
+        )
+        .bind(app.tenant_id)
+        .bind(&id)
+        .bind(at)
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    }
+    let page = app.get("/payments").await;
+    assert_eq!(page.status, 200, "{}", page.body);
+    let items = page.body["data"].as_array().unwrap();
+    assert_eq!(items.len(), times.len());
+    for item in items {
+        let single = app.get(&format!("/payments/{}", item["id"].as_str().unwrap())).await;
+        assert_eq!(*item, single.body);
+    }
+    assert_eq!(items[0]["created_at"], "9999-12-31T23:59:59.123456Z");
+    // Past the year 9999, chrono's own form (a sign before the year).
+    assert_eq!(items[0]["refunded_at"], "+10000-01-01T00:00:00.123457Z");
+    assert_eq!(items[3]["created_at"], "2000-01-01T00:00:00Z");
+    assert_eq!(items[3]["refunded_at"], "2000-01-01T00:00:01.000001Z");
+    assert_eq!(items[4]["created_at"], "1999-12-31T23:59:59.999999Z");
+    assert_eq!(items[4]["refunded_at"], Value::Null);
+}
+
 #[tokio::test]
 async fn a_page_before_its_cursor_holds_the_newer_items_newest_first() {
     let app = spawn_app().await;

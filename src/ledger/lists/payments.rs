@@ -3,6 +3,7 @@
 
 use sqlx::PgConnection;
 
+use crate::db::Timestamptz;
 use crate::domain::page::{Page, PageRequest};
 use crate::domain::{AccountId, PaymentId, TenantId};
 use crate::ledger::rows::{PaymentState, SqlAmount};
@@ -40,8 +41,8 @@ macro_rules! payment_state {
             payment_id: r.payment_id,
             account_id: r.account_id,
             amount: SqlAmount(r.amount),
-            created_at: r.created_at,
-            refunded_at: r.refunded_at,
+            created_at: r.created_at.0,
+            refunded_at: r.refunded_at.map(|t| t.0),
         }
     }};
 }
@@ -61,7 +62,8 @@ pub async fn payments(
     let rows: Vec<PaymentState> = match (account, page.newer()) {
         (None, false) => {
             sqlx::query!(
-                r#"SELECT r.payment_id, r.account_id, r.amount, r.created_at, r.refunded_at
+                r#"SELECT r.payment_id, r.account_id, r.amount,
+                           r.created_at AS "created_at: Timestamptz", r.refunded_at AS "refunded_at: Timestamptz"
                     FROM payments r
                     WHERE r.tenant_id = $1
                       AND (r.created_at, r.payment_id) <
@@ -87,7 +89,8 @@ pub async fn payments(
         }
         (None, true) => {
             sqlx::query!(
-                r#"SELECT r.payment_id, r.account_id, r.amount, r.created_at, r.refunded_at
+                r#"SELECT r.payment_id, r.account_id, r.amount,
+                           r.created_at AS "created_at: Timestamptz", r.refunded_at AS "refunded_at: Timestamptz"
                     FROM payments r
                     WHERE r.tenant_id = $1
                       AND (r.created_at, r.payment_id) >
@@ -111,7 +114,8 @@ pub async fn payments(
         }
         (Some(account), false) => {
             sqlx::query!(
-                r#"SELECT r.payment_id, r.account_id, r.amount, r.created_at, r.refunded_at
+                r#"SELECT r.payment_id, r.account_id, r.amount,
+                           r.created_at AS "created_at: Timestamptz", r.refunded_at AS "refunded_at: Timestamptz"
                     FROM payments r
                     WHERE r.tenant_id = $1 AND r.account_id = $7
                       AND (r.created_at, r.payment_id) <
@@ -138,7 +142,8 @@ pub async fn payments(
         }
         (Some(account), true) => {
             sqlx::query!(
-                r#"SELECT r.payment_id, r.account_id, r.amount, r.created_at, r.refunded_at
+                r#"SELECT r.payment_id, r.account_id, r.amount,
+                           r.created_at AS "created_at: Timestamptz", r.refunded_at AS "refunded_at: Timestamptz"
                     FROM payments r
                     WHERE r.tenant_id = $1 AND r.account_id = $7
                       AND (r.created_at, r.payment_id) >
