@@ -57,8 +57,10 @@ use crate::db::{Conn, Db, DbError};
 use crate::domain::TenantId;
 use crate::ledger::{Batched, ClaimArgs, Effect, Outcome};
 
+mod fill;
 pub mod limit;
 
+use fill::Fill;
 use limit::{Change, Limit, Sample};
 
 /// The longest a payment in a batch waits for its key's in-flight original (on another
@@ -262,6 +264,8 @@ struct Dispatcher<E: Batched> {
     /// Items received while the dispatcher waited, not yet considered.
     arrived: Vec<Job<E>>,
     done: (mpsc::UnboundedSender<Finished>, mpsc::UnboundedReceiver<Finished>),
+    /// The recent batch size: how long a free slot waits for its batch to fill.
+    fill: Fill,
 }
 
 /// A statement that came back: what it held, and how long it took for how many payments
@@ -289,6 +293,7 @@ impl<E: Batched> Dispatcher<E> {
             held: VecDeque::new(),
             arrived: Vec::new(),
             done: mpsc::unbounded_channel(),
+            fill: Fill::default(),
         }
     }
 
@@ -311,11 +316,35 @@ impl<E: Batched> Dispatcher<E> {
     }
 
     /// The next batch to run: at least one item, none of which conflicts with a statement
-    /// still out. `None` once the queue is closed and nothing is left.
+    /// still out. `None` once the queue is closed and nothing is left. While another
+    /// statement is out and few payments wait, the free slot waits a little for more
+    /// ([`fill`]).
     async fn next_batch(&mut self) -> Option<Vec<Job<E>>> {
+        let free_since = tokio::time::Instant::now();
         loop {
             while let Ok(finished) = self.done.1.try_recv() {
                 self.finish(finished);
+            }
+            let waiting = self.arrived.len() + self.jobs.len();
+            if let Some(until) = self
+                .fill
+                .wait_until(self.in_flight, waiting, free_since, self.limit.least_latency())
+                .filter(|_| !self.closed)
+            {
+                tokio::select! {
+                    finished = self.done.1.recv() => {
+                        // The dispatcher holds a sender itself, so this never ends.
+                        if let Some(finished) = finished {
+                            self.finish(finished);
+                        }
+                    }
+                    arrived = self.jobs.recv() => match arrived {
+                        Some(job) => self.arrived.push(job),
+                        None => self.closed = true,
+                    },
+                    () = tokio::time::sleep_until(until) => {}
+                }
+                continue;
             }
             let batch = self.gather();
             if !batch.is_empty() {
@@ -439,6 +468,7 @@ impl<E: Batched> Dispatcher<E> {
     /// Marks what the batch holds as out, and runs it on its own task; what it held is
     /// released when it comes back.
     fn launch(&mut self, batch: Vec<Job<E>>) {
+        self.fill.launched(batch.len());
         let holds: Vec<Holds> = batch.iter().map(|job| job.holds.clone()).collect();
         for h in &holds {
             self.out.insert(h);
