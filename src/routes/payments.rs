@@ -208,7 +208,8 @@ impl From<PaymentState> for PaymentStateOut {
 /// Written by hand, in the field order of its `Serialize`, to the same bytes
 /// (`tests::a_listed_payment_is_written_as_serde_json_writes_it`): through `Serialize`, each
 /// key went through the string escaper and each value through serde's calls, a third of the
-/// server's instructions for a page of 100 payments (`make callgrind`, the list phase).
+/// server's instructions for a page of 100 payments (`make callgrind`, the list phase). A
+/// field added to `PaymentStateOut` fails that test until it is written here too.
 impl ListItem for PaymentStateOut {
     fn write_json(&self, out: &mut Vec<u8>) -> Result<(), sonic_rs::Error> {
         out.extend_from_slice(br#"{"id":""#);
