@@ -51,18 +51,7 @@ impl PerWorker {
 
     /// The pools' connections, added up.
     pub fn status(&self) -> PoolStatus {
-        self.pools().iter().map(Db::status).fold(
-            PoolStatus {
-                size: 0,
-                idle: 0,
-                max: 0,
-            },
-            |sum, s| PoolStatus {
-                size: sum.size + s.size,
-                idle: sum.idle + s.idle,
-                max: sum.max + s.max,
-            },
-        )
+        self.pools().iter().map(Db::status).sum()
     }
 
     /// Closes every pool ([`Db::close`]).

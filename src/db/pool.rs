@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use deadpool::managed::{Manager, Metrics, Object, PoolError, RecycleResult, TimeoutType};
+use deadpool::managed::{Manager, Metrics, Object, PoolError, RecycleResult, TimeoutType, Timeouts};
 use prometheus::{IntCounterVec, Opts};
 use sqlx::postgres::PgConnectOptions;
 use sqlx::{Connection, PgConnection};
@@ -23,6 +23,7 @@ const IDLE_BEFORE_PING: Duration = Duration::from_secs(1);
 /// Here a connection is checked only when it leaves the pool after [`IDLE_BEFORE_PING`];
 /// one whose call failed at the connection level, or that was dropped in the middle of a
 /// call or a transaction, is closed instead of returned ([`super::Conn`]).
+#[derive(Clone)]
 pub(super) struct Connector {
     options: PgConnectOptions,
     pub(super) closed: IntCounterVec,
@@ -60,29 +61,31 @@ pub(super) type Pool = deadpool::managed::Pool<Connector>;
 /// `acquire_timeout` for one (also for opening it). `closed` counts the connections it closes
 /// instead of reusing ([`closed_counter`]; pools of one process share one).
 pub(super) fn pool(options: PgConnectOptions, size: usize, acquire_timeout: Duration, closed: IntCounterVec) -> Pool {
-    Pool::builder(Connector { options, closed })
-        .max_size(size)
-        .wait_timeout(Some(acquire_timeout))
-        .create_timeout(Some(acquire_timeout))
-        .recycle_timeout(Some(acquire_timeout))
-        .runtime(deadpool::Runtime::Tokio1)
-        .build()
-        .expect("a runtime is set, so the timeouts are valid")
+    let timeout = Some(acquire_timeout);
+    build(
+        Connector { options, closed },
+        size,
+        Timeouts {
+            wait: timeout,
+            create: timeout,
+            recycle: timeout,
+        },
+    )
 }
 
 /// A pool like `of` (its connect options, timeouts and count of closed connections) of its
 /// own `size` connections.
 pub(super) fn sibling(of: &Pool, size: usize) -> Pool {
-    let manager = of.manager();
-    Pool::builder(Connector {
-        options: manager.options.clone(),
-        closed: manager.closed.clone(),
-    })
-    .max_size(size)
-    .timeouts(of.timeouts())
-    .runtime(deadpool::Runtime::Tokio1)
-    .build()
-    .expect("a runtime is set, so the timeouts are valid")
+    build(of.manager().clone(), size, of.timeouts())
+}
+
+fn build(connector: Connector, size: usize, timeouts: Timeouts) -> Pool {
+    Pool::builder(connector)
+        .max_size(size)
+        .timeouts(timeouts)
+        .runtime(deadpool::Runtime::Tokio1)
+        .build()
+        .expect("a runtime is set, so the timeouts are valid")
 }
 
 /// `oncepay_db_connections_closed_total{reason}`.
@@ -105,6 +108,24 @@ pub struct PoolStatus {
     pub size: usize,
     pub idle: usize,
     pub max: usize,
+}
+
+/// Pools counted as one (the list pools of every worker).
+impl std::iter::Sum for PoolStatus {
+    fn sum<I: Iterator<Item = Self>>(pools: I) -> Self {
+        pools.fold(
+            Self {
+                size: 0,
+                idle: 0,
+                max: 0,
+            },
+            |sum, s| Self {
+                size: sum.size + s.size,
+                idle: sum.idle + s.idle,
+                max: sum.max + s.max,
+            },
+        )
+    }
 }
 
 /// Takes a connection from the pool: [`DbError::Saturated`] when every connection stayed
