@@ -20,7 +20,7 @@ use oncepay::ledger::lists;
 
 use crate::list_plans::reads;
 use crate::support::helpers::{
-    drop_database, empty_database, metric_value, spawn_app_on_own_database_with, test_settings,
+    drop_database, empty_database, metric_value, spawn_app_on_own_database_with, test_settings, waiting_behind,
 };
 
 const LIMIT: u32 = 25;
@@ -199,6 +199,10 @@ async fn a_list_planned_on_an_empty_table_still_reads_its_page_through_the_index
 /// A page that waits for the list pool's one connection (the first page holds it, waiting on
 /// a lock the test holds) counts in `oncepay_db_pool_waiting`, as any request waiting for a
 /// connection does; both pages are answered once the lock goes.
+///
+/// The gauge is read only once the first page's statement waits on the lock: before that the
+/// first page may itself still be waiting for the connection being opened, and the gauge then
+/// rightly reads 2 (CI saw it, 2026-12-05).
 #[tokio::test]
 async fn a_page_waiting_for_a_list_connection_counts_as_a_request_waiting_for_one() {
     let (app, url) = spawn_app_on_own_database_with("list_pool_waiting", |s| {
@@ -208,24 +212,34 @@ async fn a_page_waiting_for_a_list_connection_counts_as_a_request_waiting_for_on
     })
     .await;
     let mut lock = PgConnection::connect(&url).await.unwrap();
+    let holder: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut lock)
+        .await
+        .unwrap();
     sqlx::query("BEGIN").execute(&mut lock).await.unwrap();
     sqlx::query("LOCK TABLE payments IN ACCESS EXCLUSIVE MODE")
         .execute(&mut lock)
         .await
         .unwrap();
     let watch = async {
-        let deadline = Instant::now() + Duration::from_secs(5);
-        let mut waiting = metric_value(&app.metrics().await, "oncepay_db_pool_waiting");
-        while waiting < 1.0 && Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(20)).await;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut blocked = 0;
+        let mut waiting = 0.0;
+        while Instant::now() < deadline {
+            blocked = waiting_behind(&app.pool, holder).await;
             waiting = metric_value(&app.metrics().await, "oncepay_db_pool_waiting");
+            if blocked >= 1 && waiting >= 1.0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
         sqlx::query("COMMIT").execute(&mut lock).await.unwrap();
-        waiting
+        (blocked, waiting)
     };
 
-    let (first, second, waiting) = tokio::join!(app.get("/payments"), app.get("/payments"), watch);
+    let (first, second, (blocked, waiting)) = tokio::join!(app.get("/payments"), app.get("/payments"), watch);
 
+    assert_eq!(blocked, 1, "one page's statement waited on the lock");
     assert_eq!(
         waiting, 1.0,
         "requests waiting for a connection while a page held the list pool's one"
