@@ -26,6 +26,72 @@ CREATE DOMAIN public.oncepay_balance AS bigint
 
 
 --
+-- Name: oncepay_decline; Type: TYPE; Schema: public; Owner: -
+--
+
+CREATE TYPE public.oncepay_decline AS ENUM (
+    'insufficient_funds',
+    'account_not_found',
+    'not_found',
+    'already_refunded',
+    'account_exists',
+    'card_declined',
+    'invalid_payment_method',
+    'too_many_endpoints',
+    'invalid_request',
+    'refund_failed'
+);
+
+
+--
+-- Name: oncepay_outcome; Type: TYPE; Schema: public; Owner: -
+--
+
+CREATE TYPE public.oncepay_outcome AS ENUM (
+    'created',
+    'replayed',
+    'declined',
+    'key_reused',
+    'expired'
+);
+
+
+SET default_tablespace = '';
+
+SET default_table_access_method = heap;
+
+--
+-- Name: payments; Type: TABLE; Schema: public; Owner: -
+--
+
+CREATE TABLE public.payments (
+    tenant_id uuid NOT NULL,
+    payment_id uuid NOT NULL,
+    account_id text NOT NULL,
+    amount public.oncepay_amount NOT NULL,
+    balance_after public.oncepay_balance NOT NULL,
+    idempotency_key text,
+    created_at timestamp with time zone NOT NULL,
+    refunded_at timestamp with time zone,
+    balance_after_refund bigint,
+    CONSTRAINT payments_refund_check CHECK (((refunded_at IS NULL) = (balance_after_refund IS NULL)))
+);
+
+
+--
+-- Name: oncepay_batch_answer; Type: TYPE; Schema: public; Owner: -
+--
+
+CREATE TYPE public.oncepay_batch_answer AS (
+	item integer,
+	outcome public.oncepay_outcome,
+	decline public.oncepay_decline,
+	expires_at timestamp with time zone,
+	resource public.payments
+);
+
+
+--
 -- Name: oncepay_operation; Type: TYPE; Schema: public; Owner: -
 --
 
@@ -60,37 +126,6 @@ CREATE TYPE public.oncepay_claim_args AS (
 	inflight_wait_ms integer,
 	success_status smallint,
 	decline_statuses jsonb
-);
-
-
---
--- Name: oncepay_decline; Type: TYPE; Schema: public; Owner: -
---
-
-CREATE TYPE public.oncepay_decline AS ENUM (
-    'insufficient_funds',
-    'account_not_found',
-    'not_found',
-    'already_refunded',
-    'account_exists',
-    'card_declined',
-    'invalid_payment_method',
-    'too_many_endpoints',
-    'invalid_request',
-    'refund_failed'
-);
-
-
---
--- Name: oncepay_outcome; Type: TYPE; Schema: public; Owner: -
---
-
-CREATE TYPE public.oncepay_outcome AS ENUM (
-    'created',
-    'replayed',
-    'declined',
-    'key_reused',
-    'expired'
 );
 
 
@@ -279,24 +314,6 @@ CREATE TABLE public.accounts (
     balance public.oncepay_balance NOT NULL,
     opening_balance public.oncepay_opening_balance NOT NULL,
     created_at timestamp with time zone DEFAULT now() NOT NULL
-);
-
-
---
--- Name: payments; Type: TABLE; Schema: public; Owner: -
---
-
-CREATE TABLE public.payments (
-    tenant_id uuid NOT NULL,
-    payment_id uuid NOT NULL,
-    account_id text NOT NULL,
-    amount public.oncepay_amount NOT NULL,
-    balance_after public.oncepay_balance NOT NULL,
-    idempotency_key text,
-    created_at timestamp with time zone NOT NULL,
-    refunded_at timestamp with time zone,
-    balance_after_refund bigint,
-    CONSTRAINT payments_refund_check CHECK (((refunded_at IS NULL) = (balance_after_refund IS NULL)))
 );
 
 

@@ -27,6 +27,7 @@ mod decline;
 mod deposit;
 mod open_account;
 mod pay;
+mod pay_batch;
 mod refund;
 mod schema;
 mod top_ups;
