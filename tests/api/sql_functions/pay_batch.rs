@@ -7,14 +7,18 @@
 //! payment alone calls), and the answers and the rows of the two are compared.
 
 use std::fmt::Write as _;
+use std::time::{Duration, Instant};
 
 use oncepay::domain::TenantId;
+use oncepay::idempotency::fingerprint;
 use oncepay::ledger::{Batched, ClaimArgs, Effect, Outcome, Pay, PaymentRow, Refusal, Reply};
 use oncepay::operation::Operation;
+use serde_json::json;
 use sqlx::{PgConnection, PgPool};
 use uuid::Uuid;
 
-use super::{args, claim_args, derived_claim, fp, pay, Fx, WAIT};
+use super::{args, claim_args, client_claim, derived_claim, fp, pay, sqlstate, Fx, WAIT};
+use crate::support::helpers::new_key;
 
 /// Accounts a batch takes its items' accounts from, each opened with [`BALANCE`].
 const ACCOUNTS: usize = 16;
@@ -354,4 +358,113 @@ async fn a_batch_answers_and_writes_as_its_payments_one_by_one_whatever_its_shap
         }
     }
     assert!(set_batches >= 15, "{set_batches} batches took the whole-batch path");
+}
+
+/// Six independent payments, the first with the key `key` and a short in-flight wait.
+fn six_with(key: &str, wait: Duration) -> Vec<Item> {
+    (0..6)
+        .map(|i| {
+            let effect = pay(&acct(i), 10);
+            let key = if i == 0 { key.to_owned() } else { new_key() };
+            let claim = client_claim(&key, fingerprint("POST", "/payments", &json!(format!("{effect:?}"))));
+            Item {
+                args: claim_args(Operation::Pay, "/payments", &claim, wait),
+                pay: effect,
+            }
+        })
+        .collect()
+}
+
+/// In the whole-batch path a key in flight in another transaction is waited for as long as
+/// the items may wait, then the statement fails with 55P03 (the dispatcher splits the batch)
+/// and leaves nothing: no key, no debit, no payment.
+#[tokio::test]
+async fn a_batch_meeting_a_key_in_flight_fails_with_55p03_after_the_wait_and_writes_nothing() {
+    let fx = Fx::new().await;
+    let tenant = twin(&fx.pool).await;
+    let key = new_key();
+    let items = six_with(&key, Duration::from_millis(200));
+    // The original, in flight: its key row written, not committed.
+    let mut original = fx.pool.begin().await.unwrap();
+    let outcome = items[0].pay.run(&mut original, tenant, &items[0].args).await.unwrap();
+    assert!(matches!(outcome.result, Ok(Reply::New(_))));
+    let before = rows(&fx.pool, tenant).await;
+
+    let mut conn = fx.pool.acquire().await.unwrap();
+    let refs: Vec<_> = items.iter().map(|i| (tenant, &i.args, &i.pay)).collect();
+    let started = Instant::now();
+    let err = Pay::run_batch(&mut conn, &refs)
+        .await
+        .expect_err("the batch must not run past the original");
+    let waited = started.elapsed();
+
+    assert_eq!(sqlstate(&err).as_deref(), Some("55P03"), "{err}");
+    assert!(waited >= Duration::from_millis(200), "it waited only {waited:?}");
+    assert!(
+        waited < Duration::from_millis(1500),
+        "it waited {waited:?}, far past 200 ms"
+    );
+    assert_eq!(rows(&fx.pool, tenant).await, before, "the batch left nothing");
+    original.rollback().await.unwrap();
+}
+
+/// When the original commits within the wait, its key's item replays it and the others of
+/// the batch are created, in the same statement.
+#[tokio::test]
+async fn a_batch_meeting_a_key_in_flight_replays_it_once_it_commits() {
+    let fx = Fx::new().await;
+    let tenant = twin(&fx.pool).await;
+    let key = new_key();
+    let items = six_with(&key, Duration::from_secs(10));
+    let mut original = fx.pool.begin().await.unwrap();
+    let first = items[0].pay.run(&mut original, tenant, &items[0].args).await.unwrap();
+    let Ok(Reply::New(made)) = first.result else {
+        panic!("the original was not created: {:?}", first.result);
+    };
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *original)
+        .await
+        .unwrap();
+
+    let pool = fx.pool.clone();
+    let batch = tokio::spawn(async move {
+        let mut conn = pool.acquire().await.unwrap();
+        let refs: Vec<_> = items.iter().map(|i| (tenant, &i.args, &i.pay)).collect();
+        Pay::run_batch(&mut conn, &refs).await
+    });
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let waiting: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))")
+                .bind(pid)
+                .fetch_one(&fx.pool)
+                .await
+                .unwrap();
+        if waiting >= 1 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the batch never waited for the original");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    original.commit().await.unwrap();
+
+    let answers = batch.await.unwrap().expect("the batch runs");
+    assert_eq!(
+        answers[0].result,
+        Ok(Reply::Replayed(made)),
+        "the original's payment replayed"
+    );
+    for answer in &answers[1..] {
+        assert!(matches!(answer.result, Ok(Reply::New(_))), "{:?}", answer.result);
+    }
+    // Each account debited once: the original's by the original, the others by the batch.
+    for i in 0..6 {
+        let balance: i64 = sqlx::query_scalar("SELECT balance FROM accounts WHERE tenant_id = $1 AND account_id = $2")
+            .bind(tenant.get())
+            .bind(acct(i))
+            .fetch_one(&fx.pool)
+            .await
+            .unwrap();
+        assert_eq!(balance, BALANCE - 10, "{}", acct(i));
+    }
 }

@@ -59,6 +59,9 @@ pub struct Message {
 type Script = Box<dyn FnMut(&Message) -> Reply + Send>;
 
 struct Inner {
+    /// The path this receiver's endpoints post to, unique to it: a request for another path
+    /// is a stranger's (see [`Receiver::url`]).
+    path: String,
     secret: Option<String>,
     script: Script,
     messages: Vec<Message>,
@@ -84,6 +87,7 @@ impl Receiver {
         let receiver = Self {
             port,
             inner: Arc::new(Mutex::new(Inner {
+                path: format!("/hooks/{}", uuid::Uuid::new_v4().simple()),
                 secret: None,
                 script: Box::new(|_| Reply::Status(200)),
                 messages: Vec::new(),
@@ -105,8 +109,13 @@ impl Receiver {
         receiver
     }
 
+    /// Its endpoints' URL. The path is the receiver's own: tests share one database, where
+    /// the endpoints of finished tests stay, and a deliverer retrying one of their events
+    /// reaches whatever listens on its port now. A port the kernel gives out again (CI saw
+    /// a `top_up.refund_failed` of another test arrive here) must not make that event this
+    /// receiver's: a request for another path is answered 404 and not recorded.
     pub fn url(&self) -> String {
-        format!("http://127.0.0.1:{}/hooks", self.port)
+        format!("http://127.0.0.1:{}{}", self.port, self.inner.lock().unwrap().path)
     }
 
     /// The endpoint's secret, which every signature must verify with.
@@ -334,10 +343,11 @@ async fn connection(mut stream: TcpStream, inner: Arc<Mutex<Inner>>) -> std::io:
     let mut buffer = Vec::new();
     loop {
         // The head.
-        let (head_len, headers, content_length) = loop {
+        let (head_len, headers, content_length, path) = loop {
             let mut parsed_headers = [httparse::EMPTY_HEADER; 32];
             let mut request = httparse::Request::new(&mut parsed_headers);
             if let Ok(httparse::Status::Complete(len)) = request.parse(&buffer) {
+                let path = request.path.unwrap_or_default().to_owned();
                 let headers: HashMap<String, String> = request
                     .headers
                     .iter()
@@ -352,7 +362,7 @@ async fn connection(mut stream: TcpStream, inner: Arc<Mutex<Inner>>) -> std::io:
                     .get("content-length")
                     .and_then(|v| v.parse().ok())
                     .unwrap_or(0usize);
-                break (len, headers, content_length);
+                break (len, headers, content_length, path);
             }
             let mut chunk = [0u8; 8192];
             let n = stream.read(&mut chunk).await?;
@@ -372,6 +382,12 @@ async fn connection(mut stream: TcpStream, inner: Arc<Mutex<Inner>>) -> std::io:
         }
         let body: Vec<u8> = buffer[head_len..head_len + content_length].to_vec();
         buffer.drain(..head_len + content_length);
+        if path != inner.lock().unwrap().path {
+            stream
+                .write_all(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
+                .await?;
+            continue;
+        }
         let delay = inner.lock().unwrap().delay;
         tokio::time::sleep(delay).await;
         let reply = {
