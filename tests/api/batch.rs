@@ -111,6 +111,113 @@ async fn payments_that_wait_together_answer_alike_when_their_statement_is_render
     queued_payments_commit_together(|s| s.db_pooler = Pooler::Transaction).await;
 }
 
+/// Six or more independent payments (migrations/V28) take the whole-batch path: the same
+/// answers, in one statement, whether bound or rendered for a pooler. Hostile keys, a decline
+/// of each kind, a keyless payment under policy `allow` and a replay of a finished key ride
+/// along, so that every branch of the path runs behind the server's own statement.
+#[tokio::test]
+async fn six_or_more_independent_payments_commit_in_one_statement_bound_or_rendered() {
+    for pooler in [Pooler::None, Pooler::Transaction] {
+        let app = spawn_app_with(|s| {
+            s.db_batches_in_flight = Some(1);
+            s.db_batch_max = 32;
+            s.db_pooler = pooler;
+            s.replay_cache_entries = 0; // the replay reaches the database, in the batch
+        })
+        .await;
+        app.set_policy("allow").await;
+        app.open_account("blocker", 1_000).await;
+        for account in ["a", "b", "c", "d", "poor"] {
+            app.open_account(account, if account == "poor" { 5 } else { 1_000 })
+                .await;
+        }
+        let done = new_key();
+        assert_eq!(pay_on(&app, &done, "main", 3).await.status, 201);
+        let before = batches(&app).await;
+        let (mut lock, first) = hold_slot(&app, &new_key(), "blocker").await;
+
+        let keys: Vec<String> = (0..5).map(|_| hostile_key()).collect();
+        let client = app.client.clone();
+        let keyless = {
+            let (url, api_key) = (app.url("/payments"), app.api_key.clone());
+            async move {
+                let response = client
+                    .post(url)
+                    .bearer_auth(api_key)
+                    .json(&serde_json::json!({ "account": "d", "amount": 4 }))
+                    .send()
+                    .await
+                    .unwrap();
+                response.status().as_u16()
+            }
+        };
+        let queued = tokio::spawn(futures_util::future::join(
+            join_all([
+                pay_on(&app, &keys[0], "a", 10),
+                pay_on(&app, &keys[1], "b", 20),
+                pay_on(&app, &keys[2], "c", 30),
+                pay_on(&app, &keys[3], "poor", 50),
+                pay_on(&app, &keys[4], "nobody", 1),
+                pay_on(&app, &done, "main", 3),
+            ]),
+            keyless,
+        ));
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        sqlx::query("COMMIT").execute(&mut lock).await.unwrap();
+        assert_eq!(first.await.unwrap().status, 201);
+        let (answers, keyless) = queued.await.unwrap();
+
+        let after = batches(&app).await;
+        assert_eq!(
+            (after.0 - before.0, after.1 - before.1),
+            (2.0, 8.0),
+            "{pooler:?}: the blocked payment alone, then the seven queued ones together"
+        );
+        for (answer, account) in answers[..3].iter().zip(["a", "b", "c"]) {
+            assert_eq!(
+                (answer.status, answer.replayed()),
+                (201, false),
+                "{pooler:?}: {}",
+                answer.body
+            );
+            assert_eq!(answer.body["account"], account);
+        }
+        answers[3].assert_problem(402, "insufficient_funds");
+        answers[4].assert_problem(404, "account_not_found");
+        assert_eq!(
+            (answers[5].status, answers[5].replayed()),
+            (201, true),
+            "{}",
+            answers[5].body
+        );
+        assert_eq!(keyless, 201, "{pooler:?}: the keyless payment");
+        let balances = [
+            app.balance("a").await,
+            app.balance("b").await,
+            app.balance("c").await,
+            app.balance("d").await,
+            app.balance("poor").await,
+            app.balance("main").await,
+        ];
+        assert_eq!(balances, [990, 980, 970, 996, 5, MAIN_BALANCE - 3], "{pooler:?}");
+        let metrics = app.metrics().await;
+        assert_eq!(
+            metric_value(&metrics, "oncepay_db_batches_split_total"),
+            0.0,
+            "{pooler:?}"
+        );
+        // Each stored result replays alone, as in a statement of its own.
+        let again = pay_on(&app, &keys[0], "a", 10).await;
+        assert_eq!(
+            (again.status, again.replayed(), &again.body),
+            (201, true, &answers[0].body)
+        );
+        pay_on(&app, &keys[3], "poor", 50)
+            .await
+            .assert_problem(402, "insufficient_funds");
+    }
+}
+
 /// A key with every character a literal could be broken with, unique to the test.
 fn hostile_key() -> String {
     format!("{}-');DROP\\TABLE\"payments\";--$1", new_key())
