@@ -313,8 +313,13 @@ fn claim_args(op: Operation, path: &str, claim: &Claim, wait: Duration) -> Claim
 /// The claim of one request for `effect` with a client key; the fingerprint depends on the
 /// effect's input, as a real request's depends on its body.
 fn args<E: Effect + Debug>(effect: &E, path: &str, key: &str) -> ClaimArgs {
+    args_waiting(effect, path, key, WAIT)
+}
+
+/// [`args`] with an in-flight wait of `wait`.
+fn args_waiting<E: Effect + Debug>(effect: &E, path: &str, key: &str, wait: Duration) -> ClaimArgs {
     let claim = client_claim(key, fingerprint("POST", path, &json!(format!("{effect:?}"))));
-    claim_args(E::OPERATION, path, &claim, WAIT)
+    claim_args(E::OPERATION, path, &claim, wait)
 }
 
 fn account(id: &str) -> AccountId {

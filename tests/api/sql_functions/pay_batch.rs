@@ -10,14 +10,14 @@ use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
 use oncepay::domain::TenantId;
-use oncepay::idempotency::fingerprint;
 use oncepay::ledger::{Batched, ClaimArgs, Effect, Outcome, Pay, PaymentRow, Refusal, Reply};
 use oncepay::operation::Operation;
-use serde_json::json;
 use sqlx::{PgConnection, PgPool};
 use uuid::Uuid;
 
-use super::{args, claim_args, client_claim, derived_claim, fp, pay, sqlstate, Fx, WAIT};
+use super::{
+    args, args_waiting, backend_pid, claim_args, derived_claim, fp, pay, sqlstate, wait_until_blocked, Fx, WAIT,
+};
 use crate::support::helpers::new_key;
 
 /// Accounts a batch takes its items' accounts from, each opened with [`BALANCE`].
@@ -360,19 +360,34 @@ async fn a_batch_answers_and_writes_as_its_payments_one_by_one_whatever_its_shap
     assert!(set_batches >= 15, "{set_batches} batches took the whole-batch path");
 }
 
-/// Six independent payments, the first with the key `key` and a short in-flight wait.
-fn six_with(key: &str, wait: Duration) -> Vec<Item> {
-    (0..6)
+/// Six independent payments with an in-flight wait of `wait`, the first of them already made
+/// by another transaction, `original`, still open: its key row and its debit written, not
+/// committed. Returns the tenant, the items, the original and the payment it made.
+async fn six_behind_an_original(
+    fx: &Fx,
+    wait: Duration,
+) -> (
+    TenantId,
+    Vec<Item>,
+    sqlx::Transaction<'static, sqlx::Postgres>,
+    PaymentRow,
+) {
+    let tenant = twin(&fx.pool).await;
+    let items: Vec<Item> = (0..6)
         .map(|i| {
             let effect = pay(&acct(i), 10);
-            let key = if i == 0 { key.to_owned() } else { new_key() };
-            let claim = client_claim(&key, fingerprint("POST", "/payments", &json!(format!("{effect:?}"))));
             Item {
-                args: claim_args(Operation::Pay, "/payments", &claim, wait),
+                args: args_waiting(&effect, "/payments", &new_key(), wait),
                 pay: effect,
             }
         })
-        .collect()
+        .collect();
+    let mut original = fx.pool.begin().await.unwrap();
+    let first = items[0].pay.run(&mut original, tenant, &items[0].args).await.unwrap();
+    let Ok(Reply::New(made)) = first.result else {
+        panic!("the original was not created: {:?}", first.result);
+    };
+    (tenant, items, original, made)
 }
 
 /// In the whole-batch path a key in flight in another transaction is waited for as long as
@@ -381,13 +396,7 @@ fn six_with(key: &str, wait: Duration) -> Vec<Item> {
 #[tokio::test]
 async fn a_batch_meeting_a_key_in_flight_fails_with_55p03_after_the_wait_and_writes_nothing() {
     let fx = Fx::new().await;
-    let tenant = twin(&fx.pool).await;
-    let key = new_key();
-    let items = six_with(&key, Duration::from_millis(200));
-    // The original, in flight: its key row written, not committed.
-    let mut original = fx.pool.begin().await.unwrap();
-    let outcome = items[0].pay.run(&mut original, tenant, &items[0].args).await.unwrap();
-    assert!(matches!(outcome.result, Ok(Reply::New(_))));
+    let (tenant, items, original, _) = six_behind_an_original(&fx, Duration::from_millis(200)).await;
     let before = rows(&fx.pool, tenant).await;
 
     let mut conn = fx.pool.acquire().await.unwrap();
@@ -413,39 +422,16 @@ async fn a_batch_meeting_a_key_in_flight_fails_with_55p03_after_the_wait_and_wri
 #[tokio::test]
 async fn a_batch_meeting_a_key_in_flight_replays_it_once_it_commits() {
     let fx = Fx::new().await;
-    let tenant = twin(&fx.pool).await;
-    let key = new_key();
-    let items = six_with(&key, Duration::from_secs(10));
-    let mut original = fx.pool.begin().await.unwrap();
-    let first = items[0].pay.run(&mut original, tenant, &items[0].args).await.unwrap();
-    let Ok(Reply::New(made)) = first.result else {
-        panic!("the original was not created: {:?}", first.result);
-    };
-    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
-        .fetch_one(&mut *original)
-        .await
-        .unwrap();
+    let (tenant, items, mut original, made) = six_behind_an_original(&fx, Duration::from_secs(10)).await;
+    let original_pid = backend_pid(&mut original).await;
+    let mut conn = fx.pool.acquire().await.unwrap();
+    let batch_pid = backend_pid(&mut conn).await;
 
-    let pool = fx.pool.clone();
     let batch = tokio::spawn(async move {
-        let mut conn = pool.acquire().await.unwrap();
         let refs: Vec<_> = items.iter().map(|i| (tenant, &i.args, &i.pay)).collect();
         Pay::run_batch(&mut conn, &refs).await
     });
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let waiting: i64 =
-            sqlx::query_scalar("SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))")
-                .bind(pid)
-                .fetch_one(&fx.pool)
-                .await
-                .unwrap();
-        if waiting >= 1 {
-            break;
-        }
-        assert!(Instant::now() < deadline, "the batch never waited for the original");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    wait_until_blocked(&fx.pool, batch_pid, original_pid).await;
     original.commit().await.unwrap();
 
     let answers = batch.await.unwrap().expect("the batch runs");
