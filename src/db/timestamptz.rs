@@ -49,6 +49,14 @@ impl<'r> Decode<'r, Postgres> for Timestamptz {
     }
 }
 
+impl Timestamptz {
+    /// The value whose binary form (`timestamptz_send`) is `since_pg_epoch`; `None` for
+    /// `infinity` and `-infinity`, which no row of oncepay's holds.
+    pub fn from_wire(since_pg_epoch: i64) -> Option<Self> {
+        from_wire(since_pg_epoch).map(Self)
+    }
+}
+
 /// The instant `since_pg_epoch` microseconds after 2000-01-01T00:00:00Z.
 fn from_wire(since_pg_epoch: i64) -> Option<DateTime<Utc>> {
     since_pg_epoch

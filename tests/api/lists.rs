@@ -199,11 +199,18 @@ async fn payments_are_filtered_by_account_status_and_creation_time() {
     assert_eq!(ids(&none), Vec::<String>::new());
 }
 
-/// A page's items are read and written by code of their own (`db::Timestamptz`, the
-/// payments' `ListItem`): each must read as `GET /payments/{id}` answers it, whatever its times.
+/// A page's items are read and written by code of their own (the page arrives as one row of
+/// columns, `ledger::lists::columns`; the payments' `ListItem` writes them): each must read
+/// as `GET /payments/{id}` answers it, whatever its times and its account's length, in
+/// either direction and filtered by account.
 #[tokio::test]
 async fn each_listed_payment_reads_as_its_get_answers_it_at_any_time() {
     let app = spawn_app().await;
+    let long = "L".repeat(64);
+    let accounts = ["main", "a", long.as_str(), "main", long.as_str(), "a"];
+    for account in ["a", long.as_str()] {
+        app.open_account(account, 1_000).await;
+    }
     let times = [
         "1999-12-31 23:59:59.999999+00", // just before PostgreSQL's epoch
         "2000-01-01 00:00:00+00",        // its epoch
@@ -213,7 +220,7 @@ async fn each_listed_payment_reads_as_its_get_answers_it_at_any_time() {
         "9999-12-31 23:59:59.123456+00",
     ];
     for (i, at) in times.iter().enumerate() {
-        let id = pay_from(&app, "main", 10 + i as i64).await;
+        let id = pay_from(&app, accounts[i], 10 + i as i64).await;
         if i % 2 == 1 {
             assert_eq!(app.refund(Some(&new_key()), &id).await.status, 200);
         }
@@ -244,6 +251,18 @@ async fn each_listed_payment_reads_as_its_get_answers_it_at_any_time() {
     assert_eq!(items[3]["refunded_at"], "2000-01-01T00:00:01.000001Z");
     assert_eq!(items[4]["created_at"], "1999-12-31T23:59:59.999999Z");
     assert_eq!(items[4]["refunded_at"], Value::Null);
+    assert_eq!(items[5]["account"], "main");
+    // The same items read back from the oldest (newer than it) and by account.
+    let oldest = items[5]["id"].as_str().unwrap();
+    let newer = app.get(&format!("/payments?ending_before={oldest}")).await;
+    assert_eq!(newer.status, 200, "{}", newer.body);
+    assert_eq!(newer.body["data"].as_array().unwrap()[..], items[..5]);
+    for account in ["a", long.as_str(), "main"] {
+        let of_account = app.get(&format!("/payments?account={account}")).await;
+        let expected: Vec<&Value> = items.iter().filter(|item| item["account"] == account).collect();
+        let listed: Vec<&Value> = of_account.body["data"].as_array().unwrap().iter().collect();
+        assert_eq!((listed.len(), listed), (2, expected), "{account}");
+    }
 }
 
 #[tokio::test]

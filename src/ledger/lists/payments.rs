@@ -3,7 +3,8 @@
 
 use sqlx::PgConnection;
 
-use crate::db::Timestamptz;
+use super::columns;
+
 use crate::domain::page::{Page, PageRequest};
 use crate::domain::{AccountId, PaymentId, TenantId};
 use crate::ledger::rows::{PaymentState, SqlAmount};
@@ -32,19 +33,68 @@ impl PaymentStatus {
     }
 }
 
-/// A payment's state from a list query's columns (the domain's column arrives as its base
-/// type).
-macro_rules! payment_state {
-    ($r:expr) => {{
-        let r = $r;
-        PaymentState {
-            payment_id: r.payment_id,
-            account_id: r.account_id,
-            amount: SqlAmount(r.amount),
-            created_at: r.created_at.0,
-            refunded_at: r.refunded_at.map(|t| t.0),
+/// A page of payments as one row of columns ([`super::columns`]): `$rows` is the page's
+/// query, reading `r.payment_id, r.account_id, r.amount, r.created_at, r.refunded_at`.
+macro_rules! payment_columns {
+    ($rows:literal, $($arg:expr),+ $(,)?) => {
+        sqlx::query_as!(
+            PaymentColumns,
+            r#"SELECT string_agg(uuid_send(r.payment_id), ''::bytea) AS ids,
+                      string_agg(int4send(length(r.account_id)), ''::bytea) AS account_lengths,
+                      string_agg(r.account_id, '') AS accounts,
+                      string_agg(int8send(r.amount), ''::bytea) AS amounts,
+                      string_agg(timestamptz_send(r.created_at), ''::bytea) AS created,
+                      string_agg(CASE WHEN r.refunded_at IS NULL THEN '\x00'::bytea
+                                      ELSE '\x01'::bytea || timestamptz_send(r.refunded_at) END, ''::bytea) AS refunded
+                 FROM ("# + $rows + ") r",
+            $($arg),+
+        )
+    };
+}
+
+/// The columns of a page of payments (all NULL for no row).
+struct PaymentColumns {
+    ids: Option<Vec<u8>>,
+    account_lengths: Option<Vec<u8>>,
+    accounts: Option<String>,
+    amounts: Option<Vec<u8>>,
+    created: Option<Vec<u8>>,
+    refunded: Option<Vec<u8>>,
+}
+
+impl PaymentColumns {
+    /// The page's payments, in reading order: newest first, or oldest first if `newer`.
+    fn rows(self, newer: bool) -> Result<Vec<PaymentState>, sqlx::Error> {
+        let ids = self.ids.unwrap_or_default();
+        let n = columns::rows(&ids, 16)?;
+        let accounts = self.accounts.unwrap_or_default();
+        let accounts = columns::texts(&self.account_lengths.unwrap_or_default(), &accounts, n)?;
+        let amounts = self.amounts.unwrap_or_default();
+        let created = columns::times(&self.created.unwrap_or_default(), n)?;
+        let refunded = columns::optional_times(&self.refunded.unwrap_or_default(), n)?;
+        let mut rows: Vec<PaymentState> = columns::uuids(&ids, n)?
+            .zip(accounts)
+            .zip(columns::int8s(&amounts, n)?)
+            .zip(created)
+            .zip(refunded)
+            .map(
+                |((((payment_id, account_id), amount), created_at), refunded_at)| PaymentState {
+                    payment_id,
+                    account_id: account_id.to_owned(),
+                    amount: SqlAmount(amount),
+                    created_at,
+                    refunded_at,
+                },
+            )
+            .collect();
+        let order = |p: &PaymentState| (p.created_at, p.payment_id);
+        if newer {
+            rows.sort_unstable_by_key(order);
+        } else {
+            rows.sort_unstable_by_key(|p| std::cmp::Reverse(order(p)));
         }
-    }};
+        Ok(rows)
+    }
 }
 
 /// `GET /payments`: the tenant's payments, of one account if given. `None`: the cursor is
@@ -61,9 +111,8 @@ pub async fn payments(
     let status = status.map(PaymentStatus::as_str);
     let rows: Vec<PaymentState> = match (account, page.newer()) {
         (None, false) => {
-            sqlx::query!(
-                r#"SELECT r.payment_id, r.account_id, r.amount,
-                           r.created_at AS "created_at: Timestamptz", r.refunded_at AS "refunded_at: Timestamptz"
+            payment_columns!(
+                r#"SELECT r.payment_id, r.account_id, r.amount, r.created_at, r.refunded_at
                     FROM payments r
                     WHERE r.tenant_id = $1
                       AND (r.created_at, r.payment_id) <
@@ -81,16 +130,13 @@ pub async fn payments(
                 status,
                 page.fetch(),
             )
-            .fetch_all(&mut *conn)
+            .fetch_one(&mut *conn)
             .await?
-            .into_iter()
-            .map(|r| payment_state!(r))
-            .collect()
+            .rows(page.newer())?
         }
         (None, true) => {
-            sqlx::query!(
-                r#"SELECT r.payment_id, r.account_id, r.amount,
-                           r.created_at AS "created_at: Timestamptz", r.refunded_at AS "refunded_at: Timestamptz"
+            payment_columns!(
+                r#"SELECT r.payment_id, r.account_id, r.amount, r.created_at, r.refunded_at
                     FROM payments r
                     WHERE r.tenant_id = $1
                       AND (r.created_at, r.payment_id) >
@@ -106,16 +152,13 @@ pub async fn payments(
                 status,
                 page.fetch(),
             )
-            .fetch_all(&mut *conn)
+            .fetch_one(&mut *conn)
             .await?
-            .into_iter()
-            .map(|r| payment_state!(r))
-            .collect()
+            .rows(page.newer())?
         }
         (Some(account), false) => {
-            sqlx::query!(
-                r#"SELECT r.payment_id, r.account_id, r.amount,
-                           r.created_at AS "created_at: Timestamptz", r.refunded_at AS "refunded_at: Timestamptz"
+            payment_columns!(
+                r#"SELECT r.payment_id, r.account_id, r.amount, r.created_at, r.refunded_at
                     FROM payments r
                     WHERE r.tenant_id = $1 AND r.account_id = $7
                       AND (r.created_at, r.payment_id) <
@@ -134,16 +177,13 @@ pub async fn payments(
                 page.fetch(),
                 account.as_str(),
             )
-            .fetch_all(&mut *conn)
+            .fetch_one(&mut *conn)
             .await?
-            .into_iter()
-            .map(|r| payment_state!(r))
-            .collect()
+            .rows(page.newer())?
         }
         (Some(account), true) => {
-            sqlx::query!(
-                r#"SELECT r.payment_id, r.account_id, r.amount,
-                           r.created_at AS "created_at: Timestamptz", r.refunded_at AS "refunded_at: Timestamptz"
+            payment_columns!(
+                r#"SELECT r.payment_id, r.account_id, r.amount, r.created_at, r.refunded_at
                     FROM payments r
                     WHERE r.tenant_id = $1 AND r.account_id = $7
                       AND (r.created_at, r.payment_id) >
@@ -160,11 +200,9 @@ pub async fn payments(
                 page.fetch(),
                 account.as_str(),
             )
-            .fetch_all(&mut *conn)
+            .fetch_one(&mut *conn)
             .await?
-            .into_iter()
-            .map(|r| payment_state!(r))
-            .collect()
+            .rows(page.newer())?
         }
     };
     if let (true, Some(id)) = (rows.is_empty(), cursor) {
