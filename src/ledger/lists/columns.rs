@@ -102,16 +102,17 @@ pub(super) fn texts<'a>(lengths: &[u8], joined: &'a str, n: usize) -> Result<Vec
     let mut rest = joined;
     for length in fixed::<4>(lengths, n)?.map(i32::from_be_bytes) {
         let chars = usize::try_from(length).map_err(|_| mismatch("a negative length"))?;
-        // The byte offset after `chars` characters (ASCII, the usual account id, at once).
-        let end = if rest.as_bytes().iter().take(chars).all(u8::is_ascii) && rest.len() >= chars {
-            chars
+        let (value, after) = if rest.len() >= chars && rest.as_bytes()[..chars].is_ascii() {
+            // A byte a character (an account id always: its domain is ASCII).
+            rest.split_at(chars)
         } else {
-            rest.char_indices().nth(chars).map_or(rest.len(), |(at, _)| at)
+            let end = rest.char_indices().nth(chars).map_or(rest.len(), |(at, _)| at);
+            let (value, after) = rest.split_at(end);
+            if value.chars().count() != chars {
+                return Err(mismatch("a text column shorter than its lengths"));
+            }
+            (value, after)
         };
-        let (value, after) = rest.split_at(end);
-        if value.chars().count() != chars {
-            return Err(mismatch("a text column shorter than its lengths"));
-        }
         values.push(value);
         rest = after;
     }
