@@ -42,8 +42,7 @@ impl<'r> Decode<'r, Postgres> for Timestamptz {
             .try_into()
             .map_err(|_| "a timestamptz of other than 8 bytes")?;
         let since_pg_epoch = i64::from_be_bytes(bytes);
-        from_wire(since_pg_epoch)
-            .map(Self)
+        Self::from_wire(since_pg_epoch)
             // `infinity` and `-infinity` (i64::MAX and MIN), which no row of oncepay's holds.
             .ok_or_else(|| format!("a timestamptz out of chrono's range: {since_pg_epoch} µs from 2000").into())
     }

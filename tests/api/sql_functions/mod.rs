@@ -279,6 +279,17 @@ async fn wait_until_blocked(pool: &PgPool, pid: i32, by: i32) {
     }
 }
 
+/// `err` is the lock timeout (55P03) of a 200 ms in-flight wait for another's key, which
+/// `who` waited out, and not much more.
+fn assert_gave_up_after_200_ms(err: &sqlx::Error, waited: Duration, who: &str) {
+    assert_eq!(sqlstate(err).as_deref(), Some("55P03"), "{err}");
+    assert!(waited >= Duration::from_millis(200), "{who} waited only {waited:?}");
+    assert!(
+        waited < Duration::from_millis(1500),
+        "{who} waited {waited:?}, far past 200 ms"
+    );
+}
+
 fn sqlstate(err: &sqlx::Error) -> Option<String> {
     err.as_database_error().and_then(|e| e.code()).map(|c| c.into_owned())
 }
