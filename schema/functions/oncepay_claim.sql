@@ -11,7 +11,7 @@ BEGIN
     IF p.key IS NULL THEN
         setting := pg_advisory_xact_lock_shared(1330665288, uuid_hash(p_tenant))::text;
         r.outcome := 'created';
-        r.resource_id := coalesce(p_resource_id, gen_random_uuid()::text);
+        r.resource_id := coalesce(p_resource_id, oncepay_uuid7()::text);
         RETURN r;
     END IF;
     -- Three rounds at most: a duplicate's INSERT loses to the original and reads it in the
@@ -21,7 +21,7 @@ BEGIN
         SELECT * INTO k FROM idempotency_keys i WHERE i.tenant_id = p_tenant AND i.key = p.key;
         IF NOT FOUND THEN
             setting := pg_advisory_xact_lock_shared(1330665288, uuid_hash(p_tenant))::text;
-            r.resource_id := coalesce(p_resource_id, gen_random_uuid()::text);
+            r.resource_id := coalesce(p_resource_id, oncepay_uuid7()::text);
             setting := set_config('lock_timeout', p.inflight_wait_ms || 'ms', true);
             INSERT INTO idempotency_keys AS i
                 (tenant_id, key, fingerprint, operation, method, path, status, resource_id,
@@ -49,7 +49,7 @@ BEGIN
             -- A derived key past its window starts afresh. Replicas racing here serialise
             -- on the row lock; the losers re-check and replay.
             setting := pg_advisory_xact_lock_shared(1330665288, uuid_hash(p_tenant))::text;
-            r.resource_id := coalesce(p_resource_id, gen_random_uuid()::text);
+            r.resource_id := coalesce(p_resource_id, oncepay_uuid7()::text);
             setting := set_config('lock_timeout', p.inflight_wait_ms || 'ms', true);
             UPDATE idempotency_keys i
                SET fingerprint = p.fingerprint, operation = p.operation, method = p.method,

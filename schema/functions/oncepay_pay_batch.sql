@@ -53,7 +53,7 @@ BEGIN
             setting := set_config('lock_timeout', v_wait || 'ms', true);
         END IF;
         WITH items AS MATERIALIZED (
-            SELECT g.item, p_tenants[g.item] AS t, p_claims[g.item] AS c, gen_random_uuid() AS id
+            SELECT g.item, p_tenants[g.item] AS t, p_claims[g.item] AS c, oncepay_uuid7() AS id
               FROM generate_series(1, cardinality(p_tenants)) AS g(item)),
         claimed AS (
             INSERT INTO idempotency_keys AS k

@@ -56,6 +56,25 @@ async fn a_new_payment_is_charged_once_and_answered_201_with_its_location() {
 }
 
 #[tokio::test]
+async fn a_new_payments_id_is_a_uuid7_of_the_time_it_was_made() {
+    let app = spawn_app().await;
+    let before = Utc::now().timestamp_millis();
+
+    let answer = app.pay(Some(&new_key()), 100).await;
+
+    let after = Utc::now().timestamp_millis();
+    assert_eq!(answer.status, 201, "{}", answer.body);
+    let id: Uuid = answer.body["id"].as_str().unwrap().parse().unwrap();
+    assert_eq!(id.get_version_num(), 7, "{id}");
+    let bytes = id.as_bytes();
+    let millis = i64::from_be_bytes([0, 0, bytes[0], bytes[1], bytes[2], bytes[3], bytes[4], bytes[5]]);
+    assert!(
+        (before..=after).contains(&millis),
+        "{id}: {millis} not in {before}..={after}"
+    );
+}
+
+#[tokio::test]
 async fn the_key_row_expires_one_replay_window_after_it_was_created() {
     let app = spawn_app().await;
     let key = new_key();

@@ -25,6 +25,7 @@ use crate::support::helpers::{database_url, new_key, spawn_app};
 mod claim;
 mod decline;
 mod deposit;
+mod ids;
 mod open_account;
 mod pay;
 mod pay_batch;

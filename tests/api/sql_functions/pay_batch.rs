@@ -321,6 +321,18 @@ async fn a_batch_answers_and_writes_as_its_payments_one_by_one_whatever_its_shap
         }
         tx.commit().await.unwrap();
 
+        // Each new payment's id is drawn as a UUIDv7 on both paths (migrations/V29).
+        for outcome in answers_batched.iter().chain(&answers_alone) {
+            if let Ok(Reply::New(row)) = &outcome.result {
+                assert_eq!(
+                    row.payment_id.get_version_num(),
+                    7,
+                    "batch {number}: {}",
+                    row.payment_id
+                );
+            }
+        }
+
         let shape: Vec<String> = items
             .iter()
             .map(|i| format!("{} {:?} {:?}", i.pay.account.as_str(), i.args.key(), i.pay.amount))
