@@ -44,8 +44,10 @@ impl Retention {
 /// otherwise hold a replica's purge for as long as the backlog lasts).
 const EVENTS_RUN_LIMIT: Duration = Duration::from_secs(15 * 60);
 
-/// Deletes every key row whose `created_at` is older than `retention.keys`; returns the count.
-/// Also purges the webhooks' events past `retention.events` ([`purge_webhooks`]).
+/// Deletes every key row whose `created_at` is older than `retention.keys` and whose replay
+/// window has ended (`expires_at`, as the server that made it set it: a purger started with
+/// a shorter retention than the servers' window must not delete a key a retry may still
+/// replay, or the retry would charge again); returns the count. Also purges the webhooks' events past `retention.events` ([`purge_webhooks`]).
 pub async fn purge(db: &Db, retention: Retention, batch: i64) -> Result<u64, DbError> {
     let deleted = purge_batches(db, retention.keys, batch, false).await?.unwrap_or(0);
     purge_webhooks(db, retention.events, batch).await?;
@@ -174,6 +176,7 @@ async fn purge_batches(db: &Db, retention: Duration, batch: i64, scheduled: bool
                 r#"DELETE FROM idempotency_keys k
                    USING (SELECT tenant_id, key FROM idempotency_keys
                            WHERE created_at < now() - make_interval(secs => $1)
+                             AND expires_at <= now()
                            ORDER BY created_at
                            LIMIT $2
                            FOR UPDATE SKIP LOCKED) doomed

@@ -115,6 +115,31 @@ async fn three_concurrent_purges_delete_each_row_once() {
     drop_database(&url).await;
 }
 
+/// A purge run with a retention shorter than the window the keys were made with (say
+/// `oncepay purge` started with another environment than the servers') must not delete a
+/// key a retry may still replay: the retry would run again and charge twice.
+#[tokio::test]
+async fn a_key_inside_its_replay_window_is_kept_whatever_the_purges_retention() {
+    let (url, pool) = own_database("purgewindow").await;
+    fill_keys(&pool, 30, "8 days", 0).await;
+    // Ten of the old rows were made with a window that has not ended yet.
+    sqlx::query("UPDATE idempotency_keys SET expires_at = now() + interval '1 day' WHERE key IN (SELECT 'k' || i FROM generate_series(1, 10) i)")
+        .execute(&pool)
+        .await
+        .unwrap();
+
+    let deleted = oncepay::purge::purge(&Db::beside(&pool), RETENTION, 7).await.unwrap();
+
+    assert_eq!(deleted, 20, "only the rows past their window");
+    assert_eq!(
+        count(&pool, "SELECT count(*) FROM idempotency_keys WHERE expires_at > now()").await,
+        10,
+        "every key a retry may replay is kept"
+    );
+    pool.close().await;
+    drop_database(&url).await;
+}
+
 #[tokio::test]
 async fn a_purge_running_while_payments_flow_fails_none_of_them() {
     let (url, pool) = own_database("purgeload").await;
