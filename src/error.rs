@@ -130,6 +130,12 @@ impl ApiError {
             Self::Unauthorized | Self::AdminDisabled => "unauthorized",
             Self::MissingIdempotencyKey => "missing_key",
             Self::Declined { replayed: true, .. } | Self::ProcessorDeclined { replayed: true, .. } => "replayed",
+            // Contract 6b: a refund (or resend) of an unknown resource is `not_found`, though
+            // stored with its key like any decline.
+            Self::Declined {
+                decline: Decline::NotFound,
+                replayed: false,
+            } => "not_found",
             Self::Declined { replayed: false, .. } | Self::ProcessorDeclined { replayed: false, .. } => "declined",
             Self::ProcessorNotConfigured => "invalid",
             Self::ProcessorUnknown => "transient_error",

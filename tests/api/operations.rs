@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use reqwest::Method;
 use serde_json::json;
+use uuid::Uuid;
 
 use crate::support::helpers::{
     database_url, drop_database, empty_database, metric_value, new_key, spawn_app, Answer, TestApp,
@@ -135,6 +136,36 @@ async fn metrics_count_a_new_request_and_its_replay_apart() {
             "{series} is exposed:\n{text}"
         );
         assert_eq!(metric_value(&text, series), value, "{series}:\n{text}");
+    }
+}
+
+/// Contract 6b: `not_found` is "a read or refund of an unknown resource", `declined` any
+/// other stored deterministic failure; their replays are `replayed`.
+#[tokio::test]
+async fn metrics_count_a_refund_of_an_unknown_payment_as_not_found() {
+    let app = spawn_app().await;
+    let unknown = Uuid::new_v4().to_string();
+    let key = new_key();
+    app.refund(Some(&key), &unknown).await.assert_problem(404, "not_found");
+    app.refund(Some(&key), &unknown).await.assert_problem(404, "not_found");
+    let paid = app.pay(Some(&new_key()), 100).await;
+    let id = paid.body["id"].as_str().unwrap();
+    assert_eq!(app.refund(Some(&new_key()), id).await.status, 200);
+    app.refund(Some(&new_key()), id)
+        .await
+        .assert_problem(409, "already_refunded");
+
+    let text = app.metrics().await;
+
+    let route = "/payments/{id}/refund";
+    for (outcome, value) in [
+        ("not_found", 1.0),
+        ("replayed", 1.0),
+        ("declined", 1.0),
+        ("created", 1.0),
+    ] {
+        let series = format!(r#"oncepay_requests_total{{outcome="{outcome}",route="{route}"}}"#);
+        assert_eq!(metric_value(&text, &series), value, "{series}:\n{text}");
     }
 }
 
