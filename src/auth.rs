@@ -80,12 +80,12 @@ pub async fn tenant(req: &HttpRequest, db: &crate::db::Db, cache: &TenantCache) 
 /// 401 when the token is missing or wrong.
 pub fn admin(req: &HttpRequest, admin_token: Option<&str>) -> Result<(), ApiError> {
     let expected = admin_token.ok_or(ApiError::AdminDisabled)?;
-    let given = bearer(req).ok_or(ApiError::Unauthorized)?;
+    let given = bearer(req).ok_or(ApiError::AdminUnauthorized)?;
     // Comparing digests keeps the comparison constant-time in the token's length too.
     let equal = Sha256::digest(given.as_bytes()).ct_eq(&Sha256::digest(expected.as_bytes()));
     if bool::from(equal) {
         Ok(())
     } else {
-        Err(ApiError::Unauthorized)
+        Err(ApiError::AdminUnauthorized)
     }
 }

@@ -20,6 +20,10 @@ pub use oncepay_protocol::REPLAYED_HEADER;
 pub enum ApiError {
     #[error("a valid API key is required: send `Authorization: Bearer <api_key>`")]
     Unauthorized,
+    /// An admin call without the admin token (401 `unauthorized`, like a tenant call without
+    /// its key, but saying which bearer is wanted).
+    #[error("the admin token is required: send `Authorization: Bearer <ONCEPAY_ADMIN_TOKEN>`")]
+    AdminUnauthorized,
     #[error("the admin API is disabled: set ONCEPAY_ADMIN_TOKEN to enable it")]
     AdminDisabled,
     #[error("the body exceeds the limit of {limit} bytes")]
@@ -76,7 +80,7 @@ impl ApiError {
     /// The machine-readable `code` (shared with the client); it also decides the status.
     pub fn code(&self) -> ProblemCode {
         match self {
-            Self::Unauthorized => ProblemCode::Unauthorized,
+            Self::Unauthorized | Self::AdminUnauthorized => ProblemCode::Unauthorized,
             Self::AdminDisabled => ProblemCode::AdminDisabled,
             Self::BodyTooLarge { .. } => ProblemCode::BodyTooLarge,
             Self::BodyTimeout { .. } => ProblemCode::RequestTimeout,
@@ -101,7 +105,7 @@ impl ApiError {
 
     fn title(&self) -> &'static str {
         match self {
-            Self::Unauthorized => "Unauthorized",
+            Self::Unauthorized | Self::AdminUnauthorized => "Unauthorized",
             Self::AdminDisabled => "Admin API disabled",
             Self::BodyTooLarge { .. } => "Body too large",
             Self::BodyTimeout { .. } => "Request timeout",
@@ -127,7 +131,7 @@ impl ApiError {
     /// The outcome label of this error in logs and metrics (docs/operations.md, Metrics).
     pub fn outcome(&self) -> &'static str {
         match self {
-            Self::Unauthorized | Self::AdminDisabled => "unauthorized",
+            Self::Unauthorized | Self::AdminUnauthorized | Self::AdminDisabled => "unauthorized",
             Self::MissingIdempotencyKey => "missing_key",
             Self::Declined { replayed: true, .. } | Self::ProcessorDeclined { replayed: true, .. } => "replayed",
             // Contract 6b: a refund (or resend) of an unknown resource is `not_found`, though
