@@ -61,7 +61,7 @@ where
 pub const BODY_READ_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Reads at most `limit` bytes (413 beyond) within [`BODY_READ_TIMEOUT`] (408 beyond) and
-/// requires a JSON media type for a non-empty body (415).
+/// requires a JSON media type, not content-encoded, for a non-empty body (415).
 pub async fn read_body(req: &HttpRequest, payload: web::Payload, limit: usize) -> Result<web::Bytes, ApiError> {
     // A declared length over the limit is refused before any of the body is awaited: a
     // client announcing a huge body must not hold a worker waiting for bytes it never sends.
@@ -80,10 +80,23 @@ pub async fn read_body(req: &HttpRequest, payload: web::Payload, limit: usize) -
         Ok(Err(err)) => return Err(ApiError::InvalidJson(format!("the body could not be read: {err}"))),
         Ok(Ok(bytes)) => bytes,
     };
-    if !bytes.is_empty() && !is_json(req) {
+    let plain_json = is_json(req) && is_unencoded(req);
+    if !bytes.is_empty() && !plain_json {
         return Err(ApiError::UnsupportedMediaType);
     }
     Ok(bytes)
+}
+
+/// No `Content-Encoding` but `identity`: the server decodes none (RFC 9110, 8.4: a body in
+/// an encoding the server does not accept is 415), and a compressed body read as JSON would be
+/// a misleading 400 `invalid_json`, or worse, some other bytes taken for the request.
+fn is_unencoded(req: &HttpRequest) -> bool {
+    req.headers().get_all(header::CONTENT_ENCODING).all(|value| {
+        value.to_str().is_ok_and(|v| {
+            v.split(',')
+                .all(|coding| coding.trim().eq_ignore_ascii_case("identity"))
+        })
+    })
 }
 
 fn is_json(req: &HttpRequest) -> bool {

@@ -181,7 +181,7 @@ problem_responses! {
     Conflict = 409 "`request_in_progress` (with Retry-After) or a stored, replayed conflict.";
     RequestTimeout = 408 "The body did not arrive within 5 seconds (a slow or stalled client); nothing was processed.";
     BodyTooLarge = 413 "The body exceeds ONCEPAY_MAX_BODY_BYTES.";
-    UnsupportedMediaType = 415 "A body that is not `application/json`.";
+    UnsupportedMediaType = 415 "A body that is not `application/json`, or one sent with a `Content-Encoding` other than `identity`.";
     KeyRefused = 422 "The key was used for another request, or has passed its replay window; nothing was processed.";
     Overloaded = 429 "The service is at capacity; retry after Retry-After.";
     PaymentRequired = 402 "Declined (stored with the key and replayed): `insufficient_funds`, or `card_declined` with the processor's `decline_code`.";

@@ -146,6 +146,29 @@ async fn a_body_that_is_not_json_is_415() {
     assert_eq!(charset.status, 201, "a charset parameter is fine");
 }
 
+/// The server decodes no `Content-Encoding`: an encoded body is 415, never read as JSON.
+#[tokio::test]
+async fn a_content_encoded_body_is_415_and_changes_nothing() {
+    let app = spawn_app().await;
+    let pay_encoded = async |coding: &str| {
+        let request = app
+            .client
+            .post(app.url("/payments"))
+            .bearer_auth(&app.api_key)
+            .header("Idempotency-Key", new_key())
+            .header("Content-Type", "application/json")
+            .header("Content-Encoding", coding)
+            .body(r#"{"amount": 1}"#);
+        Answer::from(request.send().await.unwrap()).await
+    };
+    for coding in ["gzip", "br", "identity, gzip"] {
+        pay_encoded(coding).await.assert_problem(415, "unsupported_media_type");
+    }
+    assert_nothing_changed(&app).await;
+    let identity = pay_encoded("identity").await;
+    assert_eq!(identity.status, 201, "identity is no encoding: {}", identity.body);
+}
+
 #[tokio::test]
 async fn a_missing_key_is_400_under_the_default_policy() {
     let app = spawn_app().await;
