@@ -220,6 +220,9 @@ fn inner(message: &str) -> &str {
     message.strip_prefix("Query deserialize error: ").unwrap_or(message)
 }
 
+/// The last second a `created` filter may name, 9999-12-31T23:59:59Z (as `recover`'s `since`).
+const LATEST_CREATED: i64 = 253_402_300_799;
+
 /// `created[gte|gt|lte|lt]` in whole Unix seconds from 0 (the schema's minimum: nothing here
 /// was created before 1970), as one range: `[from, until)`. A time in seconds names that
 /// whole second (Stripe's times have no fraction): `lte` includes it, `gt` excludes it.
@@ -230,10 +233,10 @@ fn created(raw: &RawQuery) -> Result<Created, ApiError> {
             .map(|v| {
                 v.parse::<i64>()
                     .ok()
-                    .filter(|s| *s >= 0 && time(s.saturating_add(1)).is_some())
+                    .filter(|s| (0..=LATEST_CREATED).contains(s))
                     .ok_or_else(|| {
                         ApiError::InvalidRequest(format!(
-                            "`created[{name}]` must be a time in Unix seconds, 0 (1970) or later"
+                            "`created[{name}]` must be a time in Unix seconds, from 0 to {LATEST_CREATED} (1970 to 9999)"
                         ))
                     })
             })
@@ -310,7 +313,11 @@ pub fn parameters(filters: &[Filter]) -> Vec<Parameter> {
         ),
         ("lt", "Created before this Unix time (seconds)."),
     ] {
-        params.push(param(&format!("created[{op}]"), integer(0, None), description));
+        params.push(param(
+            &format!("created[{op}]"),
+            integer(0, Some(LATEST_CREATED)),
+            description,
+        ));
     }
     for filter in filters {
         let (schema, description) = match filter {
@@ -430,6 +437,8 @@ mod tests {
             ("starting_after=1&ending_before=2", "starting_after"),
             ("created[gte]=yesterday", "created[gte]"),
             ("created[lt]=1.5", "created[lt]"),
+            ("created[gte]=9223372036854775807", "to 253402300799"),
+            ("created[lte]=-1", "from 0"),
             ("account=u1", "account"),
             ("colour=red", "colour"),
             ("limit=1&limit=2", "limit"),
