@@ -62,6 +62,10 @@ pub struct Args {
     /// `Idempotency-Key` header sends every retry of a key to one instance.
     #[arg(long)]
     affinity: bool,
+    /// New and hot payments: each key a time-ordered UUIDv7 (as oncepay's client crate makes
+    /// them) instead of a random UUIDv4 (what many clients send).
+    #[arg(long)]
+    time_ordered_keys: bool,
     /// Where each instance's `/metrics` is: its operations listener (`ONCEPAY_METRICS_BIND`),
     /// on its API port plus this (the bench scripts start them so).
     #[arg(long, default_value_t = 1000)]
@@ -135,6 +139,14 @@ fn request(scenario: &str, worker: u64, seq: u64, args: &Args) -> anyhow::Result
     let storm_key = index % args.replay_keys.max(1);
     let storm_body = json!({"amount": 1, "account": (storm_key % u64::from(args.accounts.max(1))).to_string()});
     let n = args.urls.len() as u64;
+    let new_key = || {
+        if args.time_ordered_keys {
+            uuid::Uuid::now_v7()
+        } else {
+            uuid::Uuid::new_v4()
+        }
+        .to_string()
+    };
     Ok(match scenario {
         // Made by real payments, key k on instance k mod n ...
         "storm-seed" => Request {
@@ -161,7 +173,7 @@ fn request(scenario: &str, worker: u64, seq: u64, args: &Args) -> anyhow::Result
         },
         "new" => Request {
             get: false,
-            key: Some(uuid::Uuid::new_v4().to_string()),
+            key: Some(new_key()),
             path: PAYMENTS.to_owned(),
             body: json!({"amount": 1, "account": account(&mut rng)}),
             replayed: Some(false),
@@ -169,7 +181,7 @@ fn request(scenario: &str, worker: u64, seq: u64, args: &Args) -> anyhow::Result
         },
         "hot" => Request {
             get: false,
-            key: Some(uuid::Uuid::new_v4().to_string()),
+            key: Some(new_key()),
             path: PAYMENTS.to_owned(),
             body: json!({"amount": 1, "account": "0"}),
             replayed: Some(false),
