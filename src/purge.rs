@@ -47,7 +47,8 @@ const EVENTS_RUN_LIMIT: Duration = Duration::from_secs(15 * 60);
 /// Deletes every key row whose `created_at` is older than `retention.keys` and whose replay
 /// window has ended (`expires_at`, as the server that made it set it: a purger started with
 /// a shorter retention than the servers' window must not delete a key a retry may still
-/// replay, or the retry would charge again); returns the count. Also purges the webhooks' events past `retention.events` ([`purge_webhooks`]).
+/// replay, or the retry would charge again); returns the count. Also purges the webhooks'
+/// events past `retention.events` ([`purge_webhooks`]).
 pub async fn purge(db: &Db, retention: Retention, batch: i64) -> Result<u64, DbError> {
     let deleted = purge_batches(db, retention.keys, batch, false).await?.unwrap_or(0);
     purge_webhooks(db, retention.events, batch).await?;
