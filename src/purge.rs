@@ -1,6 +1,6 @@
 //! The purge (docs/operations.md, "The purge"): deletes idempotency-key rows older than the
-//! retention, and webhook events older than theirs (docs/operations.md, "The purge"), in bounded batches
-//! of short transactions, safely from several replicas at once.
+//! retention and past their replay window, and webhook events older than their retention, in
+//! bounded batches of short transactions, safely from several replicas at once.
 //!
 //! Each batch is one `DELETE` of at most `batch` rows picked through the `created_at` index
 //! with `FOR UPDATE SKIP LOCKED`: concurrent purgers take disjoint rows (the sum of their
