@@ -28,6 +28,9 @@ BEGIN
                 ELSIF d.state = 'pending' AND (d.leased_until IS NULL OR d.leased_until <= now()) THEN
                     UPDATE webhook_deliveries w SET next_attempt_at = now(), schedule_start = w.attempts
                      WHERE w.tenant_id = p_tenant AND w.event_id = p_event AND w.endpoint_id = p_endpoint;
+                ELSIF d.state = 'pending' THEN
+                    RAISE EXCEPTION 'an attempt of this event to this endpoint is out; resend once it is settled'
+                        USING ERRCODE = 'lock_not_available';
                 END IF;
             ELSE
                 SELECT e.* INTO ev FROM webhook_events e WHERE e.tenant_id = p_tenant AND e.event_id = p_event;

@@ -191,6 +191,47 @@ async fn a_resent_event_arrives_again_with_its_webhook_id_and_once_per_key() {
     drop_database(&url).await;
 }
 
+/// A resend that arrives while an attempt of that event to that endpoint is out (sent, its
+/// answer awaited) cannot join it (the receiver may have read it already) and must not be
+/// dropped: 409 `request_in_progress`, nothing claimed; the same key once the attempt is
+/// settled delivers once more.
+#[tokio::test]
+async fn a_resend_while_an_attempt_is_out_is_409_and_delivers_once_retried() {
+    let (app, url) = spawn_app_on_own_database_with("recovery_resend_out", delivering).await;
+    let receiver = Receiver::start().await;
+    let endpoint = subscribe(&app, &receiver, None).await;
+    receiver.set_delay(Duration::from_secs(2));
+    pay(&app, 10).await;
+    let deadline = Instant::now() + WAIT;
+    while receiver.in_flight() == 0 {
+        assert!(Instant::now() < deadline, "the first attempt went out within {WAIT:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let event = app.get("/events").await.body["data"][0]["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let key = new_key();
+    let path = format!("/webhook-endpoints/{endpoint}/events/{event}/resend");
+
+    let during = app.post(&path, Some(&key), &json!({})).await;
+
+    during.assert_problem(409, "request_in_progress");
+    assert_eq!(during.header("retry-after"), Some("1"));
+    receiver.wait_for_acknowledged(1, WAIT).await;
+    receiver.set_delay(Duration::ZERO);
+    let after = app.post(&path, Some(&key), &json!({})).await;
+    assert_eq!(after.status, 202, "{}", after.body);
+    assert!(!after.replayed(), "the 409 stored nothing");
+    wait_for_messages(&receiver, 2).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let messages = receiver.messages();
+    assert_eq!(messages.len(), 2, "the first attempt and the resend: {messages:?}");
+    assert_eq!((messages[1].id.as_str(), messages[1].nth), (event.as_str(), 2));
+    drop(app);
+    drop_database(&url).await;
+}
+
 async fn wait_for_messages(receiver: &Receiver, n: usize) {
     let deadline = Instant::now() + WAIT;
     while receiver.messages().len() < n {
