@@ -178,6 +178,16 @@ impl WebhookSettings {
             max_endpoints: number("ONCEPAY_WEBHOOK_MAX_ENDPOINTS", 16)?,
         })
     }
+
+    /// The longest pause between two attempts to an endpoint that keeps failing with something
+    /// left to retry: an attempt's timeout, the schedule's longest wait with its jitter (up
+    /// to +10 %), a poll, and a second's margin. A longer pause with no attempt ends a failing
+    /// stretch (migrations/V31): nothing was being retried, the endpoint was quiet, not
+    /// failing. 39,617 s (11 h) with the defaults.
+    pub fn failing_pause(&self) -> Duration {
+        let longest = self.retry_schedule.iter().max().copied().unwrap_or_default();
+        self.timeout + longest.mul_f64(1.1) + self.poll + Duration::from_secs(1)
+    }
 }
 
 /// Seconds, comma-separated, as in `ONCEPAY_WEBHOOK_RETRY_SCHEDULE` (fractions allowed, for
@@ -521,6 +531,14 @@ pub const MIN_ADMIN_TOKEN_CHARS: usize = 32;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_default_failing_pause_is_what_v31_gives_the_previous_version() {
+        let webhooks = settings("postgres://localhost/x", None).webhooks;
+        assert_eq!(webhooks.retry_schedule, parse_schedule(DEFAULT_RETRY_SCHEDULE).unwrap());
+        // migrations/V31's wrapper for replicas of the previous version passes 39617.
+        assert_eq!(webhooks.failing_pause().as_secs_f64().ceil(), 39_617.0);
+    }
 
     fn settings(database_url: &str, admin_token: Option<&str>) -> Settings {
         let mut settings = Settings::from_env_with_database(database_url.to_owned()).unwrap();

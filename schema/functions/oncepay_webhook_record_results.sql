@@ -1,5 +1,17 @@
 CREATE OR REPLACE FUNCTION public.oncepay_webhook_record_results(p_tenant uuid[], p_event uuid[], p_endpoint uuid[], p_attempt integer[], p_started_at timestamp with time zone[], p_latency_ms integer[], p_status smallint[], p_response_head text[], p_error text[], p_replica text, p_outcome text[], p_next_attempt_at timestamp with time zone[], p_disable_after_secs integer)
  RETURNS TABLE(event_id uuid, endpoint_id uuid, applied boolean)
+ LANGUAGE sql
+AS $function$
+    SELECT r.event_id, r.endpoint_id, r.applied
+      FROM oncepay_webhook_record_results(p_tenant, p_event, p_endpoint, p_attempt, p_started_at, p_latency_ms,
+                                          p_status, p_response_head, p_error, p_replica, p_outcome,
+                                          p_next_attempt_at, p_disable_after_secs, 39617) r
+     WHERE NOT r.disabled_for_failing
+$function$
+
+
+CREATE OR REPLACE FUNCTION public.oncepay_webhook_record_results(p_tenant uuid[], p_event uuid[], p_endpoint uuid[], p_attempt integer[], p_started_at timestamp with time zone[], p_latency_ms integer[], p_status smallint[], p_response_head text[], p_error text[], p_replica text, p_outcome text[], p_next_attempt_at timestamp with time zone[], p_disable_after_secs integer, p_pause_secs integer)
+ RETURNS TABLE(tenant uuid, event_id uuid, endpoint_id uuid, applied boolean, disabled_for_failing boolean)
  LANGUAGE plpgsql
 AS $function$
 #variable_conflict use_column
@@ -8,6 +20,8 @@ DECLARE
     v_current boolean[] := array_fill(false, ARRAY[cardinality(p_event)]);
     ep record;
     v_failing_since timestamptz;
+    v_previous timestamptz;
+    v_live boolean;
 BEGIN
     PERFORM set_config('synchronous_commit', 'off', true);
     INSERT INTO webhook_attempts (tenant_id, event_id, endpoint_id, attempt, started_at, latency_ms,
@@ -34,9 +48,10 @@ BEGIN
          WHERE d.tenant_id = delivered.tenant_id AND d.event_id = delivered.event_id
            AND d.endpoint_id = delivered.endpoint_id AND (d.state = 'pending') IS TRUE
         RETURNING d.event_id, d.endpoint_id)
-    SELECT delivered.event_id, delivered.endpoint_id,
+    SELECT delivered.tenant_id, delivered.event_id, delivered.endpoint_id,
            EXISTS (SELECT FROM settled s
-                    WHERE s.event_id = delivered.event_id AND s.endpoint_id = delivered.endpoint_id)
+                    WHERE s.event_id = delivered.event_id AND s.endpoint_id = delivered.endpoint_id),
+           false
       FROM delivered;
     IF 'delivered' = ANY (p_outcome) THEN
         -- A 2xx ends the endpoint's failing stretch (written only when there is one).
@@ -71,9 +86,11 @@ BEGIN
                AND (d.state = 'pending') IS TRUE AND d.attempts = p_attempt[i];
         END IF;
         v_current[i] := FOUND;
+        tenant := p_tenant[i];
         event_id := p_event[i];
         endpoint_id := p_endpoint[i];
         applied := v_current[i];
+        disabled_for_failing := false;
         RETURN NEXT;
     END LOOP;
     -- The endpoints' failures, one endpoint at a time in key order. A stale attempt's failure
@@ -91,16 +108,34 @@ BEGIN
         IF ep.gone THEN
             PERFORM oncepay_webhook_disable(ep.tenant_id, ep.endpoint_id, 'gone');
         ELSIF NOT ep.succeeded AND ep.failed_at IS NOT NULL THEN
-            UPDATE webhook_endpoints e SET failing_since = ep.failed_at
+            SELECT e.failing_since INTO v_failing_since FROM webhook_endpoints e
              WHERE e.tenant_id = ep.tenant_id AND e.endpoint_id = ep.endpoint_id
-               AND e.failing_since IS NULL AND e.disabled_at IS NULL AND e.deleted_at IS NULL;
-            IF NOT FOUND THEN
-                SELECT e.failing_since INTO v_failing_since FROM webhook_endpoints e
+               AND e.disabled_at IS NULL AND e.deleted_at IS NULL;
+            v_live := FOUND;
+            IF v_live AND v_failing_since IS NOT NULL THEN
+                -- The attempt before this call's first failure (webhook_attempts_list_idx):
+                -- none for longer than the pause, and nothing was being retried in between.
+                SELECT max(a.started_at) INTO v_previous FROM webhook_attempts a
+                 WHERE a.tenant_id = ep.tenant_id AND a.endpoint_id = ep.endpoint_id
+                   AND a.started_at < ep.failed_at;
+                IF v_previous IS NULL OR v_previous < ep.failed_at - make_interval(secs => p_pause_secs) THEN
+                    v_failing_since := NULL;
+                END IF;
+            END IF;
+            IF NOT v_live THEN
+                NULL;  -- disabled or deleted meanwhile: nothing to judge
+            ELSIF v_failing_since IS NULL THEN
+                UPDATE webhook_endpoints e SET failing_since = ep.failed_at
                  WHERE e.tenant_id = ep.tenant_id AND e.endpoint_id = ep.endpoint_id
                    AND e.disabled_at IS NULL AND e.deleted_at IS NULL;
-                IF v_failing_since <= now() - make_interval(secs => p_disable_after_secs) THEN
-                    PERFORM oncepay_webhook_disable(ep.tenant_id, ep.endpoint_id, 'failing');
-                END IF;
+            ELSIF v_failing_since <= now() - make_interval(secs => p_disable_after_secs) THEN
+                PERFORM oncepay_webhook_disable(ep.tenant_id, ep.endpoint_id, 'failing');
+                tenant := ep.tenant_id;
+                event_id := NULL;
+                endpoint_id := ep.endpoint_id;
+                applied := false;
+                disabled_for_failing := true;
+                RETURN NEXT;
             END IF;
         END IF;
     END LOOP;

@@ -71,7 +71,8 @@ const FAN_OUT_EVERY: Duration = Duration::from_millis(20);
 pub struct Counters {
     /// `oncepay_webhook_deliveries_total{outcome}`: delivered, retry, given_up, gone.
     pub deliveries: IntCounterVec,
-    /// `oncepay_webhook_endpoints_disabled_total{reason}`: gone (410), failing (schedule spent).
+    /// `oncepay_webhook_endpoints_disabled_total{reason}`: gone (410), failing (no attempt
+    /// succeeded for the disable-after while attempts kept failing).
     pub endpoints_disabled: IntCounterVec,
     /// `oncepay_webhook_attempt_duration_seconds`.
     pub attempt_duration: Histogram,
@@ -542,9 +543,14 @@ impl Deliverer {
     /// so the stale result is dropped and counted).
     async fn record(&self, ended: &mut Vec<Ended>) -> bool {
         let results: Vec<AttemptResult> = ended.iter().map(|e| e.result.clone()).collect();
-        match record_results(&self.db, &self.replica, self.settings.disable_after, &results).await {
-            Ok(applied) => {
-                for (e, applied) in ended.drain(..).zip(applied) {
+        match record_results(&self.db, &self.replica, Health::of(&self.settings), &results).await {
+            Ok(recorded) => {
+                for (tenant, endpoint) in &recorded.disabled_for_failing {
+                    self.counters.endpoints_disabled.with_label_values(&["failing"]).inc();
+                    tracing::warn!(endpoint = %endpoint, tenant = %tenant, reason = "failing",
+                        "webhook endpoint disabled");
+                }
+                for (e, applied) in ended.drain(..).zip(recorded.applied) {
                     let outcome = e.result.outcome.as_str();
                     self.counters.deliveries.with_label_values(&[outcome]).inc();
                     if applied == Some(true) && e.result.outcome == Outcome::Gone {
@@ -692,11 +698,17 @@ impl Shares {
 pub async fn record_results(
     db: &Db,
     replica: &str,
-    disable_after: Duration,
+    health: Health,
     results: &[AttemptResult],
-) -> Result<Vec<Option<bool>>, DbError> {
-    match record_statement(db, replica, disable_after, results).await {
-        Ok(applied) => return Ok(applied.into_iter().map(Some).collect()),
+) -> Result<Recorded, DbError> {
+    let mut disabled_for_failing = Vec::new();
+    match record_statement(db, replica, health, results).await {
+        Ok(one) => {
+            return Ok(Recorded {
+                applied: one.applied.into_iter().map(Some).collect(),
+                disabled_for_failing: one.disabled_for_failing,
+            })
+        }
         Err(DbError::Other(err)) if results.len() > 1 => {
             tracing::warn!(error = %err, attempts = results.len(),
                 "webhook attempts refused as a batch; recording them one by one");
@@ -707,13 +719,13 @@ pub async fn record_results(
     let mut applied = Vec::with_capacity(results.len());
     for result in results {
         let alone = std::slice::from_ref(result);
-        let one = match record_statement(db, replica, disable_after, alone).await {
+        let one = match record_statement(db, replica, health, alone).await {
             Ok(one) => Some(one),
             Err(DbError::Other(err)) => {
                 let mut bare = result.clone();
                 bare.head = None;
                 bare.error = Some("the receiver's answer could not be stored".to_owned());
-                match record_statement(db, replica, disable_after, std::slice::from_ref(&bare)).await {
+                match record_statement(db, replica, health, std::slice::from_ref(&bare)).await {
                     Ok(one) => {
                         tracing::warn!(error = %err, event = %result.event, endpoint = %result.endpoint,
                             "a webhook attempt was recorded without the receiver's answer");
@@ -729,18 +741,60 @@ pub async fn record_results(
             }
             Err(other) => return Err(other),
         };
-        applied.push(one.and_then(|one| one.first().copied()));
+        if let Some(one) = one {
+            applied.push(one.applied.first().copied());
+            disabled_for_failing.extend(one.disabled_for_failing);
+        } else {
+            applied.push(None);
+        }
     }
-    Ok(applied)
+    Ok(Recorded {
+        applied,
+        disabled_for_failing,
+    })
 }
 
-/// One statement recording `results`: per result, whether it settled its delivery.
+/// What the endpoints' health is judged by when attempts are recorded (migrations/V22, V31).
+#[derive(Clone, Copy, Debug)]
+pub struct Health {
+    /// `ONCEPAY_WEBHOOK_DISABLE_AFTER_SECS`: a failing stretch this long disables.
+    pub disable_after: Duration,
+    /// [`WebhookSettings::failing_pause`]: a pause with no attempt this long ends a stretch.
+    pub pause: Duration,
+}
+
+impl Health {
+    pub fn of(settings: &WebhookSettings) -> Self {
+        Self {
+            disable_after: settings.disable_after,
+            pause: settings.failing_pause(),
+        }
+    }
+}
+
+/// What recording attempts did.
+#[derive(Debug, Default)]
+pub struct Recorded {
+    /// Per result, whether it settled its delivery (`None`: it could not be recorded).
+    pub applied: Vec<Option<bool>>,
+    /// The endpoints (tenant, endpoint) disabled for failing by these results.
+    pub disabled_for_failing: Vec<(Uuid, Uuid)>,
+}
+
+/// What one statement recorded: per result whether it settled its delivery, and the
+/// endpoints it disabled for failing.
+struct RecordedStatement {
+    applied: Vec<bool>,
+    disabled_for_failing: Vec<(Uuid, Uuid)>,
+}
+
+/// One statement recording `results`.
 async fn record_statement(
     db: &Db,
     replica: &str,
-    disable_after: Duration,
+    health: Health,
     results: &[AttemptResult],
-) -> Result<Vec<bool>, DbError> {
+) -> Result<RecordedStatement, DbError> {
     let mut tenants = Vec::with_capacity(results.len());
     let mut events = Vec::with_capacity(results.len());
     let mut endpoints = Vec::with_capacity(results.len());
@@ -765,12 +819,14 @@ async fn record_statement(
         outcomes.push(r.outcome.as_str().to_owned());
         nexts.push(r.outcome.next_attempt_at());
     }
-    let disable_after = i32::try_from(disable_after.as_secs()).unwrap_or(i32::MAX);
+    let disable_after = i32::try_from(health.disable_after.as_secs()).unwrap_or(i32::MAX);
+    let pause = i32::try_from(health.pause.as_secs_f64().ceil() as u64).unwrap_or(i32::MAX);
     let rows = db
         .run(async |conn| {
             sqlx::query!(
-                r#"SELECT event_id AS "event_id!", endpoint_id AS "endpoint_id!", applied AS "applied!"
-                     FROM oncepay_webhook_record_results($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)"#,
+                r#"SELECT tenant AS "tenant!", event_id, endpoint_id AS "endpoint_id!", applied AS "applied!",
+                          disabled_for_failing AS "disabled_for_failing!"
+                     FROM oncepay_webhook_record_results($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)"#,
                 &tenants,
                 &events,
                 &endpoints,
@@ -784,18 +840,26 @@ async fn record_statement(
                 &outcomes,
                 &nexts as &[Option<DateTime<Utc>>],
                 disable_after,
+                pause,
             )
             .fetch_all(conn)
             .await
         })
         .await?;
-    Ok(results
-        .iter()
-        .map(|r| {
-            rows.iter()
-                .any(|row| row.applied && row.event_id == r.event && row.endpoint_id == r.endpoint)
-        })
-        .collect())
+    Ok(RecordedStatement {
+        applied: results
+            .iter()
+            .map(|r| {
+                rows.iter()
+                    .any(|row| row.applied && row.event_id == Some(r.event) && row.endpoint_id == r.endpoint)
+            })
+            .collect(),
+        disabled_for_failing: rows
+            .iter()
+            .filter(|row| row.disabled_for_failing)
+            .map(|row| (row.tenant, row.endpoint_id))
+            .collect(),
+    })
 }
 
 /// The first bytes of an answer as text that holds any byte sequence, losing nothing: valid

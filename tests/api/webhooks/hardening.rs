@@ -220,6 +220,69 @@ async fn one_refused_event_type_gives_up_those_messages_alone_and_the_endpoint_s
     drop_database(&url).await;
 }
 
+/// "While attempts kept failing": a pause with no attempt at all longer than the schedule's
+/// longest wait (nothing was being retried) ends a failing stretch, so the first failure
+/// after it starts a new one instead of disabling the endpoint at once for the old stretch's
+/// age. A stretch that keeps failing past the disable-after still disables, counted and
+/// logged as `failing`.
+#[tokio::test]
+async fn a_quiet_pause_ends_a_failing_stretch_and_a_failing_one_disables_counted() {
+    let (app, url) = spawn_app_on_own_database_with("failing_pause", |s| {
+        delivering(s);
+        s.webhooks.retry_schedule = vec![Duration::from_millis(50); 3];
+        s.webhooks.disable_after = Duration::from_secs(1);
+        // The pause that ends a stretch: 0.5 + 0.055 + the poll + 1 s, under the 2.5 s below.
+        s.webhooks.timeout = Duration::from_millis(500);
+        assert!(s.webhooks.failing_pause() < Duration::from_secs(2));
+    })
+    .await;
+    let receiver = Receiver::start().await;
+    receiver.script(|_| Reply::Status(500));
+    let endpoint = subscribe(&app, &receiver, None).await;
+    pay(&app, 10).await;
+    wait_until("the first message given up", WAIT, || async {
+        delivery_states(&app.pool, app.tenant_id).await == [("given_up".to_owned(), 1)]
+    })
+    .await;
+    // Quiet for longer than the disable-after and the pause: no attempt at all.
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+
+    let started = Instant::now();
+    pay(&app, 10).await;
+    wait_until("the second message's first attempt", WAIT, || async {
+        receiver.messages().len() >= 5
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        listed(&app, &endpoint).await["status"],
+        "enabled",
+        "one failure after a quiet pause disables nothing"
+    );
+
+    // Failing on and on, with no pause longer than the schedule's waits: disabled, a
+    // disable-after after the stretch's first failure (the one after the pause).
+    wait_until("disabled for failing", WAIT, || async {
+        pay(&app, 10).await;
+        tokio::time::sleep(Duration::from_millis(40)).await;
+        listed(&app, &endpoint).await["status"] == "disabled"
+    })
+    .await;
+    assert!(
+        started.elapsed() >= Duration::from_secs(1),
+        "after the disable-after: {:?}",
+        started.elapsed()
+    );
+    assert_eq!(listed(&app, &endpoint).await["disabled_reason"], "failing");
+    let text = app.metrics().await;
+    assert_eq!(
+        metric_value(&text, r#"oncepay_webhook_endpoints_disabled_total{reason="failing"}"#),
+        1.0,
+        "{text}"
+    );
+    drop_database(&url).await;
+}
+
 /// An endpoint none of whose attempts succeeded for the disable-after (1 s here) while they
 /// kept failing is disabled; its events are kept (held), those of changes made while it is
 /// disabled too, and nothing is sent to it; enabled again (idempotently), it gets them all.

@@ -1,0 +1,187 @@
+-- "While attempts kept failing": a pause with no attempt longer than the caller's p_pause_secs
+-- ends an endpoint's failing stretch; and the endpoints a recording disables for failing are
+-- returned, so that the server counts and logs them as it does those disabled by 410 Gone.
+--
+-- Found from outside: V22's oncepay_webhook_record_results kept failing_since from an
+-- endpoint's last failures however long ago they were. Its messages given up, an endpoint
+-- gets no attempt until its next event; that event's first failure, days later, found the old
+-- stretch past the disable-after and disabled the endpoint at once, with no retry (ten
+-- endpoints given up, then about 100 s quiet, disable-after 90 s: every one disabled at the
+-- first attempt of a new event). The contract disables an endpoint none of whose attempts
+-- succeeded for the disable-after "while they kept failing". Attempts of a failing endpoint
+-- with anything left to retry follow one another within the schedule's longest wait (plus
+-- its jitter, the attempt's timeout and the deliverer's poll: the server passes that sum as
+-- p_pause_secs); a longer pause means nothing was being retried. So the first failure after
+-- such a pause starts a new stretch. The attempt before it is read from webhook_attempts
+-- (one probe of webhook_attempts_list_idx, only while a stretch is open); nothing more is
+-- written than before (failing_since only when a stretch starts).
+--
+-- The disables for failing happened inside this function, and the server, which counts
+-- oncepay_webhook_endpoints_disabled_total{reason} and logs each disable, saw only the 410s.
+-- The new function returns one more row per endpoint it disabled for failing.
+--
+-- A new signature (p_pause_secs, and the endpoint's tenant and the disable in each row); the
+-- previous one stays, for replicas of the previous version during a rollout, as a wrapper
+-- with the pause of the default settings (WebhookSettings::failing_pause: 39,617 s, 11 h).
+
+-- The results of many attempts at once, the arrays parallel (one element per attempt); per
+-- attempt, whether it settled its delivery (a stale attempt, whose lease another replica took
+-- over, changes nothing but a delivery). p_outcome: 'delivered'; 'retry' (at
+-- p_next_attempt_at) and 'given_up' (the schedule spent: this delivery alone), both a failure
+-- of the receiver's; 'gone' (410: the endpoint is disabled, this delivery held with the
+-- others); 'deferred' (oncepay's own failure: the attempt is given back, no attempt row, due
+-- again at p_next_attempt_at, nothing counted against the receiver). Then each endpoint's
+-- health, in key order: a 2xx ends its failing stretch; a failure starts one (or a new one
+-- after a pause of more than p_pause_secs with no attempt), or disables the endpoint when it
+-- has lasted p_disable_after_secs. Rows: one per attempt (disabled_for_failing false), then one
+-- per endpoint this call disabled for failing (event_id NULL, applied false, true).
+CREATE FUNCTION oncepay_webhook_record_results(p_tenant uuid[], p_event uuid[], p_endpoint uuid[],
+                                               p_attempt int[], p_started_at timestamptz[],
+                                               p_latency_ms int[], p_status smallint[],
+                                               p_response_head text[], p_error text[], p_replica text,
+                                               p_outcome text[], p_next_attempt_at timestamptz[],
+                                               p_disable_after_secs int, p_pause_secs int)
+RETURNS TABLE (tenant uuid, event_id uuid, endpoint_id uuid, applied boolean, disabled_for_failing boolean)
+LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+DECLARE
+    i int;
+    v_current boolean[] := array_fill(false, ARRAY[cardinality(p_event)]);
+    ep record;
+    v_failing_since timestamptz;
+    v_previous timestamptz;
+    v_live boolean;
+BEGIN
+    PERFORM set_config('synchronous_commit', 'off', true);
+    INSERT INTO webhook_attempts (tenant_id, event_id, endpoint_id, attempt, started_at, latency_ms,
+                                  status, response_head, error, replica)
+    SELECT a.tenant_id, a.event_id, a.endpoint_id, a.attempt, a.started_at, a.latency_ms, a.status,
+           a.response_head, a.error, p_replica
+      FROM unnest(p_tenant, p_event, p_endpoint, p_attempt, p_started_at, p_latency_ms, p_status,
+                  p_response_head, p_error, p_outcome)
+           AS a(tenant_id, event_id, endpoint_id, attempt, started_at, latency_ms, status,
+                response_head, error, outcome)
+     WHERE a.outcome <> 'deferred'
+    ON CONFLICT DO NOTHING;
+    RETURN QUERY
+    WITH delivered AS (
+        SELECT u.tenant_id, u.event_id, u.endpoint_id, u.status
+          FROM unnest(p_tenant, p_event, p_endpoint, p_status, p_outcome)
+               AS u(tenant_id, event_id, endpoint_id, status, outcome)
+         WHERE u.outcome = 'delivered'),
+    settled AS (
+        UPDATE webhook_deliveries d
+           SET state = 'delivered', finished_at = now(), leased_until = NULL,
+               last_status = delivered.status, last_error = NULL
+          FROM delivered
+         WHERE d.tenant_id = delivered.tenant_id AND d.event_id = delivered.event_id
+           AND d.endpoint_id = delivered.endpoint_id AND (d.state = 'pending') IS TRUE
+        RETURNING d.event_id, d.endpoint_id)
+    SELECT delivered.tenant_id, delivered.event_id, delivered.endpoint_id,
+           EXISTS (SELECT FROM settled s
+                    WHERE s.event_id = delivered.event_id AND s.endpoint_id = delivered.endpoint_id),
+           false
+      FROM delivered;
+    IF 'delivered' = ANY (p_outcome) THEN
+        -- A 2xx ends the endpoint's failing stretch (written only when there is one).
+        UPDATE webhook_endpoints e SET failing_since = NULL
+          FROM (SELECT DISTINCT u.tenant_id, u.endpoint_id
+                  FROM unnest(p_tenant, p_endpoint, p_outcome) AS u(tenant_id, endpoint_id, outcome)
+                 WHERE u.outcome = 'delivered') AS ok
+         WHERE e.tenant_id = ok.tenant_id AND e.endpoint_id = ok.endpoint_id AND e.failing_since IS NOT NULL;
+    END IF;
+    IF p_outcome <@ ARRAY['delivered'] THEN
+        RETURN;
+    END IF;
+    -- The rest in one order, so that two replicas recording overlapping attempts (a lease
+    -- taken over) cannot wait on each other in a cycle.
+    FOR i IN SELECT s.i FROM generate_subscripts(p_event, 1) AS s(i)
+              WHERE p_outcome[s.i] <> 'delivered'
+              ORDER BY p_tenant[s.i], p_event[s.i], p_endpoint[s.i]
+    LOOP
+        IF p_outcome[i] = 'deferred' THEN
+            UPDATE webhook_deliveries d
+               SET attempts = d.attempts - 1, leased_until = NULL,
+                   next_attempt_at = coalesce(p_next_attempt_at[i], now())
+             WHERE d.tenant_id = p_tenant[i] AND d.event_id = p_event[i] AND d.endpoint_id = p_endpoint[i]
+               AND (d.state = 'pending') IS TRUE AND d.attempts = p_attempt[i];
+        ELSE
+            UPDATE webhook_deliveries d
+               SET leased_until = NULL, last_status = p_status[i], last_error = p_error[i],
+                   next_attempt_at = coalesce(p_next_attempt_at[i], now()),
+                   state = CASE WHEN p_outcome[i] = 'given_up' THEN 'given_up' ELSE 'pending' END,
+                   finished_at = CASE WHEN p_outcome[i] = 'given_up' THEN now() END
+             WHERE d.tenant_id = p_tenant[i] AND d.event_id = p_event[i] AND d.endpoint_id = p_endpoint[i]
+               AND (d.state = 'pending') IS TRUE AND d.attempts = p_attempt[i];
+        END IF;
+        v_current[i] := FOUND;
+        tenant := p_tenant[i];
+        event_id := p_event[i];
+        endpoint_id := p_endpoint[i];
+        applied := v_current[i];
+        disabled_for_failing := false;
+        RETURN NEXT;
+    END LOOP;
+    -- The endpoints' failures, one endpoint at a time in key order. A stale attempt's failure
+    -- is not counted (its lease was taken over: its delivery is being tried again).
+    FOR ep IN
+        SELECT u.tenant_id, u.endpoint_id,
+               bool_or(u.outcome = 'delivered') AS succeeded,
+               bool_or(u.outcome = 'gone' AND u.current) AS gone,
+               min(u.started_at) FILTER (WHERE u.outcome IN ('retry', 'given_up') AND u.current) AS failed_at
+          FROM unnest(p_tenant, p_endpoint, p_outcome, p_started_at, v_current)
+               AS u(tenant_id, endpoint_id, outcome, started_at, current)
+         GROUP BY u.tenant_id, u.endpoint_id
+         ORDER BY u.tenant_id, u.endpoint_id
+    LOOP
+        IF ep.gone THEN
+            PERFORM oncepay_webhook_disable(ep.tenant_id, ep.endpoint_id, 'gone');
+        ELSIF NOT ep.succeeded AND ep.failed_at IS NOT NULL THEN
+            SELECT e.failing_since INTO v_failing_since FROM webhook_endpoints e
+             WHERE e.tenant_id = ep.tenant_id AND e.endpoint_id = ep.endpoint_id
+               AND e.disabled_at IS NULL AND e.deleted_at IS NULL;
+            v_live := FOUND;
+            IF v_live AND v_failing_since IS NOT NULL THEN
+                -- The attempt before this call's first failure (webhook_attempts_list_idx):
+                -- none for longer than the pause, and nothing was being retried in between.
+                SELECT max(a.started_at) INTO v_previous FROM webhook_attempts a
+                 WHERE a.tenant_id = ep.tenant_id AND a.endpoint_id = ep.endpoint_id
+                   AND a.started_at < ep.failed_at;
+                IF v_previous IS NULL OR v_previous < ep.failed_at - make_interval(secs => p_pause_secs) THEN
+                    v_failing_since := NULL;
+                END IF;
+            END IF;
+            IF NOT v_live THEN
+                NULL;  -- disabled or deleted meanwhile: nothing to judge
+            ELSIF v_failing_since IS NULL THEN
+                UPDATE webhook_endpoints e SET failing_since = ep.failed_at
+                 WHERE e.tenant_id = ep.tenant_id AND e.endpoint_id = ep.endpoint_id
+                   AND e.disabled_at IS NULL AND e.deleted_at IS NULL;
+            ELSIF v_failing_since <= now() - make_interval(secs => p_disable_after_secs) THEN
+                PERFORM oncepay_webhook_disable(ep.tenant_id, ep.endpoint_id, 'failing');
+                tenant := ep.tenant_id;
+                event_id := NULL;
+                endpoint_id := ep.endpoint_id;
+                applied := false;
+                disabled_for_failing := true;
+                RETURN NEXT;
+            END IF;
+        END IF;
+    END LOOP;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION oncepay_webhook_record_results(p_tenant uuid[], p_event uuid[], p_endpoint uuid[],
+                                                          p_attempt int[], p_started_at timestamptz[],
+                                                          p_latency_ms int[], p_status smallint[],
+                                                          p_response_head text[], p_error text[], p_replica text,
+                                                          p_outcome text[], p_next_attempt_at timestamptz[],
+                                                          p_disable_after_secs int)
+RETURNS TABLE (event_id uuid, endpoint_id uuid, applied boolean)
+LANGUAGE sql AS $$
+    SELECT r.event_id, r.endpoint_id, r.applied
+      FROM oncepay_webhook_record_results(p_tenant, p_event, p_endpoint, p_attempt, p_started_at, p_latency_ms,
+                                          p_status, p_response_head, p_error, p_replica, p_outcome,
+                                          p_next_attempt_at, p_disable_after_secs, 39617) r
+     WHERE NOT r.disabled_for_failing
+$$;
