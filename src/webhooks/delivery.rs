@@ -689,7 +689,7 @@ impl Shares {
 
 /// Records attempts' results (`oncepay_webhook_record_results`), in one statement; gives per
 /// result whether it settled its delivery (`None`: it could not be recorded at all, and was
-/// dropped). If PostgreSQL refuses the statement for what the results carry, not for the
+/// dropped), and the endpoints the results disabled for failing ([`Recorded`]). If PostgreSQL refuses the statement for what the results carry, not for the
 /// state of the database, each result is recorded alone, and one that still cannot be is
 /// recorded without the receiver's answer (its head and error): one result never keeps
 /// another from being recorded. `Err` only for what may pass (the database unreachable, a
