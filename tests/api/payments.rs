@@ -4,7 +4,7 @@ use chrono::{DateTime, Utc};
 use serde_json::{json, Value};
 use uuid::Uuid;
 
-use crate::support::helpers::{new_key, spawn_app, spawn_app_with, TestApp, MAIN_BALANCE};
+use crate::support::helpers::{assert_v7_between, new_key, spawn_app, spawn_app_with, TestApp, MAIN_BALANCE};
 
 /// A payment's `created_at` and `refunded_at` as stored.
 pub async fn stored_times(app: &TestApp, id: Uuid) -> (DateTime<Utc>, Option<DateTime<Utc>>) {
@@ -65,13 +65,7 @@ async fn a_new_payments_id_is_a_uuid7_of_the_time_it_was_made() {
     let after = Utc::now().timestamp_millis();
     assert_eq!(answer.status, 201, "{}", answer.body);
     let id: Uuid = answer.body["id"].as_str().unwrap().parse().unwrap();
-    assert_eq!(id.get_version_num(), 7, "{id}");
-    let bytes = id.as_bytes();
-    let millis = i64::from_be_bytes([0, 0, bytes[0], bytes[1], bytes[2], bytes[3], bytes[4], bytes[5]]);
-    assert!(
-        (before..=after).contains(&millis),
-        "{id}: {millis} not in {before}..={after}"
-    );
+    assert_v7_between(id, before, after);
 }
 
 #[tokio::test]

@@ -2,27 +2,16 @@
 //! time-ordered so that a table's primary key grows at its right edge.
 
 use chrono::Utc;
-use uuid::{Uuid, Variant};
+use uuid::Uuid;
 
 use super::{claim_args, client_claim, fp, Claimed, Fx, WAIT};
-use crate::support::helpers::new_key;
+use crate::support::helpers::{assert_v7_between, new_key};
 use oncepay::operation::{ClaimOutcome, Operation};
 
-/// The Unix milliseconds of a UUIDv7 (its first 48 bits).
-fn millis(id: Uuid) -> i64 {
-    let bytes = id.as_bytes();
-    i64::from_be_bytes([0, 0, bytes[0], bytes[1], bytes[2], bytes[3], bytes[4], bytes[5]])
-}
-
-/// An RFC 9562 version 7 id drawn between `before` and `after` (Unix milliseconds).
-fn assert_v7_between(id: Uuid, before: i64, after: i64) {
-    assert_eq!(id.get_version_num(), 7, "{id}");
-    assert_eq!(id.get_variant(), Variant::RFC4122, "{id}");
-    assert!(
-        (before..=after).contains(&millis(id)),
-        "{id}: {} not in {before}..={after}",
-        millis(id)
-    );
+/// The Unix milliseconds of a UUIDv7.
+fn millis(id: Uuid) -> u64 {
+    let (secs, nanos) = id.get_timestamp().expect("a v7 has a time").to_unix();
+    secs * 1_000 + u64::from(nanos / 1_000_000)
 }
 
 #[tokio::test]

@@ -463,6 +463,19 @@ pub fn metric_value(exposition: &str, series: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
+/// `id` is an RFC 9562 version 7 id whose time (`Uuid::get_timestamp`) lies between
+/// `before` and `after`, Unix milliseconds.
+pub fn assert_v7_between(id: Uuid, before: i64, after: i64) {
+    assert_eq!(id.get_version_num(), 7, "{id}");
+    assert_eq!(id.get_variant(), uuid::Variant::RFC4122, "{id}");
+    let (secs, nanos) = id.get_timestamp().expect("a v7 has a time").to_unix();
+    let millis = i64::try_from(secs).unwrap() * 1_000 + i64::from(nanos / 1_000_000);
+    assert!(
+        (before..=after).contains(&millis),
+        "{id}: {millis} not in {before}..={after}"
+    );
+}
+
 pub fn new_key() -> String {
     Uuid::new_v4().to_string()
 }
