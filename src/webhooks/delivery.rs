@@ -52,6 +52,10 @@ pub const HEAD_READ: Duration = Duration::from_secs(1);
 /// When a delivery this replica could not attempt (a secret it cannot decrypt) is due again:
 /// another replica may take it meanwhile.
 const DEFER: Duration = Duration::from_secs(5);
+/// The ERROR line of a delivery this replica cannot sign is written at most this often, with
+/// the number of others deferred since: a replica without the right key defers every due
+/// delivery every [`DEFER`], and a line each buried its log (a few endpoints: a line a second).
+const CANNOT_SIGN_LOG_EVERY: Duration = Duration::from_secs(60);
 /// Most deliveries one claim takes.
 const CLAIM_MAX: usize = 64;
 /// A lease outlives the attempt's timeout by this much (the result's recording included).
@@ -192,6 +196,36 @@ pub struct Deliverer {
     settings: WebhookSettings,
     replica: String,
     counters: Counters,
+    cannot_sign: Throttle,
+}
+
+/// Lets a repeated log line through at most once an interval, counting the ones held back.
+struct Throttle {
+    every: Duration,
+    /// When a line last went out, and how many were held back since.
+    state: std::sync::Mutex<(Option<Instant>, u64)>,
+}
+
+impl Throttle {
+    fn new(every: Duration) -> Self {
+        Self {
+            every,
+            state: std::sync::Mutex::new((None, 0)),
+        }
+    }
+
+    /// `Some(held back since the last line)` when a line may go out at `now`, else `None`
+    /// (and this one is counted).
+    fn admit(&self, now: Instant) -> Option<u64> {
+        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let (last, held) = &mut *state;
+        if last.is_some_and(|at| now.saturating_duration_since(at) < self.every) {
+            *held += 1;
+            return None;
+        }
+        *last = Some(now);
+        Some(std::mem::take(held))
+    }
 }
 
 impl Deliverer {
@@ -222,6 +256,7 @@ impl Deliverer {
             settings,
             replica,
             counters,
+            cannot_sign: Throttle::new(CANNOT_SIGN_LOG_EVERY),
         })
     }
 
@@ -445,9 +480,15 @@ impl Deliverer {
             Err(err) => {
                 // This replica's own failure (its ONCEPAY_WEBHOOK_SECRET_KEY is not the one the
                 // secret was sealed with, or it has none): nothing was sent, nothing counts
-                // against the receiver; a replica with the right key takes it.
-                tracing::error!(endpoint = %c.endpoint, tenant = %c.tenant, error = %err,
-                    "this replica cannot sign for a webhook endpoint (check ONCEPAY_WEBHOOK_SECRET_KEY); delivery deferred");
+                // against the receiver; a replica with the right key takes it. Each is counted
+                // (`outcome="deferred"`); the line is written once a minute.
+                match self.cannot_sign.admit(Instant::now()) {
+                    Some(held_back) => tracing::error!(endpoint = %c.endpoint, tenant = %c.tenant, error = %err,
+                        deferred_since_last_line = held_back,
+                        "this replica cannot sign for a webhook endpoint (check ONCEPAY_WEBHOOK_SECRET_KEY); delivery deferred"),
+                    None => tracing::debug!(endpoint = %c.endpoint, tenant = %c.tenant, error = %err,
+                        "this replica cannot sign for a webhook endpoint; delivery deferred"),
+                }
                 return failed(err.to_string(), Verdict::Deferred);
             }
         };
@@ -925,6 +966,21 @@ fn error_chain(err: &(dyn std::error::Error + 'static)) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_throttled_line_goes_out_once_an_interval_with_the_count_held_back() {
+        let throttle = Throttle::new(Duration::from_secs(60));
+        let start = Instant::now();
+        assert_eq!(throttle.admit(start), Some(0));
+        for s in [0, 1, 30, 59] {
+            assert_eq!(throttle.admit(start + Duration::from_secs(s)), None);
+        }
+        assert_eq!(throttle.admit(start + Duration::from_secs(60)), Some(4));
+        assert_eq!(throttle.admit(start + Duration::from_secs(61)), None);
+        assert_eq!(throttle.admit(start + Duration::from_secs(200)), Some(1));
+        // A clock read before the last line (another thread's) is held back, not a panic.
+        assert_eq!(throttle.admit(start), None);
+    }
 
     #[test]
     fn the_schedule_is_followed_with_jitter_then_given_up() {

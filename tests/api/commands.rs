@@ -128,8 +128,39 @@ pub async fn wait_until_ready(client: &reqwest::Client, port: u16) {
     panic!("the server on port {port} was not ready within 30 s");
 }
 
+/// `oncepay serve` with `env`, its stderr read as it is written (a pipe nobody reads fills,
+/// 64 kB, and stops the server at its next log line); [`stop_logged`] gives the log.
+pub fn serve_logged(env: &[(&str, String)]) -> (tokio::process::Child, tokio::task::JoinHandle<String>) {
+    let mut server = Command::new(env!("CARGO_BIN_EXE_oncepay"))
+        .arg("serve")
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut stderr = server.stderr.take().unwrap();
+    let logs = tokio::spawn(async move {
+        let mut all = Vec::new();
+        tokio::io::AsyncReadExt::read_to_end(&mut stderr, &mut all)
+            .await
+            .unwrap();
+        String::from_utf8_lossy(&all).into_owned()
+    });
+    (server, logs)
+}
+
+/// Kills a server of [`serve_logged`] (at most 20 s to stop) and answers its whole log.
+pub async fn stop_logged(server: &mut tokio::process::Child, logs: tokio::task::JoinHandle<String>) -> String {
+    server.start_kill().unwrap();
+    tokio::time::timeout(Duration::from_secs(20), server.wait())
+        .await
+        .expect("the server stops")
+        .unwrap();
+    logs.await.unwrap()
+}
+
 /// A free port on 127.0.0.1 for a server process (bound, read, released).
-fn free_port() -> u16 {
+pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -141,30 +172,16 @@ fn free_port() -> u16 {
 async fn serve_logs_one_json_line_per_request_without_keys_or_bodies() {
     let app = crate::support::helpers::spawn_app().await;
     let port = free_port();
-    let mut server = Command::new(env!("CARGO_BIN_EXE_oncepay"))
-        .arg("serve")
-        .env("DATABASE_URL", crate::support::helpers::database_url())
-        .env("ONCEPAY_BIND", format!("127.0.0.1:{port}"))
-        .env("ONCEPAY_METRICS_BIND", "127.0.0.1:0")
-        .env("ONCEPAY_LOG_FORMAT", "json")
-        .env("RUST_LOG", "info")
+    let (mut server, logs) = serve_logged(&[
+        ("DATABASE_URL", crate::support::helpers::database_url()),
+        ("ONCEPAY_BIND", format!("127.0.0.1:{port}")),
+        ("ONCEPAY_METRICS_BIND", "127.0.0.1:0".to_owned()),
+        ("ONCEPAY_LOG_FORMAT", "json".to_owned()),
+        ("RUST_LOG", "info".to_owned()),
         // It delivers nothing: on the shared database other tests' deliveries are due, whose
         // sealed secrets this process (no ONCEPAY_WEBHOOK_SECRET_KEY) cannot open.
-        .env("ONCEPAY_WEBHOOK_CONCURRENCY", "0")
-        .stderr(std::process::Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    // Read as it is written: a pipe nobody reads fills (64 kB) and stops the server at its
-    // next log line.
-    let mut stderr = server.stderr.take().unwrap();
-    let logs = tokio::spawn(async move {
-        let mut all = Vec::new();
-        tokio::io::AsyncReadExt::read_to_end(&mut stderr, &mut all)
-            .await
-            .unwrap();
-        String::from_utf8_lossy(&all).into_owned()
-    });
+        ("ONCEPAY_WEBHOOK_CONCURRENCY", "0".to_owned()),
+    ]);
     let url = format!("http://127.0.0.1:{port}/payments");
     wait_until_ready(&app.client, port).await;
     let mut answered = None;
@@ -198,12 +215,7 @@ async fn serve_logs_one_json_line_per_request_without_keys_or_bodies() {
         .await
         .unwrap();
     assert_eq!(replay.status().as_u16(), 201);
-    server.start_kill().unwrap();
-    tokio::time::timeout(Duration::from_secs(20), server.wait())
-        .await
-        .expect("the server stops")
-        .unwrap();
-    let logs = logs.await.unwrap();
+    let logs = stop_logged(&mut server, logs).await;
 
     let requests: Vec<serde_json::Value> = logs
         .lines()

@@ -19,6 +19,7 @@ use uuid::Uuid;
 use oncepay::domain::MissingKeyPolicy;
 
 use super::{delivering, endpoints_stored, pay, refund, subscribe, subscribe_as, WAIT};
+use crate::commands::{free_port, serve_logged, stop_logged, wait_until_ready};
 use crate::support::helpers::{
     drop_database, metric_value, new_key, new_tenant, server_url, spawn_app_on_own_database_with, TestApp,
 };
@@ -419,6 +420,61 @@ async fn a_replica_that_cannot_decrypt_a_secret_defers_without_counting_against_
         .await;
     receiver.wait_for_acknowledged(3, WAIT).await;
     drop_database(&url).await;
+}
+
+/// Such a replica defers every due delivery again every 5 s, and wrote an ERROR line for each:
+/// a few endpoints buried its log. The server process (its own log) writes the line once a
+/// minute, saying how many it held back; every deferral is still counted.
+#[tokio::test]
+async fn a_replica_that_cannot_sign_says_so_once_a_minute_not_once_a_delivery() {
+    let (creator, url) = spawn_app_on_own_database_with("cannot_sign_log", |_| {}).await;
+    let receiver = Receiver::start().await;
+    subscribe(&creator, &receiver, None).await;
+    for _ in 0..4 {
+        pay(&creator, 10).await;
+    }
+    let (port, metrics_port) = (free_port(), free_port());
+    let (mut server, logs) = serve_logged(&[
+        ("DATABASE_URL", server_url(&url)),
+        ("ONCEPAY_BIND", format!("127.0.0.1:{port}")),
+        ("ONCEPAY_METRICS_BIND", format!("127.0.0.1:{metrics_port}")),
+        ("ONCEPAY_LOG_FORMAT", "json".to_owned()),
+        ("RUST_LOG", "warn".to_owned()),
+        ("ONCEPAY_WEBHOOK_POLL_MS", "200".to_owned()),
+        // Not the key the endpoint's secret was sealed with (the test apps' [42; 32]).
+        ("ONCEPAY_WEBHOOK_SECRET_KEY", base64_of_sevens()),
+    ]);
+    wait_until_ready(&creator.client, port).await;
+    let metrics = format!("http://127.0.0.1:{metrics_port}/metrics");
+    // The four deferred twice: two claims 5 s apart.
+    wait_until("the replica deferred each delivery twice", WAIT, || async {
+        let Ok(answer) = creator.client.get(&metrics).send().await else {
+            return false;
+        };
+        let exposition = answer.text().await.unwrap_or_default();
+        metric_value(&exposition, "oncepay_webhook_deliveries_total{outcome=\"deferred\"}") >= 8.0
+    })
+    .await;
+    let logs = stop_logged(&mut server, logs).await;
+    let lines: Vec<serde_json::Value> = logs
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .filter(|entry| {
+            entry["message"]
+                .as_str()
+                .is_some_and(|m| m.starts_with("this replica cannot sign"))
+        })
+        .collect();
+    assert_eq!(lines.len(), 1, "{logs}");
+    assert_eq!(lines[0]["level"], "ERROR", "{logs}");
+    assert_eq!(lines[0]["deferred_since_last_line"], 0, "{logs}");
+    assert!(receiver.messages().is_empty(), "a message went out unsigned");
+    drop_database(&url).await;
+}
+
+fn base64_of_sevens() -> String {
+    use base64::Engine as _;
+    base64::engine::general_purpose::STANDARD.encode([7u8; 32])
 }
 
 /// The interleaving, made deterministic with a table lock: a payment begins, its
