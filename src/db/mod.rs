@@ -27,7 +27,7 @@ pub use pool::PoolStatus;
 pub use schema::{
     check_schema, embedded_migration_count, expected_schema_version, migrate, wait_for_schema, SchemaError,
 };
-pub use timestamptz::Timestamptz;
+pub use timestamptz::{Timestamptz, WireTimes};
 
 use pool::{acquire, acquire_unlogged, pool, Pool};
 

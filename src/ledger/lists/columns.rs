@@ -26,7 +26,7 @@ use std::error::Error as StdError;
 
 use chrono::{DateTime, Utc};
 
-use crate::db::Timestamptz;
+use crate::db::WireTimes;
 
 /// A page's columns that do not fit together.
 fn mismatch(what: &str) -> sqlx::Error {
@@ -68,12 +68,21 @@ pub(super) fn uuids(column: &[u8], n: usize) -> Result<impl Iterator<Item = uuid
 
 /// The `n` values of a `timestamptz` column.
 pub(super) fn times(column: &[u8], n: usize) -> Result<Vec<DateTime<Utc>>, sqlx::Error> {
-    fixed::<8>(column, n)?.map(time).collect()
+    // Pushed into room for all: collected through a `Result` the vector knew no size and grew
+    // seven times over (`make callgrind`, list phase, with [`WireTimes`]' kept date: 205 -> 98
+    // instructions a value).
+    let mut values = Vec::with_capacity(n);
+    let mut times = WireTimes::default();
+    for wire in fixed::<8>(column, n)? {
+        values.push(time(&mut times, wire)?);
+    }
+    Ok(values)
 }
 
 /// The `n` values of a nullable `timestamptz` column (a byte before each value: 0, NULL).
 pub(super) fn optional_times(column: &[u8], n: usize) -> Result<Vec<Option<DateTime<Utc>>>, sqlx::Error> {
     let mut values = Vec::with_capacity(n);
+    let mut times = WireTimes::default();
     let mut rest = column;
     while let Some((&marker, after)) = rest.split_first() {
         rest = after;
@@ -83,7 +92,7 @@ pub(super) fn optional_times(column: &[u8], n: usize) -> Result<Vec<Option<DateT
                 let (value, after) = rest
                     .split_first_chunk::<8>()
                     .ok_or_else(|| mismatch("a nullable column's value cut short"))?;
-                values.push(Some(time(*value)?));
+                values.push(Some(time(&mut times, *value)?));
                 rest = after;
             }
             _ => return Err(mismatch("a nullable column's marker")),
@@ -123,10 +132,9 @@ pub(super) fn texts<'a>(lengths: &[u8], joined: &'a str, n: usize) -> Result<Vec
     }
 }
 
-fn time(wire: [u8; 8]) -> Result<DateTime<Utc>, sqlx::Error> {
-    let since_pg_epoch = i64::from_be_bytes(wire);
-    Timestamptz::from_wire(since_pg_epoch)
-        .map(|t| t.0)
+fn time(times: &mut WireTimes, wire: [u8; 8]) -> Result<DateTime<Utc>, sqlx::Error> {
+    times
+        .get(i64::from_be_bytes(wire))
         .ok_or_else(|| mismatch("a timestamptz out of range"))
 }
 
