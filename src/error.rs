@@ -12,6 +12,8 @@ pub use oncepay_protocol::ProblemCode;
 
 /// Seconds a client is told to wait (`Retry-After`) on 409 in progress, 429 and 503.
 pub const RETRY_AFTER_SECS: u64 = 1;
+/// The `Retry-After` of a refund of a top-up that is still processing.
+pub const TOP_UP_PROCESSING_RETRY_AFTER_SECS: u64 = 5;
 
 /// Header marking a replayed answer.
 pub use oncepay_protocol::REPLAYED_HEADER;
@@ -65,6 +67,10 @@ pub enum ApiError {
     KeyExpired,
     #[error("a request with this Idempotency-Key is still being processed; retry after the Retry-After delay")]
     InProgress,
+    /// A refund of a top-up that is still `processing`: nothing was claimed or stored, so a
+    /// retry with the same key refunds it once it has succeeded.
+    #[error("the top-up is still processing at the card processor (GET /top-ups/{{id}} shows when it ends: a wait for the cardholder's action may last ONCEPAY_TOPUP_ACTION_TIMEOUT_SECS); it can be refunded once it has succeeded. Nothing was stored under this Idempotency-Key")]
+    TopUpProcessing,
     #[error("the service is at capacity; retry after the Retry-After delay")]
     Overloaded,
     #[error("a temporary failure interrupted the request; retry with the same Idempotency-Key: if it was committed the retry replays it, otherwise the retry processes it")]
@@ -96,7 +102,7 @@ impl ApiError {
             Self::ProcessorUnknown => ProblemCode::TemporarilyUnavailable,
             Self::KeyReused => ProblemCode::IdempotencyKeyReused,
             Self::KeyExpired => ProblemCode::IdempotencyKeyExpired,
-            Self::InProgress => ProblemCode::RequestInProgress,
+            Self::InProgress | Self::TopUpProcessing => ProblemCode::RequestInProgress,
             Self::Overloaded => ProblemCode::Overloaded,
             Self::Unavailable | Self::Starting => ProblemCode::TemporarilyUnavailable,
             Self::Internal(_) => ProblemCode::InternalError,
@@ -122,6 +128,7 @@ impl ApiError {
             Self::KeyReused => "Idempotency key reused",
             Self::KeyExpired => "Idempotency key expired",
             Self::InProgress => "Request in progress",
+            Self::TopUpProcessing => "Top-up still processing",
             Self::Overloaded => "Overloaded",
             Self::Unavailable | Self::Starting => "Temporarily unavailable",
             Self::Internal(_) => "Internal error",
@@ -145,7 +152,7 @@ impl ApiError {
             Self::ProcessorUnknown => "transient_error",
             Self::KeyReused => "key_reused",
             Self::KeyExpired => "expired",
-            Self::InProgress => "in_progress",
+            Self::InProgress | Self::TopUpProcessing => "in_progress",
             Self::Overloaded | Self::Unavailable | Self::Starting => "transient_error",
             Self::NotFound | Self::AccountNotFound => "not_found",
             Self::Internal(_) => "internal_error",
@@ -158,11 +165,17 @@ impl ApiError {
         }
     }
 
-    fn retry_after(&self) -> bool {
-        matches!(
-            self,
-            Self::InProgress | Self::Overloaded | Self::Unavailable | Self::Starting | Self::ProcessorUnknown
-        )
+    /// The `Retry-After` of this answer, in seconds, if it has one.
+    fn retry_after(&self) -> Option<u64> {
+        match self {
+            Self::InProgress | Self::Overloaded | Self::Unavailable | Self::Starting | Self::ProcessorUnknown => {
+                Some(RETRY_AFTER_SECS)
+            }
+            // A top-up ends when the completer or a cardholder's action ends it: seconds to
+            // minutes, not the one second a request in flight takes.
+            Self::TopUpProcessing => Some(TOP_UP_PROCESSING_RETRY_AFTER_SECS),
+            _ => None,
+        }
     }
 }
 
@@ -193,8 +206,8 @@ impl ResponseError for ApiError {
         let code = self.code();
         let mut response = HttpResponse::build(status);
         response.insert_header((header::CONTENT_TYPE, "application/problem+json"));
-        if self.retry_after() {
-            response.insert_header((header::RETRY_AFTER, RETRY_AFTER_SECS.to_string()));
+        if let Some(secs) = self.retry_after() {
+            response.insert_header((header::RETRY_AFTER, secs.to_string()));
         }
         if let Self::BodyTimeout { .. } = self {
             // The rest of a trickled body is not worth waiting for: free the connection.

@@ -390,8 +390,10 @@ impl Decline {
         match self {
             Self::InsufficientFunds => "the account's balance is lower than the amount",
             Self::AccountNotFound => "no such account",
-            Self::NotFound => "no such payment, webhook endpoint or event for this tenant",
-            Self::AlreadyRefunded => "the payment was already refunded",
+            Self::NotFound => {
+                "nothing of this tenant's to act on: no such payment, top-up, webhook endpoint or event, or a top-up that failed (nothing was charged, so nothing is refunded)"
+            }
+            Self::AlreadyRefunded => "it was already refunded",
             Self::AccountExists => "an account with this id already exists",
             Self::CardDeclined => "the card processor declined the charge; nothing was charged",
             Self::InvalidPaymentMethod => {

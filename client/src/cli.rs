@@ -9,8 +9,8 @@
 //!
 //! Exit status: 0 success; 2 bad usage; 3 the server refused the request (a 4xx problem that
 //! a retry would not change) or the client refused the server's TLS certificate; 4 the outcome is unknown (no final answer within the attempts,
-//! the deadline or the budget): run the command again with the same `--key`; 5 the server's
-//! answer could not be read.
+//! the deadline or the budget, or `refund-top-up`'s 202 `refund_pending`): run the command again
+//! with the same `--key`; 5 the server's answer could not be read.
 
 // The answer and the notes on stdout and stderr are what these commands are for.
 #![allow(clippy::print_stdout, clippy::print_stderr)]
@@ -228,9 +228,33 @@ pub struct KeyArg {
 /// Runs a client command; returns the process exit status.
 pub async fn run(command: ClientCommand) -> i32 {
     match execute(command).await {
-        Ok(()) => 0,
+        Ok(status) => status,
         Err(Failed { error, key }) => fail(&error, key.as_ref()),
     }
+}
+
+/// `refund-top-up`: a 202 (`refund_pending`: debited, the processor's refund not finished) is
+/// printed as any answer but is not final: stderr says how to look again, and the exit status
+/// is 4, as for any operation without a final answer, so that a script never takes a pending
+/// refund for a done one.
+async fn refund_top_up(server: &ServerArgs, top_up: Uuid, key: &KeyArg) -> Result<i32, Failed> {
+    let key = key.resolve()?;
+    let reply = client(server)?
+        .refund_top_up(top_up, &key)
+        .await
+        .map_err(|error| Failed {
+            error,
+            key: Some(key.clone()),
+        })?;
+    let pending = reply.status == 202;
+    print(reply, Some(&key))?;
+    if !pending {
+        return Ok(0);
+    }
+    eprintln!(
+        "oncepay: not final: the amount is debited and the processor's refund is pending; `oncepay get-top-up {top_up}` shows how it ends, and the same command with --key {key} looks again"
+    );
+    Ok(EXIT_OUTCOME_UNKNOWN)
 }
 
 /// A failure, with the key of the operation it left unfinished.
@@ -262,8 +286,9 @@ fn print_keyed<T: Serialize>(reply: Result<Reply<T>, ClientError>, key: &Idempot
     print(reply, Some(key))
 }
 
-async fn execute(command: ClientCommand) -> Result<(), Failed> {
-    match command {
+/// Runs a command; the exit status of an answered one (0, or 4 for an answer that is not final).
+async fn execute(command: ClientCommand) -> Result<i32, Failed> {
+    let answered = match command {
         ClientCommand::Pay {
             server,
             amount,
@@ -333,10 +358,7 @@ async fn execute(command: ClientCommand) -> Result<(), Failed> {
                 .await;
             print_keyed(reply, &key)
         }
-        ClientCommand::RefundTopUp { server, top_up, key } => {
-            let key = key.resolve()?;
-            print_keyed(client(&server)?.refund_top_up(top_up, &key).await, &key)
-        }
+        ClientCommand::RefundTopUp { server, top_up, key } => return refund_top_up(&server, top_up, &key).await,
         ClientCommand::GetTopUp { server, id } => print(client(&server)?.get_top_up(id).await?, None),
         ClientCommand::GetIdempotencyKey { server, key } => lists::idempotency_key(&server, &key).await,
         ClientCommand::Account(AccountCommand::List { server, list }) => lists::accounts(&server, &list).await,
@@ -345,7 +367,8 @@ async fn execute(command: ClientCommand) -> Result<(), Failed> {
         ClientCommand::TopUps(command) => lists::top_ups(command).await,
         ClientCommand::Events(command) => lists::events(command).await,
         ClientCommand::Webhooks(command) => lists::webhooks(command).await,
-    }
+    };
+    answered.map(|()| 0)
 }
 
 fn client(server: &ServerArgs) -> Result<Client, ClientError> {

@@ -23,7 +23,7 @@ use super::schemas::{
     BadRequest, BodyTooLarge, Conflict, IdempotencyKeyHeader, KeyRefused, NotFound, Overloaded, PaymentRequired,
     ProcessorNotConfigured, Unauthorized, Unavailable, UnsupportedMediaType,
 };
-use crate::domain::{time, AccountId, Amount, TopUpId};
+use crate::domain::{time, AccountId, Amount, TenantId, TopUpId};
 use crate::error::ApiError;
 use crate::ledger::top_ups::NewTopUp;
 use crate::ledger::{self, TopUpRow};
@@ -249,10 +249,16 @@ pub(super) async fn refund(
     .await?;
     let keyed = claim.is_some();
     let top_ups = processor(&state)?.clone();
-    let answer = tokio::spawn(async move { top_ups.refund(tenant.id, &args, id).await })
+    let answer = match tokio::spawn(async move { top_ups.refund(tenant.id, &args, id).await })
         .await
         .map_err(|e| ApiError::Internal(e.into()))?
-        .map_err(edge)?;
+        .map_err(edge)
+    {
+        // The refund's SQL answers a top-up still processing as a row in use (nothing
+        // claimed): tell that apart from a request with this key in flight.
+        Err(ApiError::InProgress) => return Err(in_progress_or_processing(&state, tenant.id, id).await),
+        answer => answer?,
+    };
     respond(answer, keyed, |row| {
         let pending = row.refund_debited();
         let out = TopUpRefundOut {
@@ -266,6 +272,24 @@ pub(super) async fn refund(
         let status = if pending { StatusCode::ACCEPTED } else { StatusCode::OK };
         Ok((status, json_body(&out)?, None))
     })
+}
+
+/// Why a refund found its top-up in use: the top-up is still `processing` (409 naming it, a
+/// longer `Retry-After`), or another request with the key drives it (409 in progress).
+async fn in_progress_or_processing(state: &AppState, tenant: TenantId, id: TopUpId) -> ApiError {
+    let processing = async {
+        let mut conn = state.conn().await.ok()?;
+        let row = conn
+            .run(async |c| ledger::top_ups::top_up(c, tenant, id).await)
+            .await
+            .ok()??;
+        Some(row.status.0 == "processing")
+    };
+    if processing.await == Some(true) {
+        ApiError::TopUpProcessing
+    } else {
+        ApiError::InProgress
+    }
 }
 
 /// A top-up's current state.

@@ -240,6 +240,21 @@ async fn a_payment_intent_that_requires_an_action_is_canceled_after_the_action_t
     let waiting = app.get(&format!("/top-ups/{id}")).await.body;
     assert_eq!(waiting["status"], "processing", "{waiting}");
     assert_eq!(waiting["processor_status"], "requires_action", "{waiting}");
+    // A refund meanwhile: 409 naming the top-up's state (not a key in flight: this key was
+    // never used), a longer Retry-After, and nothing stored under the key.
+    let refund_key = new_key();
+    let early = app
+        .post(&format!("/top-ups/{id}/refund"), Some(&refund_key), &json!({}))
+        .await;
+    early.assert_problem(409, "request_in_progress");
+    assert_eq!(early.body["title"], "Top-up still processing", "{}", early.body);
+    assert!(
+        early.body["detail"].as_str().unwrap().contains("still processing"),
+        "{}",
+        early.body
+    );
+    assert_eq!(early.header("retry-after"), Some("5"));
+    assert_eq!(app.get(&format!("/idempotency-keys/{refund_key}")).await.status, 404);
 
     // The completer looks again, and cancels it once the action timeout has passed.
     let failed = wait_for_state(&app, &id, |s| s["status"] != "processing").await;
@@ -254,6 +269,21 @@ async fn a_payment_intent_that_requires_an_action_is_canceled_after_the_action_t
     assert!(answer.replayed());
     assert_eq!(app.balance("main").await, MAIN_BALANCE, "nothing credited");
     assert_eq!(stripe.succeeded_of(&id).await, 0, "nothing charged");
+    // The same refund key now runs, and is refused for good: the top-up failed.
+    let refused = app
+        .post(&format!("/top-ups/{id}/refund"), Some(&refund_key), &json!({}))
+        .await;
+    refused.assert_problem(404, "not_found");
+    assert!(
+        refused.body["detail"]
+            .as_str()
+            .unwrap()
+            .contains("a top-up that failed"),
+        "{}",
+        refused.body
+    );
+    assert_eq!(app.get(&format!("/idempotency-keys/{refund_key}")).await.status, 200);
+    assert_eq!(app.balance("main").await, MAIN_BALANCE);
     assert_eq!(audit(&app, &stripe).await["clean"], true);
 }
 
@@ -379,6 +409,46 @@ async fn a_refund_pending_then_succeeded_ends_refunded() {
     let answer = app.refund_top_up(&key, &id).await;
     assert_eq!(answer.status, 200, "{}", answer.body);
     assert_eq!(answer.body["status"], "refunded");
+    assert_eq!(app.balance("main").await, MAIN_BALANCE);
+    assert_eq!(audit(&app, &stripe).await["clean"], true);
+}
+
+/// The CLI prints a 202 `refund_pending` as any answer, but exits 4 with the key to look again
+/// with (the same command), and 0 once the refund is done.
+#[tokio::test]
+async fn the_cli_says_a_pending_refund_is_not_final_and_the_same_command_looks_again() {
+    let Rig {
+        stripe,
+        app,
+        proxy: _proxy,
+    } = rig_with(
+        StripeRules::with_refunds_pending_then(2, "succeeded"),
+        |_: &Incoming| Action::Forward,
+        |s| s.completer_after = Duration::from_secs(1),
+    )
+    .await;
+    let created = app.top_up(&new_key(), "main", AMOUNT, VISA).await;
+    assert_eq!(created.status, 201, "{}", created.body);
+    let id = created.body["id"].as_str().unwrap().to_owned();
+    let key = new_key();
+    let mut args = crate::cli::server_args(&app.address, &app);
+    args.extend(["refund-top-up", "--top-up", &id, "--key", &key]);
+    args.rotate_left(4);
+    let pending = crate::cli::oncepay(&args, &[]).await;
+    assert_eq!(pending.status, 4, "{}", pending.stderr);
+    assert_eq!(pending.json()["status"], "refund_pending", "{}", pending.stdout);
+    assert!(
+        pending.stderr.contains("not final") && pending.stderr.contains(&format!("--key {key}")),
+        "{}",
+        pending.stderr
+    );
+
+    let ended = wait_for_state(&app, &id, |s| s["status"] != "refund_pending").await;
+    assert_eq!(ended["status"], "refunded", "{ended}");
+    let done = crate::cli::oncepay(&args, &[]).await;
+    assert_eq!(done.status, 0, "{}", done.stderr);
+    assert_eq!(done.json()["status"], "refunded", "{}", done.stdout);
+    assert!(!done.stderr.contains("not final"), "{}", done.stderr);
     assert_eq!(app.balance("main").await, MAIN_BALANCE);
     assert_eq!(audit(&app, &stripe).await["clean"], true);
 }
