@@ -6,8 +6,10 @@
 #
 #   scripts/localstripe.sh install          the virtualenv (once); prints the executable's path
 #   scripts/localstripe.sh start PORT DIR   localstripe --from-scratch on 127.0.0.1:PORT, in DIR
-#                                           (it saves its state to ./localstripe.pickle in its
-#                                           working directory: one DIR per instance); prints its pid
+#                                           (one DIR per instance, for its pid and log); prints its
+#                                           pid. It writes its state to the fixed
+#                                           /tmp/localstripe.pickle but, started --from-scratch,
+#                                           never reads it back: every start begins empty
 #   scripts/localstripe.sh stop DIR         stops the instance started in DIR
 set -euo pipefail
 top="$(cd "$(dirname "$0")/.." && pwd)"
