@@ -263,7 +263,7 @@ pub async fn wait(
     conn: &mut PgConnection,
     row: &TopUpRow,
     owner: Uuid,
-    processor_status: &str,
+    processor_status: Option<&str>,
     next_check_secs: i32,
 ) -> Result<TopUpRow, sqlx::Error> {
     sqlx::query_scalar!(

@@ -67,12 +67,17 @@ pub async fn run_once(
         let id = row.top_up_id;
         let lease = top_ups.lease_from(owner, sent);
         let label = if *row.status == "processing" {
+            let claimed = row.clone();
             match top_ups.drive_top_up(row, lease, true).await {
                 Ok(row) => {
                     tracing::info!(top_up = %id, status = row.shown_status(), "completer finished a top-up left unfinished");
                     "finished"
                 }
                 Err(TopUpError::Waiting(_)) => "waiting",
+                Err(TopUpError::ProcessorUnknown(_)) => {
+                    top_ups.look_later(&claimed, owner).await;
+                    "unknown"
+                }
                 Err(_) => "unknown",
             }
         } else {

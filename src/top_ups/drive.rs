@@ -330,7 +330,7 @@ impl Drive<'_> {
         let next = self
             .top_ups
             .db
-            .run(async |c| top_ups::wait(c, row, owner, status, secs).await)
+            .run(async |c| top_ups::wait(c, row, owner, Some(status), secs).await)
             .await
             .map_err(|e| Stop::Unknown(e.to_string()))?;
         if next.lease_owner != Some(owner) {

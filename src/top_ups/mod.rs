@@ -261,6 +261,31 @@ impl TopUps {
         TopUpError::ProcessorUnknown(why)
     }
 
+    /// After the completer's look left a top-up's outcome unknown (the lease given back): its
+    /// next look comes at the growing interval of a status that waits, not in the next round.
+    /// A processor that stays down, or one that answers 404 for the PaymentIntent (an emulator
+    /// restarted empty), was otherwise called, and two WARN lines written, every round for as
+    /// long as it lasted. A client's retry with the key still looks at once. Best effort: if
+    /// another driver took the top-up meanwhile, nothing is written.
+    pub(crate) async fn look_later(&self, row: &TopUpRow, owner: Uuid) {
+        let cap = i32::try_from(MAX_UNKNOWN_CHECK_INTERVAL.as_secs()).unwrap_or(i32::MAX);
+        let secs = self.next_check_secs(row.checks).min(cap);
+        let status = row.processor_status.as_deref();
+        match self
+            .db
+            .run(async |c| top_ups::wait(c, row, owner, status, secs).await)
+            .await
+        {
+            Ok(next) if next.lease_owner == Some(owner) => {
+                tracing::info!(top_up = %row.top_up_id, next_look_secs = secs, "top-up's outcome unknown: looked at again later");
+            }
+            Ok(_) => {}
+            Err(err) => {
+                tracing::warn!(top_up = %row.top_up_id, error = %err, "could not schedule the next look at a top-up")
+            }
+        }
+    }
+
     /// Seconds to the next look at a status that waits, after `checks` looks: the completer's
     /// window, doubled with each look, at most an hour.
     fn next_check_secs(&self, checks: i32) -> i32 {
@@ -277,6 +302,9 @@ impl TopUps {
 
 /// The longest interval between two looks at a status that waits.
 const MAX_CHECK_INTERVAL: Duration = Duration::from_secs(3_600);
+/// The longest interval between two looks at a top-up whose outcome stayed unknown: shorter,
+/// so that the end of a processor's outage finishes its top-ups within minutes.
+const MAX_UNKNOWN_CHECK_INTERVAL: Duration = Duration::from_secs(600);
 
 enum Settled {
     Final(Answer),

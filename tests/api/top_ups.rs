@@ -525,6 +525,82 @@ async fn a_top_up_whose_client_gave_up_is_finished_by_the_completer() {
     assert!(metrics.contains("oncepay_processor_calls_total{call=\"retrieve_intent\",outcome=\"ok\"}"));
 }
 
+/// A PaymentIntent the processor answers 404 for (an emulator restarted empty; a processor
+/// that stays down is the same): the top-up stays processing, nothing is credited, and the
+/// completer looks again at a growing interval, not in every round.
+#[tokio::test]
+async fn a_top_up_whose_outcome_stays_unknown_is_looked_at_less_and_less_often() {
+    let confirm = first(Call::Confirm, 1, Action::DropAnswer);
+    let plan = move |incoming: &Incoming| {
+        let path = incoming.path.split('?').next().unwrap_or_default();
+        if incoming.method == "GET" && path.starts_with("/v1/payment_intents/") {
+            Action::StripeError {
+                status: 404,
+                kind: "invalid_request_error",
+                code: "resource_missing",
+            }
+        } else {
+            confirm(incoming)
+        }
+    };
+    let Rig { app, proxy, .. } = rig(plan, |s| s.completer_after = Duration::from_secs(1)).await;
+    let key = new_key();
+    app.top_up(&key, "main", AMOUNT, VISA)
+        .await
+        .assert_problem(503, "temporarily_unavailable");
+    let (id, _) = app.top_up_of_key(&key).await.unwrap();
+    let looks = |app: &TestApp, id: &str| {
+        let (pool, tenant, id) = (app.pool.clone(), app.tenant_id, id.to_owned());
+        async move {
+            sqlx::query_as::<_, (i32, Option<f64>)>(
+                "SELECT checks, extract(epoch FROM next_check_at - updated_at)::float8 FROM top_ups
+                  WHERE tenant_id = $1 AND top_up_id = $2::uuid",
+            )
+            .bind(tenant)
+            .bind(&id)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    // Two looks by the completer, the second put off twice as long as the first.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let (checks, gap) = loop {
+        let (checks, gap) = looks(&app, &id).await;
+        if checks >= 2 {
+            break (checks, gap);
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the completer never put its next look off (checks {checks}, {} GETs)",
+            proxy
+                .seen()
+                .iter()
+                .filter(|s| matches!(s.action, Action::StripeError { .. }))
+                .count()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(checks, 2);
+    let gap = gap.expect("the next look is scheduled");
+    assert!((1.5..=2.5).contains(&gap), "the second wait is doubled: {gap} s");
+    let shown = app.get(&format!("/top-ups/{id}")).await.body;
+    assert_eq!(shown["status"], "processing", "{shown}");
+    assert_eq!(app.balance("main").await, MAIN_BALANCE, "nothing credited");
+    // A client's retry still looks at once (the proxy notes a call after it answered it).
+    // Every call the proxy answered: only looks are left to make.
+    let refused = || proxy.seen().len();
+    let before = refused();
+    app.top_up(&key, "main", AMOUNT, VISA)
+        .await
+        .assert_problem(503, "temporarily_unavailable");
+    let noted = Instant::now() + Duration::from_secs(5);
+    while refused() == before && Instant::now() < noted {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(refused() > before, "the retry looked at the PaymentIntent");
+}
+
 pub(crate) async fn wait_for_status(app: &TestApp, key: &str, status: &str) {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
