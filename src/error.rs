@@ -12,7 +12,7 @@ pub use oncepay_protocol::ProblemCode;
 
 /// Seconds a client is told to wait (`Retry-After`) on 409 in progress, 429 and 503.
 pub const RETRY_AFTER_SECS: u64 = 1;
-/// The `Retry-After` of a refund of a top-up that is still processing.
+/// The `Retry-After` of a top-up that waits at the processor, and of a refund of one.
 pub const TOP_UP_PROCESSING_RETRY_AFTER_SECS: u64 = 5;
 
 /// Header marking a replayed answer.
@@ -61,6 +61,10 @@ pub enum ApiError {
     ProcessorNotConfigured,
     #[error("the card processor's outcome is not known yet (a timeout, a lost answer); retry with the same Idempotency-Key: the retry resumes this operation, never charges twice, and answers its final result")]
     ProcessorUnknown,
+    /// A top-up whose PaymentIntent waits at the processor (`requires_action`, `processing`):
+    /// its end may take minutes, not the second a lost answer takes to look up.
+    #[error("the card processor has not finished the charge: it waits (GET /top-ups/{{id}}: processor_status, e.g. requires_action for the cardholder's action, at most ONCEPAY_TOPUP_ACTION_TIMEOUT_SECS); retry with the same Idempotency-Key: the retry answers its final result once there is one, and never charges twice")]
+    ProcessorWaiting,
     #[error("this Idempotency-Key was already used with a different request (another body, path or method); use a new key for a new operation")]
     KeyReused,
     #[error("this Idempotency-Key has passed its replay window; if you mean a new operation, send the request again with a new key")]
@@ -99,7 +103,7 @@ impl ApiError {
             Self::AccountNotFound => ProblemCode::AccountNotFound,
             Self::Declined { decline, .. } | Self::ProcessorDeclined { decline, .. } => decline.code(),
             Self::ProcessorNotConfigured => ProblemCode::ProcessorNotConfigured,
-            Self::ProcessorUnknown => ProblemCode::TemporarilyUnavailable,
+            Self::ProcessorUnknown | Self::ProcessorWaiting => ProblemCode::TemporarilyUnavailable,
             Self::KeyReused => ProblemCode::IdempotencyKeyReused,
             Self::KeyExpired => ProblemCode::IdempotencyKeyExpired,
             Self::InProgress | Self::TopUpProcessing => ProblemCode::RequestInProgress,
@@ -125,6 +129,7 @@ impl ApiError {
             Self::Declined { decline, .. } | Self::ProcessorDeclined { decline, .. } => decline.title(),
             Self::ProcessorNotConfigured => "Processor not configured",
             Self::ProcessorUnknown => "Temporarily unavailable",
+            Self::ProcessorWaiting => "Top-up waiting at the processor",
             Self::KeyReused => "Idempotency key reused",
             Self::KeyExpired => "Idempotency key expired",
             Self::InProgress => "Request in progress",
@@ -149,7 +154,7 @@ impl ApiError {
             } => "not_found",
             Self::Declined { replayed: false, .. } | Self::ProcessorDeclined { replayed: false, .. } => "declined",
             Self::ProcessorNotConfigured => "invalid",
-            Self::ProcessorUnknown => "transient_error",
+            Self::ProcessorUnknown | Self::ProcessorWaiting => "transient_error",
             Self::KeyReused => "key_reused",
             Self::KeyExpired => "expired",
             Self::InProgress | Self::TopUpProcessing => "in_progress",
@@ -173,7 +178,7 @@ impl ApiError {
             }
             // A top-up ends when the completer or a cardholder's action ends it: seconds to
             // minutes, not the one second a request in flight takes.
-            Self::TopUpProcessing => Some(TOP_UP_PROCESSING_RETRY_AFTER_SECS),
+            Self::TopUpProcessing | Self::ProcessorWaiting => Some(TOP_UP_PROCESSING_RETRY_AFTER_SECS),
             _ => None,
         }
     }

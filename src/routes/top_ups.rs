@@ -425,7 +425,7 @@ fn edge(err: TopUpError) -> ApiError {
                 status,
                 "top-up answered 503: its PaymentIntent waits at the processor, the key stays with it"
             );
-            ApiError::ProcessorUnknown
+            ApiError::ProcessorWaiting
         }
         TopUpError::InProgress => ApiError::InProgress,
     }

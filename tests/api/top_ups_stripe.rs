@@ -236,6 +236,9 @@ async fn a_payment_intent_that_requires_an_action_is_canceled_after_the_action_t
     let key = new_key();
     let first = app.top_up(&key, "main", AMOUNT, &card).await;
     first.assert_problem(503, "temporarily_unavailable");
+    // Not a lost answer: a wait that may last minutes, said as such.
+    assert_eq!(first.body["title"], "Top-up waiting at the processor", "{}", first.body);
+    assert_eq!(first.header("retry-after"), Some("5"));
     let (id, _) = app.top_up_of_key(&key).await.unwrap();
     let waiting = app.get(&format!("/top-ups/{id}")).await.body;
     assert_eq!(waiting["status"], "processing", "{waiting}");
