@@ -283,7 +283,7 @@ async fn in_progress_or_processing(state: &AppState, tenant: TenantId, id: TopUp
             .run(async |c| ledger::top_ups::top_up(c, tenant, id).await)
             .await
             .ok()??;
-        Some(row.status.0 == "processing")
+        Some(*row.status == "processing")
     };
     if processing.await == Some(true) {
         ApiError::TopUpProcessing
