@@ -284,8 +284,8 @@ pub async fn refund_wait(
     conn: &mut PgConnection,
     row: &TopUpRow,
     owner: Uuid,
-    refund: &str,
-    refund_status: &str,
+    refund: Option<&str>,
+    refund_status: Option<&str>,
     next_check_secs: i32,
 ) -> Result<TopUpRow, sqlx::Error> {
     sqlx::query_scalar!(

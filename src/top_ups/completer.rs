@@ -81,11 +81,16 @@ pub async fn run_once(
                 Err(_) => "unknown",
             }
         } else {
+            let claimed = row.clone();
             match top_ups.drive_refund(row, lease, true).await {
                 Ok(RefundEnd::Pending(_)) => "waiting",
                 Ok(end) => {
                     tracing::info!(top_up = %id, end = ?end, "completer finished a refund left unfinished");
                     "finished"
+                }
+                Err(TopUpError::ProcessorUnknown(_)) => {
+                    top_ups.look_later(&claimed, owner).await;
+                    "unknown"
                 }
                 Err(_) => "unknown",
             }

@@ -261,8 +261,9 @@ impl TopUps {
         TopUpError::ProcessorUnknown(why)
     }
 
-    /// After the completer's look left a top-up's outcome unknown (the lease given back): its
-    /// next look comes at the growing interval of a status that waits, not in the next round.
+    /// After the completer's look left a top-up's or its refund's outcome unknown (the lease
+    /// given back): its next look comes at the growing interval of a status that waits, not in
+    /// the next round.
     /// A processor that stays down, or one that answers 404 for the PaymentIntent (an emulator
     /// restarted empty), was otherwise called, and two WARN lines written, every round for as
     /// long as it lasted. A client's retry with the key still looks at once. Best effort: if
@@ -270,12 +271,18 @@ impl TopUps {
     pub(crate) async fn look_later(&self, row: &TopUpRow, owner: Uuid) {
         let cap = i32::try_from(MAX_UNKNOWN_CHECK_INTERVAL.as_secs()).unwrap_or(i32::MAX);
         let secs = self.next_check_secs(row.checks).min(cap);
-        let status = row.processor_status.as_deref();
-        match self
-            .db
-            .run(async |c| top_ups::wait(c, row, owner, status, secs).await)
-            .await
-        {
+        let scheduled = if row.refund_debited() {
+            let (refund, status) = (row.processor_refund_id.as_deref(), row.refund_status.as_deref());
+            self.db
+                .run(async |c| top_ups::refund_wait(c, row, owner, refund, status, secs).await)
+                .await
+        } else {
+            let status = row.processor_status.as_deref();
+            self.db
+                .run(async |c| top_ups::wait(c, row, owner, status, secs).await)
+                .await
+        };
+        match scheduled {
             Ok(next) if next.lease_owner == Some(owner) => {
                 tracing::info!(top_up = %row.top_up_id, next_look_secs = secs, "top-up's outcome unknown: looked at again later");
             }

@@ -195,7 +195,7 @@ impl RefundDrive<'_> {
                 let next = self
                     .top_ups
                     .db
-                    .run(async |c| top_ups::refund_wait(c, row, owner, &refund.id, status, secs).await)
+                    .run(async |c| top_ups::refund_wait(c, row, owner, Some(&refund.id), Some(status), secs).await)
                     .await
                     .map_err(|e| Stop::Unknown(e.to_string()))?;
                 if next.lease_owner != Some(owner) {

@@ -525,80 +525,107 @@ async fn a_top_up_whose_client_gave_up_is_finished_by_the_completer() {
     assert!(metrics.contains("oncepay_processor_calls_total{call=\"retrieve_intent\",outcome=\"ok\"}"));
 }
 
-/// A PaymentIntent the processor answers 404 for (an emulator restarted empty; a processor
-/// that stays down is the same): the top-up stays processing, nothing is credited, and the
-/// completer looks again at a growing interval, not in every round.
-#[tokio::test]
-async fn a_top_up_whose_outcome_stays_unknown_is_looked_at_less_and_less_often() {
-    let confirm = first(Call::Confirm, 1, Action::DropAnswer);
-    let plan = move |incoming: &Incoming| {
+/// A plan that drops the answer of the first `lost` call and answers 404 to every GET of a
+/// path that starts with `missing`: the outcome stays unknown however often it is looked at.
+fn lost_then_missing(lost: Call, missing: &'static str) -> impl Fn(&Incoming) -> Action + Send + Sync + 'static {
+    let drop = first(lost, 1, Action::DropAnswer);
+    move |incoming: &Incoming| {
         let path = incoming.path.split('?').next().unwrap_or_default();
-        if incoming.method == "GET" && path.starts_with("/v1/payment_intents/") {
+        if incoming.method == "GET" && path.starts_with(missing) {
             Action::StripeError {
                 status: 404,
                 kind: "invalid_request_error",
                 code: "resource_missing",
             }
         } else {
-            confirm(incoming)
+            drop(incoming)
         }
-    };
-    let Rig { app, proxy, .. } = rig(plan, |s| s.completer_after = Duration::from_secs(1)).await;
+    }
+}
+
+/// A rig whose `lost` call's answer is dropped and whose GETs under `missing` answer 404,
+/// with the completer on (a second after a top-up was left). Kept whole: a dropped
+/// `Localstripe` stops its process.
+async fn completer_rig(lost: Call, missing: &'static str) -> Rig {
+    rig(lost_then_missing(lost, missing), |s| {
+        s.completer_after = Duration::from_secs(1)
+    })
+    .await
+}
+
+/// Waits (at most 30 s) for the completer's second look at the top-up `id`, and answers the
+/// wait it then set before its third, in seconds.
+async fn second_look_put_off(app: &TestApp, proxy: &FaultProxy, id: &str) -> f64 {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (checks, gap): (i32, Option<f64>) = sqlx::query_as(
+            "SELECT checks, extract(epoch FROM next_check_at - updated_at)::float8 FROM top_ups
+              WHERE tenant_id = $1 AND top_up_id = $2::uuid",
+        )
+        .bind(app.tenant_id)
+        .bind(id)
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+        if checks >= 2 {
+            assert_eq!(checks, 2);
+            return gap.expect("the next look is scheduled");
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the completer never put its next look off (checks {checks}, {} calls)",
+            proxy.seen().len()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A PaymentIntent the processor answers 404 for (an emulator restarted empty; a processor
+/// that stays down is the same): the top-up stays processing, nothing is credited, and the
+/// completer looks again at a growing interval, not in every round.
+#[tokio::test]
+async fn a_top_up_whose_outcome_stays_unknown_is_looked_at_less_and_less_often() {
+    let rig = completer_rig(Call::Confirm, "/v1/payment_intents/").await;
+    let (app, proxy) = (&rig.app, &rig.proxy);
     let key = new_key();
     app.top_up(&key, "main", AMOUNT, VISA)
         .await
         .assert_problem(503, "temporarily_unavailable");
     let (id, _) = app.top_up_of_key(&key).await.unwrap();
-    let looks = |app: &TestApp, id: &str| {
-        let (pool, tenant, id) = (app.pool.clone(), app.tenant_id, id.to_owned());
-        async move {
-            sqlx::query_as::<_, (i32, Option<f64>)>(
-                "SELECT checks, extract(epoch FROM next_check_at - updated_at)::float8 FROM top_ups
-                  WHERE tenant_id = $1 AND top_up_id = $2::uuid",
-            )
-            .bind(tenant)
-            .bind(&id)
-            .fetch_one(&pool)
-            .await
-            .unwrap()
-        }
-    };
-    // Two looks by the completer, the second put off twice as long as the first.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let (checks, gap) = loop {
-        let (checks, gap) = looks(&app, &id).await;
-        if checks >= 2 {
-            break (checks, gap);
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the completer never put its next look off (checks {checks}, {} GETs)",
-            proxy
-                .seen()
-                .iter()
-                .filter(|s| matches!(s.action, Action::StripeError { .. }))
-                .count()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
-    assert_eq!(checks, 2);
-    let gap = gap.expect("the next look is scheduled");
+    let gap = second_look_put_off(app, proxy, &id).await;
     assert!((1.5..=2.5).contains(&gap), "the second wait is doubled: {gap} s");
     let shown = app.get(&format!("/top-ups/{id}")).await.body;
     assert_eq!(shown["status"], "processing", "{shown}");
     assert_eq!(app.balance("main").await, MAIN_BALANCE, "nothing credited");
-    // A client's retry still looks at once (the proxy notes a call after it answered it).
-    // Every call the proxy answered: only looks are left to make.
-    let refused = || proxy.seen().len();
-    let before = refused();
+    // A client's retry still looks at once (the proxy notes a call after it answered it;
+    // every call left to make is a look).
+    let before = proxy.seen().len();
     app.top_up(&key, "main", AMOUNT, VISA)
         .await
         .assert_problem(503, "temporarily_unavailable");
     let noted = Instant::now() + Duration::from_secs(5);
-    while refused() == before && Instant::now() < noted {
+    while proxy.seen().len() == before && Instant::now() < noted {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    assert!(refused() > before, "the retry looked at the PaymentIntent");
+    assert!(proxy.seen().len() > before, "the retry looked at the PaymentIntent");
+}
+
+/// The same for a refund whose answer was lost and whose refunds the processor cannot list.
+#[tokio::test]
+async fn a_refund_whose_outcome_stays_unknown_is_looked_at_less_and_less_often() {
+    let rig = completer_rig(Call::Refund, "/v1/refunds").await;
+    let (app, proxy) = (&rig.app, &rig.proxy);
+    let created = app.top_up(&new_key(), "main", AMOUNT, VISA).await;
+    assert_eq!(created.status, 201, "{}", created.body);
+    let id = created.body["id"].as_str().unwrap().to_owned();
+    app.refund_top_up(&new_key(), &id)
+        .await
+        .assert_problem(503, "temporarily_unavailable");
+    let gap = second_look_put_off(app, proxy, &id).await;
+    assert!((1.5..=2.5).contains(&gap), "the second wait is doubled: {gap} s");
+    let shown = app.get(&format!("/top-ups/{id}")).await.body;
+    assert_eq!(shown["status"], "refund_pending", "{shown}");
+    assert_eq!(app.balance("main").await, MAIN_BALANCE, "debited once, while pending");
 }
 
 pub(crate) async fn wait_for_status(app: &TestApp, key: &str, status: &str) {
