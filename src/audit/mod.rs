@@ -563,11 +563,24 @@ async fn top_ups(
                 && row.processor_payment_id.as_deref() == Some(intent.id.as_str())
         });
         if !charged {
+            // What the processor says of it points the operator at the cause.
+            let seen = ours
+                .iter()
+                .find(|(intent, _)| row.processor_payment_id.as_deref() == Some(intent.id.as_str()));
+            let problem = match seen {
+                Some((intent, _)) if intent.status != "succeeded" => {
+                    format!("credited, but its PaymentIntent is {} at the processor", intent.status)
+                }
+                Some(_) => "credited, but its PaymentIntent names another top-up".to_owned(),
+                None => "credited, but the processor lists no such PaymentIntent naming it (unknown there: \
+                         another processor account, or a processor that lost it)"
+                    .to_owned(),
+            };
             found.broken.push(TopUpFinding {
                 tenant_id: Some(row.tenant_id),
                 top_up_id: Some(row.top_up_id),
                 processor_payment_id: row.processor_payment_id.clone(),
-                problem: "credited, but its PaymentIntent has not succeeded at the processor".to_owned(),
+                problem,
             });
         }
     }

@@ -183,6 +183,37 @@ async fn the_audit_fails_naming_the_payment_intent_of_a_top_up_charged_and_never
     );
 }
 
+/// A top-up credited whose PaymentIntent did not succeed, or that the processor does not know:
+/// broken, and the finding says which.
+#[tokio::test]
+async fn the_audit_says_whether_a_credited_top_ups_payment_intent_failed_or_is_unknown() {
+    for (unknown, says) in [
+        (false, "is requires_confirmation at the processor"),
+        (true, "lists no such PaymentIntent"),
+    ] {
+        let case = Case::new().await;
+        let intent = if unknown {
+            "pi_lost_by_the_processor".to_owned()
+        } else {
+            case.intent("pm_card_visa", false).await
+        };
+        case.row(
+            &format!(
+                "status = 'succeeded', recovery_point = 'finished', processor_payment_id = '{intent}',
+                 balance_after = {MAIN_BALANCE} + {AMOUNT}, finished_at = now() - interval '1 hour'"
+            ),
+            AMOUNT,
+        )
+        .await;
+        let (status, report) = case.audit().await;
+        assert_eq!(status, oncepay::audit::EXIT_BROKEN, "{report:#}");
+        let broken = &report["invariants"]["top_ups"];
+        let problem = broken["samples"][0]["problem"].as_str().unwrap();
+        assert!(problem.contains(says), "{report:#}");
+        assert_eq!(broken["samples"][0]["processor_payment_id"], intent.as_str());
+    }
+}
+
 /// Succeeded (credited), then a refund: `refund` sets its columns (and the status, when it is
 /// no longer `succeeded`).
 fn credited_then(intent: &str, refund: &str) -> String {
