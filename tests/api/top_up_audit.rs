@@ -183,6 +183,14 @@ async fn the_audit_fails_naming_the_payment_intent_of_a_top_up_charged_and_never
     );
 }
 
+/// Succeeded (credited) over the PaymentIntent `intent`, an hour ago.
+fn succeeded(intent: &str) -> String {
+    format!(
+        "status = 'succeeded', recovery_point = 'finished', processor_payment_id = '{intent}',
+         balance_after = {MAIN_BALANCE} + {AMOUNT}, finished_at = now() - interval '1 hour'"
+    )
+}
+
 /// A top-up credited whose PaymentIntent did not succeed, or that the processor does not know:
 /// broken, and the finding says which.
 #[tokio::test]
@@ -197,14 +205,7 @@ async fn the_audit_says_whether_a_credited_top_ups_payment_intent_failed_or_is_u
         } else {
             case.intent("pm_card_visa", false).await
         };
-        case.row(
-            &format!(
-                "status = 'succeeded', recovery_point = 'finished', processor_payment_id = '{intent}',
-                 balance_after = {MAIN_BALANCE} + {AMOUNT}, finished_at = now() - interval '1 hour'"
-            ),
-            AMOUNT,
-        )
-        .await;
+        case.row(&succeeded(&intent), AMOUNT).await;
         let (status, report) = case.audit().await;
         assert_eq!(status, oncepay::audit::EXIT_BROKEN, "{report:#}");
         let broken = &report["invariants"]["top_ups"];
@@ -284,14 +285,7 @@ async fn the_audit_of_a_failed_top_up_is_clean() {
 async fn the_audit_of_a_succeeded_top_up_is_clean() {
     let case = Case::new().await;
     let intent = case.intent("pm_card_visa", true).await;
-    case.row(
-        &format!(
-            "status = 'succeeded', recovery_point = 'finished', processor_payment_id = '{intent}',
-             balance_after = {MAIN_BALANCE} + {AMOUNT}, finished_at = now() - interval '1 hour'"
-        ),
-        AMOUNT,
-    )
-    .await;
+    case.row(&succeeded(&intent), AMOUNT).await;
     case.assert_clean(None).await;
 }
 
