@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use uuid::Uuid;
 
 use super::refund::RefundEnd;
-use super::{CompleterCounters, TopUpError, TopUps};
+use super::{CompleterCounters, Driver, TopUpError, TopUps};
 use crate::ledger::top_ups;
 
 /// Top-ups driven per round at most.
@@ -67,30 +67,20 @@ pub async fn run_once(
         let id = row.top_up_id;
         let lease = top_ups.lease_from(owner, sent);
         let label = if *row.status == "processing" {
-            let claimed = row.clone();
-            match top_ups.drive_top_up(row, lease, true).await {
+            match top_ups.drive_top_up(row, lease, Driver::Completer).await {
                 Ok(row) => {
                     tracing::info!(top_up = %id, status = row.shown_status(), "completer finished a top-up left unfinished");
                     "finished"
                 }
                 Err(TopUpError::Waiting(_)) => "waiting",
-                Err(TopUpError::ProcessorUnknown(_)) => {
-                    top_ups.look_later(&claimed, owner).await;
-                    "unknown"
-                }
                 Err(_) => "unknown",
             }
         } else {
-            let claimed = row.clone();
-            match top_ups.drive_refund(row, lease, true).await {
+            match top_ups.drive_refund(row, lease, Driver::Completer).await {
                 Ok(RefundEnd::Pending(_)) => "waiting",
                 Ok(end) => {
                     tracing::info!(top_up = %id, end = ?end, "completer finished a refund left unfinished");
                     "finished"
-                }
-                Err(TopUpError::ProcessorUnknown(_)) => {
-                    top_ups.look_later(&claimed, owner).await;
-                    "unknown"
                 }
                 Err(_) => "unknown",
             }

@@ -16,7 +16,7 @@ use chrono::Utc;
 
 use super::failure::{self, Failure};
 use super::processor::{CallError, ErrorObject, Intent, KeyedCall};
-use super::{Lease, TopUpError, TopUps, MAX_STEPS};
+use super::{Driver, Lease, TopUpError, TopUps, MAX_STEPS};
 use crate::ledger::top_ups;
 use crate::ledger::TopUpRow;
 
@@ -66,14 +66,14 @@ struct Drive<'a> {
 
 impl TopUps {
     /// Drives a top-up whose lease `lease` holds to a final state, or until it waits at the
-    /// processor, or gives the lease back and answers `ProcessorUnknown`. `resumed`: look at
-    /// the committed PaymentIntent before anything else.
-    pub async fn drive_top_up(&self, row: TopUpRow, lease: Lease, resumed: bool) -> Result<TopUpRow, TopUpError> {
+    /// processor, or gives the lease back and answers `ProcessorUnknown`. A resuming `driver`
+    /// looks at the committed PaymentIntent before anything else.
+    pub async fn drive_top_up(&self, row: TopUpRow, lease: Lease, driver: Driver) -> Result<TopUpRow, TopUpError> {
         let mut drive = Drive {
             top_ups: self,
             row,
             lease,
-            next: if resumed { Next::Look } else { Next::Confirm },
+            next: if driver.resumes() { Next::Look } else { Next::Confirm },
         };
         for _ in 0..MAX_STEPS {
             if *drive.row.status != "processing" {
@@ -81,7 +81,7 @@ impl TopUps {
             }
             match drive.step().await {
                 Ok(()) => {}
-                Err(Stop::Unknown(why)) => return Err(self.give_back(&drive.row, lease.owner, why).await),
+                Err(Stop::Unknown(why)) => return Err(self.give_back(&drive.row, lease.owner, why, driver).await),
                 Err(Stop::Waiting) => {
                     return Err(TopUpError::Waiting(
                         drive.row.processor_status.unwrap_or_else(|| "waiting".to_owned()),
@@ -98,7 +98,12 @@ impl TopUps {
             return Ok(drive.row);
         }
         Err(self
-            .give_back(&drive.row, lease.owner, "the PaymentIntent did not settle".to_owned())
+            .give_back(
+                &drive.row,
+                lease.owner,
+                "the PaymentIntent did not settle".to_owned(),
+                driver,
+            )
             .await)
     }
 }

@@ -200,7 +200,10 @@ impl TopUps {
                 // A resumed one looks at the processor first.
                 Settled::Owned(row) => {
                     let lease = self.lease_from(owner, sent);
-                    Some(top_up_answer(self.drive_top_up(row, lease, !created).await?, false))
+                    Some(top_up_answer(
+                        self.drive_top_up(row, lease, Driver::of(created)).await?,
+                        false,
+                    ))
                 }
                 Settled::Busy => None,
             })
@@ -222,7 +225,7 @@ impl TopUps {
                 Settled::Final(answer) => Some(answer),
                 Settled::Owned(row) => {
                     let lease = self.lease_from(owner, sent);
-                    Some(self.drive_refund(row, lease, !created).await?.answer())
+                    Some(self.drive_refund(row, lease, Driver::of(created)).await?.answer())
                 }
                 Settled::Busy => None,
             })
@@ -252,23 +255,25 @@ impl TopUps {
     }
 
     /// Gives the lease back after an unknown outcome (best effort: if this fails too, the
-    /// lease expires on its own) and makes the error.
-    async fn give_back(&self, row: &TopUpRow, owner: Uuid, why: String) -> TopUpError {
+    /// lease expires on its own) and makes the error. A request's driver gives it back for a
+    /// retry to resume at once; the completer puts its next look off ([`Self::look_later`]).
+    async fn give_back(&self, row: &TopUpRow, owner: Uuid, why: String, driver: Driver) -> TopUpError {
         tracing::warn!(top_up = %row.top_up_id, why, "top-up left unfinished: its outcome at the processor is unknown");
-        if let Err(err) = self.db.run(async |c| top_ups::release(c, row, owner).await).await {
+        if driver == Driver::Completer {
+            self.look_later(row, owner).await;
+        } else if let Err(err) = self.db.run(async |c| top_ups::release(c, row, owner).await).await {
             tracing::warn!(top_up = %row.top_up_id, error = %err, "could not give the lease back; it expires on its own");
         }
         TopUpError::ProcessorUnknown(why)
     }
 
-    /// After the completer's look left a top-up's or its refund's outcome unknown (the lease
-    /// given back): its next look comes at the growing interval of a status that waits, not in
-    /// the next round.
-    /// A processor that stays down, or one that answers 404 for the PaymentIntent (an emulator
-    /// restarted empty), was otherwise called, and two WARN lines written, every round for as
-    /// long as it lasted. A client's retry with the key still looks at once. Best effort: if
-    /// another driver took the top-up meanwhile, nothing is written.
-    pub(crate) async fn look_later(&self, row: &TopUpRow, owner: Uuid) {
+    /// Gives the lease back after the completer's look left a top-up's or its refund's outcome
+    /// unknown, its next look at the growing interval of a status that waits, not in the next
+    /// round. A processor that stays down, or one that answers 404 for the PaymentIntent (an
+    /// emulator restarted empty), was otherwise called, and two WARN lines written, every round
+    /// for as long as it lasted. A client's retry with the key still looks at once. `row` is
+    /// the drive's last: what the drive recorded (a refund's id) is written again as it is.
+    async fn look_later(&self, row: &TopUpRow, owner: Uuid) {
         let cap = i32::try_from(MAX_UNKNOWN_CHECK_INTERVAL.as_secs()).unwrap_or(i32::MAX);
         let secs = self.next_check_secs(row.checks).min(cap);
         let scheduled = if row.refund_debited() {
@@ -304,6 +309,34 @@ impl TopUps {
             .max(1)
             .saturating_mul(1 << doublings);
         i32::try_from(secs.min(MAX_CHECK_INTERVAL.as_secs())).unwrap_or(i32::MAX)
+    }
+}
+
+/// Who drives a top-up or its refund.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Driver {
+    /// The request that created it: it goes on from where it stands.
+    First,
+    /// A client's retry with the key: it looks at the processor first.
+    Retry,
+    /// The completer: it looks first, and puts its next look off when the outcome stays
+    /// unknown.
+    Completer,
+}
+
+impl Driver {
+    /// The driver of a request whose claim `created` the operation, or resumed it.
+    fn of(created: bool) -> Self {
+        if created {
+            Self::First
+        } else {
+            Self::Retry
+        }
+    }
+
+    /// Looks at the processor before anything else.
+    fn resumes(self) -> bool {
+        self != Self::First
     }
 }
 

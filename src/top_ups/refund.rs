@@ -14,7 +14,7 @@
 
 use super::drive::{Stop, MAX_KEY_SERIES};
 use super::processor::{CallError, KeyedCall, RefundObject};
-use super::{Answer, Lease, TopUpError, TopUps, MAX_STEPS};
+use super::{Answer, Driver, Lease, TopUpError, TopUps, MAX_STEPS};
 use crate::ledger::top_ups;
 use crate::ledger::TopUpRow;
 use crate::operation::Decline;
@@ -66,12 +66,12 @@ struct RefundDrive<'a> {
 impl TopUps {
     /// Drives a refund whose lease `lease` holds (the balance already debited) until the
     /// processor's refund ends or waits, or gives the lease back.
-    pub async fn drive_refund(&self, row: TopUpRow, lease: Lease, resumed: bool) -> Result<RefundEnd, TopUpError> {
+    pub async fn drive_refund(&self, row: TopUpRow, lease: Lease, driver: Driver) -> Result<RefundEnd, TopUpError> {
         let mut drive = RefundDrive {
             top_ups: self,
             row,
             lease,
-            next: if resumed { Next::Look } else { Next::Create },
+            next: if driver.resumes() { Next::Look } else { Next::Create },
             looked_in_vain: 0,
         };
         for _ in 0..MAX_STEPS {
@@ -80,7 +80,7 @@ impl TopUps {
             }
             match drive.step().await {
                 Ok(()) => {}
-                Err(Stop::Unknown(why)) => return Err(self.give_back(&drive.row, lease.owner, why).await),
+                Err(Stop::Unknown(why)) => return Err(self.give_back(&drive.row, lease.owner, why, driver).await),
                 Err(Stop::Waiting) => return Ok(RefundEnd::Pending(drive.row)),
                 Err(Stop::Lost) => {
                     return Err(TopUpError::ProcessorUnknown(
@@ -93,7 +93,7 @@ impl TopUps {
             return Ok(end);
         }
         Err(self
-            .give_back(&drive.row, lease.owner, "the refund did not settle".to_owned())
+            .give_back(&drive.row, lease.owner, "the refund did not settle".to_owned(), driver)
             .await)
     }
 }
