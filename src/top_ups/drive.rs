@@ -203,7 +203,11 @@ impl Drive<'_> {
         let series = self.row.confirm_key_series;
         match self.top_ups.processor.confirm_intent(&id, intent, series).await {
             Ok(confirmed) => self.decide(confirmed, Next::Look).await,
-            Err(CallError::Refused { status: 402, error }) => self.fail(failure::of_refusal(402, &error), None).await,
+            Err(CallError::Refused { status: 402, error }) => {
+                // The PaymentIntent's status after the decline, where the processor says it.
+                let seen = error.payment_intent.as_ref().and_then(|i| i.status.clone());
+                self.fail(failure::of_refusal(402, &error), seen.as_deref()).await
+            }
             // It may have been confirmed already (a lost answer, another driver): look, then
             // decide; a PaymentIntent still unconfirmed makes the refusal the failure.
             Err(CallError::Refused { status, error }) => {

@@ -157,6 +157,18 @@ pub struct ErrorObject {
     pub param: Option<String>,
     #[serde(default)]
     pub message: Option<String>,
+    /// The PaymentIntent the refused call was about, as Stripe holds it after the refusal
+    /// (Stripe sends it with errors of calls on a PaymentIntent: a declined confirmation's is
+    /// back in `requires_payment_method`).
+    #[serde(default)]
+    pub payment_intent: Option<ErrorIntent>,
+}
+
+/// The part of an error's `payment_intent` that oncepay reads.
+#[derive(Clone, Debug, Default, Deserialize)]
+pub struct ErrorIntent {
+    #[serde(default)]
+    pub status: Option<String>,
 }
 
 #[derive(Deserialize)]

@@ -18,6 +18,9 @@
 //!   404 `Not Found`; Stripe with 400 `resource_missing` and `param: payment_method`.
 //! - **`created[gte]`**: localstripe refuses the list filter; the proxy lists every
 //!   PaymentIntent and answers the filtered page itself, newest first as Stripe does.
+//! - **A declined confirmation names its PaymentIntent**: Stripe's 402 error object carries the
+//!   `payment_intent`, back in `requires_payment_method` after the failed attempt; localstripe's
+//!   carries none.
 //!
 //! On request (`StripeRules` fields):
 //! - `refunds_pending_then`: a refund is answered `pending`, and looked at (retrieved, listed)
@@ -157,6 +160,15 @@ impl StripeRules {
                     }
                 }
                 return answer;
+            }
+            ("POST", p) if p.ends_with("/confirm") && status == 402 && body["error"]["payment_intent"].is_null() => {
+                let intent = p
+                    .strip_prefix("/v1/payment_intents/")
+                    .and_then(|p| p.strip_suffix("/confirm"))
+                    .unwrap_or_default();
+                body["error"]["payment_intent"] =
+                    json!({"id": intent, "object": "payment_intent", "status": "requires_payment_method"});
+                return stripe_answer(402, &body);
             }
             ("POST", p) if p.ends_with("/confirm") && status == 200 && body["status"] == "succeeded" => {
                 if self.processing_looks.is_some() {

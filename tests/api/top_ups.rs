@@ -281,6 +281,13 @@ async fn declines_and_invalid_payment_methods_are_stored_and_replayed() {
     let (id, status) = app.top_up_of_key(&key).await.unwrap();
     assert_eq!(status, "failed");
     assert_exactly_once(&app, &stripe, &id, false).await;
+    // What the processor holds of the declined PaymentIntent, as its refusal said.
+    let shown = app.get(&format!("/top-ups/{id}")).await;
+    assert_eq!(
+        shown.body["processor_status"], "requires_payment_method",
+        "{}",
+        shown.body
+    );
 
     let invalid_key = new_key();
     let invalid = app.top_up(&invalid_key, "main", AMOUNT, "pm_no_such_method").await;
