@@ -229,6 +229,9 @@ struct Workers {
     aborted: Vec<AbortHandle>,
     /// The deliverer, told to stop and given the time to record its attempts in flight.
     deliverer: Option<(CancellationToken, JoinHandle<()>)>,
+    /// The longest a graceful stop waits for the deliverer: its attempts' bound (the
+    /// attempt timeout and the head's read) and [`DELIVERER_RECORD_GRACE`] to record them.
+    deliverer_drain: std::time::Duration,
 }
 
 impl Workers {
@@ -238,17 +241,26 @@ impl Workers {
         }
         if let Some((stop, mut deliverer)) = self.deliverer {
             stop.cancel();
-            // The drain bounds itself (the attempt timeout and the head's read, then three
-            // tries to record); this only guards against a record that never returns.
-            if tokio::time::timeout(DELIVERER_DRAIN_MAX, &mut deliverer).await.is_err() {
+            // The attempts end by their own bound; the recording may meet a database that
+            // does not answer (each try waits up to the statement timeout and a margin): past
+            // the grace the attempts are left to their leases, and sent again once those run
+            // out, with the same webhook-id, rather than holding the process.
+            if tokio::time::timeout(self.deliverer_drain, &mut deliverer)
+                .await
+                .is_err()
+            {
+                tracing::warn!(
+                    seconds = self.deliverer_drain.as_secs_f64(),
+                    "webhook deliverer still recording at the end of the graceful stop; its attempts in flight are left to their leases"
+                );
                 deliverer.abort();
             }
         }
     }
 }
 
-/// The longest a graceful stop waits for the deliverer, beyond its own bounds.
-const DELIVERER_DRAIN_MAX: std::time::Duration = std::time::Duration::from_secs(60);
+/// How long a graceful stop gives the deliverer to record its attempts once they ended.
+const DELIVERER_RECORD_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Starts the background work that needs the database: the purge schedule, the top-up
 /// completer, the webhook deliverer.
@@ -278,5 +290,6 @@ fn start_workers(state: &web::Data<AppState>, deliverer: Option<Arc<Deliverer>>)
     Workers {
         aborted: workers,
         deliverer,
+        deliverer_drain: state.settings.webhooks.timeout + crate::webhooks::HEAD_READ + DELIVERER_RECORD_GRACE,
     }
 }

@@ -89,10 +89,12 @@ pub async fn run(db: &Db, options: &Options) -> Result<Report, AuditError> {
             Some((before, intents))
         }
     };
+    // A batch job, not a request: the server's per-statement bound (and the wait for an
+    // answer that follows it) would cut it off on a big ledger.
     let (snapshot_at, mut checked, invariants, warnings) = db
+        .without_deadline()
         .transaction(async |tx| {
-            // A batch job, not a request: the server's per-statement bound would cut it off
-            // on a big ledger, and the joins want memory rather than temporary files.
+            // The joins want memory rather than temporary files.
             sqlx::query!("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
                 .execute(&mut *tx)
                 .await?;

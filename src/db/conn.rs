@@ -1,7 +1,10 @@
 //! [`Conn`]: a pooled connection whose every call is correct for the pooler in front of
 //! PostgreSQL, and is closed rather than reused when it may carry a broken state.
 
+use std::future::Future;
+use std::io;
 use std::sync::Arc;
+use std::time::Duration;
 
 use deadpool::managed::Object;
 use sqlx::{Executor, PgConnection, Postgres, Row};
@@ -52,7 +55,8 @@ impl Conn {
         match self.session.pooler {
             Pooler::None => {
                 self.unsettled = true;
-                let result = f(self.raw()).await;
+                let deadline = self.session.deadline;
+                let result = answered(deadline, f(self.raw())).await;
                 self.unsettled = false;
                 self.discard_if_broken(result)
             }
@@ -67,15 +71,17 @@ impl Conn {
         f: impl AsyncFnOnce(&mut PgConnection) -> Result<T, sqlx::Error>,
     ) -> Result<T, DbError> {
         let session = Arc::clone(&self.session);
+        let deadline = session.deadline;
         self.unsettled = true;
         let conn = self.raw();
-        let mut result = match conn.execute(session.begin.as_str()).await {
-            Ok(_) => f(&mut *conn).await,
+        // Each round trip waits for its answer at most `deadline`.
+        let mut result = match answered(deadline, conn.execute(session.begin.as_str())).await {
+            Ok(_) => answered(deadline, f(&mut *conn)).await,
             Err(err) => Err(err),
         };
         let mut ended = false;
         if result.is_ok() {
-            match conn.execute(session.commit).await {
+            match answered(deadline, conn.execute(session.commit)).await {
                 Ok(_) => ended = true,
                 Err(err) => result = Err(err),
             }
@@ -83,7 +89,7 @@ impl Conn {
         if let Err(err) = &result {
             // Also after a refused commit: the ROLLBACK is then a no-op that still
             // deallocates. A connection whose transaction did not end is closed (`Drop`).
-            ended = !is_connection_broken(err) && conn.execute(session.rollback).await.is_ok();
+            ended = !is_connection_broken(err) && answered(deadline, conn.execute(session.rollback)).await.is_ok();
         }
         self.unsettled = !ended;
         self.discard_if_broken(result)
@@ -113,8 +119,9 @@ impl Conn {
             Err(err) => return Err(DbError::from(err)),
         };
         self.unsettled = true;
+        let deadline = self.session.deadline;
         // A `&str` without arguments is sent as a simple-protocol `Query` message.
-        let result = match self.raw().fetch_all(message.as_str()).await {
+        let result = match answered(deadline, self.raw().fetch_all(message.as_str())).await {
             Ok(rows) => match rows.as_slice() {
                 [row] => row.try_get::<O, _>(0),
                 rows => Err(sqlx::Error::Decode(
@@ -155,6 +162,29 @@ impl Conn {
         }
         result.map_err(DbError::from)
     }
+}
+
+/// `call`'s result if PostgreSQL answered within `deadline` (`None`: however long it takes);
+/// else an I/O error, which makes the connection broken (closed, never reused: its protocol
+/// state is unknown) and the call's outcome unknown ([`DbError::Unknown`]): a statement sent
+/// before the silence may still commit.
+async fn answered<T>(
+    deadline: Option<Duration>,
+    call: impl Future<Output = Result<T, sqlx::Error>>,
+) -> Result<T, sqlx::Error> {
+    let Some(deadline) = deadline else {
+        return call.await;
+    };
+    tokio::time::timeout(deadline, call).await.unwrap_or_else(|_| {
+        Err(sqlx::Error::Io(io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!(
+                "PostgreSQL did not answer within {} s (the statement timeout and a margin): the \
+                 connection is closed, and the call may have committed",
+                deadline.as_secs_f64()
+            ),
+        )))
+    })
 }
 
 /// `statement` with its one parameter, `$1`, replaced by a text literal of `argument` made of

@@ -37,6 +37,13 @@ pub const APPLICATION_NAME: &str = "oncepay";
 /// How long a transaction may sit idle (a stalled process must not hold row locks).
 const IDLE_IN_TRANSACTION: &str = "60s";
 
+/// How much longer than the statement timeout a call waits for PostgreSQL's answer before it
+/// gives up on the connection ([`Session::deadline`]). PostgreSQL answers a statement past
+/// its timeout itself (57014) within a moment; only a database that receives nothing, or
+/// answers nothing (a network partition, a frozen host, a failover that leaves the old
+/// primary's sockets open), lets a call reach this.
+const ANSWER_MARGIN: Duration = Duration::from_secs(5);
+
 /// The connection options for `settings.db_pooler`.
 ///
 /// `none`: connections carry their statement timeout from the start-up packet, so no
@@ -100,10 +107,18 @@ pub struct Db {
     session: Arc<Session>,
 }
 
-/// The statements that open and close an explicit transaction, for one pooler mode.
-#[derive(Debug)]
+/// The statements that open and close an explicit transaction, for one pooler mode, and how
+/// long a call waits for an answer.
+#[derive(Clone, Debug)]
 struct Session {
     pooler: Pooler,
+    /// The longest a call waits for PostgreSQL's answer: the statement timeout plus
+    /// [`ANSWER_MARGIN`]; `None` without a statement timeout. PostgreSQL enforces its
+    /// statement timeout only on what reaches it, so without this a call on a connection
+    /// that went silent would wait until the kernel gave up on the socket (many minutes),
+    /// holding its request, its batch and, at shutdown, the process. Past it the call ends
+    /// as a broken connection: closed, its outcome unknown ([`DbError::Unknown`]).
+    deadline: Option<Duration>,
     /// What the start-up packet carries in mode `none`, as `SET LOCAL`s for a transaction
     /// (empty in mode `none`).
     settings: String,
@@ -114,9 +129,11 @@ struct Session {
 
 impl Session {
     fn new(pooler: Pooler, statement_timeout: Duration) -> Self {
+        let deadline = (!statement_timeout.is_zero()).then(|| statement_timeout + ANSWER_MARGIN);
         match pooler {
             Pooler::None => Self {
                 pooler,
+                deadline,
                 settings: String::new(),
                 begin: "BEGIN".to_owned(),
                 commit: "COMMIT",
@@ -134,6 +151,7 @@ impl Session {
                 );
                 Self {
                     pooler,
+                    deadline,
                     begin: format!("BEGIN; {settings}"),
                     settings,
                     commit: "DEALLOCATE ALL; COMMIT",
@@ -191,6 +209,18 @@ impl Db {
         Self {
             pool: pool::sibling(&self.pool, size),
             session: Arc::clone(&self.session),
+        }
+    }
+
+    /// The same pool, whose calls wait for PostgreSQL's answer as long as it takes: for a
+    /// batch job that lifts the statement timeout itself (`oncepay audit`).
+    pub fn without_deadline(&self) -> Self {
+        Self {
+            pool: self.pool.clone(),
+            session: Arc::new(Session {
+                deadline: None,
+                ..(*self.session).clone()
+            }),
         }
     }
 

@@ -103,6 +103,75 @@ async fn readiness_is_503_when_the_database_is_unreachable() {
     assert_eq!(alive.status(), 200, "the process still runs");
 }
 
+/// A database that stops answering without closing anything (a network partition, a frozen
+/// host): PostgreSQL's statement timeout cannot fire on what never reaches it, so the server
+/// bounds its own wait, answers 503 (the outcome unknown: the statement may still arrive and
+/// commit), and closes the silent connection; once the database answers again, the retry
+/// with the key charges once, whichever of the two reached it first.
+#[tokio::test]
+async fn a_database_that_stops_answering_is_answered_within_the_statement_timeout_and_a_margin() {
+    let mut url = reqwest::Url::parse(&database_url()).expect("DATABASE_URL is a URL");
+    let upstream = format!("{}:{}", url.host_str().unwrap(), url.port().unwrap_or(5432));
+    let relay = TcpRelay::start(upstream).await;
+    url.set_host(Some("127.0.0.1")).unwrap();
+    url.set_port(Some(relay.port)).unwrap();
+    let app = TestApp::builder()
+        .settings(|s| {
+            s.database_url = url.to_string();
+            s.statement_timeout = Duration::from_secs(1);
+            s.db_acquire_timeout = Duration::from_millis(500);
+        })
+        .spawn()
+        .await;
+    let paid = app.pay(Some(&new_key()), 10).await;
+    assert_eq!(paid.status, 201, "{}", paid.body);
+    let id = paid.body["id"].as_str().unwrap().to_owned();
+
+    relay.silence();
+    let key = new_key();
+    // 1 s of statement timeout and the 5 s margin; far less than a kernel's wait on a socket.
+    let bound = Duration::from_secs(12);
+    let started = std::time::Instant::now();
+    let silent = tokio::time::timeout(bound, app.pay(Some(&key), 20))
+        .await
+        .expect("a payment is answered while the database is silent");
+    silent.assert_problem(503, "temporarily_unavailable");
+    let read = tokio::time::timeout(bound, app.get(&format!("/payments/{id}")))
+        .await
+        .expect("a read is answered while the database is silent");
+    assert!(
+        matches!(read.status, 429 | 503),
+        "a read with no database is refused as for now: {} {}",
+        read.status,
+        read.body
+    );
+    assert!(started.elapsed() < 2 * bound, "{:?}", started.elapsed());
+
+    relay.resume();
+    let mut retried = app.pay(Some(&key), 20).await;
+    for _ in 0..50 {
+        if retried.status != 503 && retried.status != 409 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        retried = app.pay(Some(&key), 20).await;
+    }
+    assert_eq!(retried.status, 201, "{}", retried.body);
+    let charged: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM payments WHERE tenant_id = $1 AND idempotency_key = $2")
+            .bind(app.tenant_id)
+            .bind(&key)
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    assert_eq!(charged, 1, "charged once");
+    let metrics = app.metrics().await;
+    assert!(
+        metric_value(&metrics, r#"oncepay_db_connections_closed_total{reason="broken"}"#) >= 1.0,
+        "the silent connection was closed: {metrics}"
+    );
+}
+
 #[tokio::test]
 async fn metrics_count_a_new_request_and_its_replay_apart() {
     let app = spawn_app().await;

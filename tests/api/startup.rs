@@ -287,3 +287,44 @@ async fn the_serve_command_outlives_a_database_that_is_down_logs_each_attempt_an
         );
     }
 }
+
+/// SIGTERM while the database takes what is sent and answers nothing (a network partition):
+/// the background work's calls are bounded like a request's (the statement timeout and a
+/// margin), so the process stops instead of waiting for the database to answer again.
+#[tokio::test]
+async fn serve_stops_on_sigterm_while_the_database_answers_nothing() {
+    let mut url = reqwest::Url::parse(&database_url()).expect("DATABASE_URL is a URL");
+    let upstream = format!("{}:{}", url.host_str().unwrap(), url.port().unwrap_or(5432));
+    let relay = crate::support::tcp_relay::TcpRelay::start(upstream).await;
+    url.set_host(Some("127.0.0.1")).unwrap();
+    url.set_port(Some(relay.port)).unwrap();
+    let port = crate::commands::free_port();
+    let (mut server, logs) = crate::commands::serve_logged(&[
+        ("DATABASE_URL", url.to_string()),
+        ("ONCEPAY_BIND", format!("127.0.0.1:{port}")),
+        ("ONCEPAY_METRICS_BIND", "127.0.0.1:0".to_owned()),
+        ("ONCEPAY_STATEMENT_TIMEOUT_MS", "1000".to_owned()),
+        ("ONCEPAY_INFLIGHT_WAIT_MS", "500".to_owned()),
+        ("RUST_LOG", "info".to_owned()),
+    ]);
+    let client = reqwest::Client::new();
+    crate::commands::wait_until_ready(&client, port).await;
+
+    relay.silence();
+    // The deliverer looks for due deliveries every 250 ms: its next claim is sent and held.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let pid = server.id().unwrap().to_string();
+    let signalled = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap();
+    assert!(signalled.success());
+    let stopped = tokio::time::timeout(Duration::from_secs(15), server.wait()).await;
+    relay.resume();
+    let status = stopped
+        .expect("serve stops within 15 s of SIGTERM while the database answers nothing")
+        .unwrap();
+    assert_eq!(status.code(), Some(0), "a clean stop");
+    let logs = logs.await.unwrap();
+    assert!(logs.contains("SIGTERM"), "{logs}");
+}
