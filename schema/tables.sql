@@ -531,6 +531,17 @@ CREATE VIEW public.idempotency_key_overview AS
 
 
 --
+-- Name: oncepay_key_retention; Type: TABLE; Schema: public; Owner: -
+--
+
+CREATE TABLE public.oncepay_key_retention (
+    retention_secs bigint NOT NULL,
+    declared_until timestamp with time zone NOT NULL,
+    CONSTRAINT oncepay_key_retention_retention_secs_check CHECK ((retention_secs > 0))
+);
+
+
+--
 -- Name: webhook_attempts; Type: TABLE; Schema: public; Owner: -
 --
 
@@ -658,6 +669,14 @@ ALTER TABLE ONLY public.deposits
 
 ALTER TABLE ONLY public.idempotency_keys
     ADD CONSTRAINT idempotency_keys_pkey PRIMARY KEY (tenant_id, key);
+
+
+--
+-- Name: oncepay_key_retention oncepay_key_retention_pkey; Type: CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.oncepay_key_retention
+    ADD CONSTRAINT oncepay_key_retention_pkey PRIMARY KEY (retention_secs);
 
 
 --

@@ -20,6 +20,14 @@ const SCHEDULE_LOCK: i64 = 0x0070_7572_6765;
 /// How often a long purge reports progress.
 const PROGRESS_EVERY: Duration = Duration::from_secs(5);
 
+/// How often a running server renews the declaration of its key retention ([`declaring`]).
+const DECLARE_EVERY: Duration = Duration::from_secs(3_600);
+/// How far ahead a declaration holds: past the next renewal, so that a server that runs on
+/// is never without one.
+const DECLARED_FOR: Duration = Duration::from_secs(2 * 3_600);
+/// How soon a declaration that failed (the database away) is tried again.
+const DECLARE_RETRY: Duration = Duration::from_secs(60);
+
 /// How long the purge keeps what it deletes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Retention {
@@ -44,7 +52,76 @@ impl Retention {
 /// otherwise hold a replica's purge for as long as the backlog lasts).
 const EVENTS_RUN_LIMIT: Duration = Duration::from_secs(15 * 60);
 
-/// Deletes every key row whose `created_at` is older than `retention.keys` and whose replay
+/// Records that the keys this server makes are kept `retention` (`oncepay_key_retention`,
+/// migrations/V32), for every purger of the database, until [`DECLARED_FOR`] from now.
+pub async fn declare_retention(db: &Db, retention: Duration) -> Result<(), DbError> {
+    let retention_secs = i64::try_from(retention.as_secs()).unwrap_or(i64::MAX);
+    let ahead = DECLARED_FOR.as_secs_f64();
+    db.run(async |c| {
+        sqlx::query!(
+            r#"WITH gone AS (
+                   -- Retentions whose servers' last keys have all outlived them.
+                   DELETE FROM oncepay_key_retention r
+                    WHERE r.declared_until + make_interval(secs => r.retention_secs) < now()
+                      AND r.retention_secs <> $1)
+               INSERT INTO oncepay_key_retention AS r (retention_secs, declared_until)
+               VALUES ($1, now() + make_interval(secs => $2))
+               ON CONFLICT (retention_secs)
+               DO UPDATE SET declared_until = greatest(r.declared_until, excluded.declared_until)"#,
+            retention_secs,
+            ahead,
+        )
+        .execute(c)
+        .await
+    })
+    .await?;
+    Ok(())
+}
+
+/// A server's declaration of its key retention, renewed every [`DECLARE_EVERY`] for as long
+/// as it runs (each renewal carries it [`DECLARED_FOR`] ahead).
+pub async fn declaring(db: Db, retention: Duration) {
+    loop {
+        let wait = match declare_retention(&db, retention).await {
+            Ok(()) => DECLARE_EVERY,
+            Err(err) => {
+                tracing::warn!(error = %err, "the key retention could not be declared; will try again");
+                DECLARE_RETRY
+            }
+        };
+        tokio::time::sleep(wait).await;
+    }
+}
+
+/// The retention a purge keeps keys for: the longest of `own` and of every server's still in
+/// force (one whose server may have made a key younger than it: [`declare_retention`]).
+/// Logged when it is longer than `own`: the purger was started with a shorter retention than
+/// a server of this database keeps keys for.
+pub async fn key_retention(db: &Db, own: Duration) -> Result<Duration, DbError> {
+    let declared: Option<i64> = db
+        .run(async |c| {
+            sqlx::query_scalar!(
+                r#"SELECT max(r.retention_secs) FROM oncepay_key_retention r
+                    WHERE r.declared_until + make_interval(secs => r.retention_secs) > now()"#
+            )
+            .fetch_one(c)
+            .await
+        })
+        .await?;
+    let declared = Duration::from_secs(declared.map_or(0, |secs| secs.max(0).unsigned_abs()));
+    if declared > own {
+        tracing::warn!(
+            own_secs = own.as_secs(),
+            kept_secs = declared.as_secs(),
+            "this purge's ONCEPAY_RETENTION_SECS is shorter than a server of this database keeps keys for: \
+             keys are purged at the longer one, so that none past its replay window is processed again"
+        );
+    }
+    Ok(own.max(declared))
+}
+
+/// Deletes every key row whose `created_at` is older than the key retention ([`key_retention`]:
+/// `retention.keys`, or a server's longer one) and whose replay
 /// window has ended (`expires_at`, as the server that made it set it: a purger started with
 /// a shorter retention than the servers' window must not delete a key a retry may still
 /// replay, or the retry would charge again); returns the count. Also purges the webhooks'
@@ -167,7 +244,7 @@ pub async fn purge_webhooks(db: &Db, retention: Duration, batch: i64) -> Result<
 /// transaction-scoped advisory lock, and the run stops (`None` if it deleted nothing yet)
 /// when another replica holds it.
 async fn purge_batches(db: &Db, retention: Duration, batch: i64, scheduled: bool) -> Result<Option<u64>, DbError> {
-    let retention_secs = retention.as_secs_f64();
+    let retention_secs = key_retention(db, retention).await?.as_secs_f64();
     let started = Instant::now();
     let mut last_report = started;
     let mut deleted: u64 = 0;

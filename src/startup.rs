@@ -266,6 +266,9 @@ const DELIVERER_RECORD_GRACE: std::time::Duration = std::time::Duration::from_se
 /// completer, the webhook deliverer.
 fn start_workers(state: &web::Data<AppState>, deliverer: Option<Arc<Deliverer>>) -> Workers {
     let mut workers = Vec::new();
+    // The keys this server makes are kept its retention, whoever purges them.
+    let declared = tokio::spawn(purge::declaring(state.db.clone(), state.settings.retention));
+    workers.push(declared.abort_handle());
     if let Some(every) = state.settings.purge_interval {
         let state = state.clone();
         let schedule = purge::Schedule {

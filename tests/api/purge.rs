@@ -140,6 +140,61 @@ async fn a_key_inside_its_replay_window_is_kept_whatever_the_purges_retention() 
     drop_database(&url).await;
 }
 
+/// A purge run with a shorter retention than a server of the database keeps keys for (say
+/// `oncepay purge` with `ONCEPAY_RETENTION_SECS=60` beside servers keeping them 7 days) must
+/// not delete keys past their window that the servers still refuse with 422: a retry would
+/// run again and charge twice. The servers declare their retention (migrations/V32), and every
+/// purge keeps keys for the longest one still in force.
+#[tokio::test]
+async fn a_key_is_kept_as_long_as_a_server_of_the_database_keeps_it_whatever_the_purges_retention() {
+    let (url, pool) = own_database("purgekept").await;
+    fill_keys(&pool, 30, "8 days", 0).await;
+    // A server keeping keys 10 days declares it once it has reached its database.
+    let app = spawn_app_with(|s| {
+        s.database_url = url.clone();
+        s.retention = Duration::from_secs(10 * 86_400);
+    })
+    .await;
+    let mut declared = 0;
+    for _ in 0..100 {
+        declared = count(
+            &pool,
+            "SELECT count(*) FROM oncepay_key_retention WHERE retention_secs = 864000",
+        )
+        .await;
+        if declared == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(declared, 1, "the server declared its retention");
+    // A declaration whose keys are all older than it is no longer in force.
+    sqlx::query("INSERT INTO oncepay_key_retention VALUES (3000000, now() - interval '40 days')")
+        .execute(&pool)
+        .await
+        .unwrap();
+
+    let short = Retention {
+        keys: Duration::from_secs(60),
+        ..RETENTION
+    };
+    let deleted = oncepay::purge::purge(&Db::beside(&pool), short, 7).await.unwrap();
+    assert_eq!(deleted, 0, "8-day-old keys are inside the server's 10 days");
+    let deleted = app.admin(Method::POST, "/admin/purge", None).await;
+    assert_eq!(deleted.body["deleted"], 0, "{}", deleted.body);
+
+    // Once they are older than every retention in force, they go.
+    sqlx::query("UPDATE idempotency_keys SET created_at = created_at - interval '3 days'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let deleted = oncepay::purge::purge(&Db::beside(&pool), short, 7).await.unwrap();
+    assert_eq!(deleted, 30);
+    drop(app);
+    pool.close().await;
+    drop_database(&url).await;
+}
+
 #[tokio::test]
 async fn a_purge_running_while_payments_flow_fails_none_of_them() {
     let (url, pool) = own_database("purgeload").await;
