@@ -39,7 +39,7 @@ pub struct Settings {
     /// the pool's size. While all are out, payments queue and leave together in the next one.
     pub db_batches_in_flight: Option<usize>,
     /// Most payments of one tenant in a process's statements at once while other tenants
-    /// are paying too (`ONCEPAY_DB_TENANT_SHARE`); 0 turns the share off (src/batch.rs).
+    /// are paying too (`ONCEPAY_DB_TENANT_SHARE`); 0 turns the share off (src/batch/mod.rs).
     pub db_tenant_share: usize,
     /// Opt-in in-process purge schedule (`ONCEPAY_PURGE_INTERVAL_SECS`); `None` = off.
     pub purge_interval: Option<Duration>,
@@ -169,7 +169,7 @@ impl WebhookSettings {
         Ok(Self {
             secret_key,
             retry_schedule: parse_schedule(&raw_schedule)?,
-            allow_private: var("ONCEPAY_WEBHOOK_ALLOW_PRIVATE").is_some_and(|v| v.trim() == "1"),
+            allow_private: switch("ONCEPAY_WEBHOOK_ALLOW_PRIVATE")?,
             timeout: Duration::from_millis(number("ONCEPAY_WEBHOOK_TIMEOUT_MS", 15_000)?),
             concurrency: number("ONCEPAY_WEBHOOK_CONCURRENCY", 64)?,
             endpoint_concurrency: number("ONCEPAY_WEBHOOK_ENDPOINT_CONCURRENCY", 16)?,
@@ -269,7 +269,7 @@ impl Settings {
                 workers.saturating_mul(CONNECTIONS_PER_WORKER),
             )?,
             max_connections_per_peer: number("ONCEPAY_MAX_CONNECTIONS_PER_PEER", 0)?,
-            log_json: var("ONCEPAY_LOG_FORMAT").is_some_and(|f| f.eq_ignore_ascii_case("json")),
+            log_json: parse_log_format(var("ONCEPAY_LOG_FORMAT").as_deref())?,
             // About 0.5 KB an entry: 100,000 entries hold a day of keys at ~1 key/s per
             // replica, or the last few minutes of a busy one, in ~50 MB.
             replay_cache_entries: number("ONCEPAY_REPLAY_CACHE_ENTRIES", 100_000)?,
@@ -307,6 +307,12 @@ impl Settings {
         if self.replay_window.is_zero() || self.fingerprint_window.is_zero() {
             bail!("ONCEPAY_REPLAY_WINDOW_SECS and ONCEPAY_FINGERPRINT_WINDOW_SECS must be positive");
         }
+        if self.retention.as_secs() > MAX_RETENTION_SECS {
+            bail!(
+                "ONCEPAY_RETENTION_SECS={} is more than the {MAX_RETENTION_SECS} (ten years) a key can be kept",
+                self.retention.as_secs()
+            );
+        }
         if self.retention < self.replay_window {
             bail!("ONCEPAY_RETENTION_SECS must be at least ONCEPAY_REPLAY_WINDOW_SECS: a key purged while it still replays would be processed twice");
         }
@@ -316,14 +322,41 @@ impl Settings {
         if self.event_retention.is_zero() || self.event_retention.as_secs() > 3_650 * 86_400 {
             bail!("ONCEPAY_EVENT_RETENTION_DAYS must be between 1 and 3650");
         }
+        if self.statement_timeout.as_millis() > i32::MAX as u128 {
+            bail!(
+                "ONCEPAY_STATEMENT_TIMEOUT_MS={} is more than PostgreSQL's largest statement_timeout, {} ms",
+                self.statement_timeout.as_millis(),
+                i32::MAX
+            );
+        }
+        if self.db_acquire_timeout.is_zero() {
+            bail!(
+                "ONCEPAY_DB_ACQUIRE_TIMEOUT_MS must be positive: it is also the time a new connection is given to open"
+            );
+        }
         if self.inflight_wait.is_zero() || self.statement_timeout <= self.inflight_wait {
             bail!("ONCEPAY_STATEMENT_TIMEOUT_MS must exceed ONCEPAY_INFLIGHT_WAIT_MS, which must be positive");
         }
-        if self.db_batch_max == 0 || self.db_batch_max > 1_000 || self.db_batches_in_flight == Some(0) {
-            bail!("ONCEPAY_DB_BATCH_MAX must be between 1 and 1000 and ONCEPAY_DB_BATCHES_IN_FLIGHT positive");
+        if self.db_batch_max == 0 || self.db_batch_max > 1_000 {
+            bail!("ONCEPAY_DB_BATCH_MAX must be between 1 and 1000");
         }
-        if self.db_pool_size == 0 || self.workers == 0 || self.max_body_bytes == 0 || self.purge_batch_size <= 0 {
-            bail!("pool size, workers, body limit and purge batch size must be positive");
+        if let Some(n) = self.db_batches_in_flight {
+            if n == 0 || n > self.db_pool_size as usize {
+                bail!(
+                    "ONCEPAY_DB_BATCHES_IN_FLIGHT={n} must be between 1 and ONCEPAY_DB_POOL_SIZE ({}): each statement in flight holds a connection",
+                    self.db_pool_size
+                );
+            }
+        }
+        for (name, positive) in [
+            ("ONCEPAY_DB_POOL_SIZE", self.db_pool_size > 0),
+            ("ONCEPAY_WORKERS", self.workers > 0),
+            ("ONCEPAY_MAX_BODY_BYTES", self.max_body_bytes > 0),
+            ("ONCEPAY_PURGE_BATCH_SIZE", self.purge_batch_size > 0),
+        ] {
+            if !positive {
+                bail!("{name} must be positive");
+            }
         }
         if self.max_connections == 0 {
             bail!("ONCEPAY_MAX_CONNECTIONS must be at least 1 (open connections per process)");
@@ -338,6 +371,12 @@ impl Settings {
             bail!("ONCEPAY_WEBHOOK_DISABLE_AFTER_SECS above {} is not supported", i32::MAX);
         }
         if let Some(token) = &self.admin_token {
+            if !token.bytes().all(|b| b.is_ascii_graphic()) {
+                bail!(
+                    "ONCEPAY_ADMIN_TOKEN must be visible ASCII characters without spaces: HTTP drops the spaces around \
+                     a header's value, so a token with them could never be sent"
+                );
+            }
             let length = token.chars().count();
             if length < MIN_ADMIN_TOKEN_CHARS {
                 bail!(
@@ -499,23 +538,124 @@ fn var(name: &str) -> Option<String> {
 fn optional_number<T: std::str::FromStr>(name: &str) -> anyhow::Result<Option<T>> {
     match var(name).filter(|raw| !raw.trim().is_empty()) {
         None => Ok(None),
-        Some(raw) => raw
-            .trim()
-            .parse()
-            .map(Some)
-            .map_err(|_| anyhow::anyhow!("{name}={raw:?} is not a valid non-negative number")),
+        Some(raw) => raw.trim().parse().map(Some).map_err(|_| not_a_number(name, &raw)),
     }
 }
 
 fn number<T: std::str::FromStr>(name: &str, default: T) -> anyhow::Result<T> {
     match var(name) {
         None => Ok(default),
-        Some(raw) => raw
-            .trim()
-            .parse()
-            .map_err(|_| anyhow::anyhow!("{name}={raw:?} is not a valid non-negative number")),
+        Some(raw) => raw.trim().parse().map_err(|_| not_a_number(name, &raw)),
     }
 }
+
+/// `ONCEPAY_LOG_FORMAT`: `text` (unset or empty too) or `json`, in any case; whether it is JSON.
+fn parse_log_format(raw: Option<&str>) -> anyhow::Result<bool> {
+    match raw.map(str::trim) {
+        None | Some("") => Ok(false),
+        Some(f) if f.eq_ignore_ascii_case("text") => Ok(false),
+        Some(f) if f.eq_ignore_ascii_case("json") => Ok(true),
+        Some(other) => bail!("ONCEPAY_LOG_FORMAT={other:?} is not one of: text, json"),
+    }
+}
+
+fn not_a_number(name: &str, raw: &str) -> anyhow::Error {
+    anyhow::anyhow!("{name}={raw:?} is not a valid non-negative whole number (or is too large for it)")
+}
+
+/// A yes-or-no setting: `1`, `true`, `yes`, `on` or `0`, `false`, `no`, `off` (any case); unset
+/// or empty is no.
+fn switch(name: &str) -> anyhow::Result<bool> {
+    parse_switch(name, var(name).as_deref())
+}
+
+fn parse_switch(name: &str, raw: Option<&str>) -> anyhow::Result<bool> {
+    match raw.map(|v| v.trim().to_ascii_lowercase()).as_deref() {
+        None | Some("" | "0" | "false" | "no" | "off") => Ok(false),
+        Some("1" | "true" | "yes" | "on") => Ok(true),
+        Some(other) => bail!("{name}={other:?} is not one of: 1, true, yes, on, 0, false, no, off"),
+    }
+}
+
+/// The `ONCEPAY_*` variables oncepay, its CLI and its scripts read; any other is reported at
+/// start-up as probably misspelled ([`unknown_variables`]).
+const KNOWN_VARIABLES: &[&str] = &[
+    "ONCEPAY_ADMIN_TOKEN",
+    "ONCEPAY_API_KEY",
+    "ONCEPAY_BIND",
+    "ONCEPAY_CA_CERT",
+    "ONCEPAY_COMPLETER_AFTER_SECS",
+    "ONCEPAY_CURRENCY",
+    "ONCEPAY_DB_ACQUIRE_TIMEOUT_MS",
+    "ONCEPAY_DB_BATCHES_IN_FLIGHT",
+    "ONCEPAY_DB_BATCH_MAX",
+    "ONCEPAY_DB_POOLER",
+    "ONCEPAY_DB_POOL_SIZE",
+    "ONCEPAY_DB_TENANT_SHARE",
+    "ONCEPAY_EVENT_RETENTION_DAYS",
+    "ONCEPAY_FINGERPRINT_WINDOW_SECS",
+    "ONCEPAY_INFLIGHT_WAIT_MS",
+    "ONCEPAY_LOG_FORMAT",
+    "ONCEPAY_MAX_BODY_BYTES",
+    "ONCEPAY_MAX_CONNECTIONS",
+    "ONCEPAY_MAX_CONNECTIONS_PER_PEER",
+    "ONCEPAY_METRICS_BIND",
+    "ONCEPAY_PROCESSOR_API_KEY",
+    "ONCEPAY_PROCESSOR_NAME",
+    "ONCEPAY_PROCESSOR_TIMEOUT_MS",
+    "ONCEPAY_PROCESSOR_URL",
+    "ONCEPAY_PURGE_BATCH_SIZE",
+    "ONCEPAY_PURGE_INTERVAL_SECS",
+    "ONCEPAY_REPLAY_CACHE_ENTRIES",
+    "ONCEPAY_REPLAY_WINDOW_SECS",
+    "ONCEPAY_RETENTION_SECS",
+    "ONCEPAY_STATEMENT_TIMEOUT_MS",
+    "ONCEPAY_TLS_CERT",
+    "ONCEPAY_TLS_KEY",
+    "ONCEPAY_TOPUP_ACTION_TIMEOUT_SECS",
+    "ONCEPAY_URL",
+    "ONCEPAY_URLS",
+    "ONCEPAY_WEBHOOK_ALLOW_PRIVATE",
+    "ONCEPAY_WEBHOOK_CONCURRENCY",
+    "ONCEPAY_WEBHOOK_DISABLE_AFTER_SECS",
+    "ONCEPAY_WEBHOOK_ENDPOINT_CONCURRENCY",
+    "ONCEPAY_WEBHOOK_MAX_ENDPOINTS",
+    "ONCEPAY_WEBHOOK_POLL_MS",
+    "ONCEPAY_WEBHOOK_RETRY_SCHEDULE",
+    "ONCEPAY_WEBHOOK_SECRET_KEY",
+    "ONCEPAY_WEBHOOK_TIMEOUT_MS",
+    "ONCEPAY_WORKERS",
+    // The Makefile's and the scripts' own (docs/lab.md, README.md).
+    "ONCEPAY_BIN",
+    "ONCEPAY_CHAOS_DATABASE_URL",
+    "ONCEPAY_LOCALSTRIPE",
+    "ONCEPAY_LOCALSTRIPE_PORT",
+    "ONCEPAY_PGBOUNCER_PORT",
+    "ONCEPAY_PGDATA",
+    "ONCEPAY_PG_PORT",
+    "ONCEPAY_PG_STOP_MODE",
+    "ONCEPAY_SWH_VENV",
+    "ONCEPAY_TENANT_ID",
+];
+
+/// Prefixes of the scripts' and the tests' families of variables.
+const KNOWN_PREFIXES: &[&str] = &["ONCEPAY_HA_", "ONCEPAY_TEST_", "ONCEPAY_BENCH_"];
+
+/// The names among `names` that look like oncepay's (`ONCEPAY_...`) but that nothing of it
+/// reads: a misspelled setting is otherwise silently left at its default.
+pub fn unknown_variables(names: impl IntoIterator<Item = String>) -> Vec<String> {
+    let mut unknown: Vec<String> = names
+        .into_iter()
+        .filter(|name| name.starts_with("ONCEPAY_"))
+        .filter(|name| !KNOWN_VARIABLES.contains(&name.as_str()))
+        .filter(|name| !KNOWN_PREFIXES.iter().any(|prefix| name.starts_with(prefix)))
+        .collect();
+    unknown.sort();
+    unknown
+}
+
+/// The longest `ONCEPAY_RETENTION_SECS`: ten years (the purge computes `now()` minus it).
+pub const MAX_RETENTION_SECS: u64 = 10 * 365 * 86_400;
 
 /// Connections one worker serves by default: `ONCEPAY_MAX_CONNECTIONS` is this times
 /// `ONCEPAY_WORKERS` unless set (the fixed limit per worker before it was a setting).
@@ -586,10 +726,138 @@ mod tests {
         assert!(with(1, Some(1)).validate().is_ok(), "1: each payment alone");
         assert!(with(1_000, Some(8)).validate().is_ok());
         assert!(with(32, None).validate().is_ok(), "unset: chosen by the batcher");
-        for (max, in_flight) in [(0, Some(2)), (1_001, Some(2)), (32, Some(0))] {
+        for (max, in_flight) in [(0, Some(2)), (1_001, Some(2))] {
             let err = with(max, in_flight).validate().unwrap_err().to_string();
             assert!(err.contains("ONCEPAY_DB_BATCH_MAX"), "{max}/{in_flight:?}: {err}");
         }
+        // More than the pool's connections (once a semaphore's panic: usize::MAX).
+        for in_flight in [0, base.db_pool_size as usize + 1, usize::MAX] {
+            let err = with(32, Some(in_flight)).validate().unwrap_err().to_string();
+            assert!(err.contains("ONCEPAY_DB_BATCHES_IN_FLIGHT"), "{in_flight}: {err}");
+        }
+        assert!(with(32, Some(base.db_pool_size as usize)).validate().is_ok());
+    }
+
+    #[test]
+    fn settings_no_server_could_work_with_are_refused_naming_the_variable() {
+        let base = settings("postgres://oncepay@127.0.0.1:25130/oncepay", None);
+        let refused = |changed: Settings, name: &str| {
+            let err = changed.validate().unwrap_err().to_string();
+            assert!(err.contains(name), "{err}");
+        };
+        // Each of these started, then answered "cannot reach the database" for ever, or made
+        // every purge fail ("timestamp out of range").
+        refused(
+            Settings {
+                db_acquire_timeout: Duration::ZERO,
+                ..base.clone()
+            },
+            "ONCEPAY_DB_ACQUIRE_TIMEOUT_MS",
+        );
+        refused(
+            Settings {
+                statement_timeout: Duration::from_millis(i32::MAX as u64 + 1),
+                ..base.clone()
+            },
+            "ONCEPAY_STATEMENT_TIMEOUT_MS",
+        );
+        refused(
+            Settings {
+                retention: Duration::from_secs(MAX_RETENTION_SECS + 1),
+                ..base.clone()
+            },
+            "ONCEPAY_RETENTION_SECS",
+        );
+        refused(
+            Settings {
+                admin_token: Some(" ".repeat(32)),
+                ..base.clone()
+            },
+            "ONCEPAY_ADMIN_TOKEN",
+        );
+        refused(
+            Settings {
+                workers: 0,
+                ..base.clone()
+            },
+            "ONCEPAY_WORKERS",
+        );
+        assert!(Settings {
+            statement_timeout: Duration::from_millis(i32::MAX as u64),
+            retention: Duration::from_secs(MAX_RETENTION_SECS),
+            ..base
+        }
+        .validate()
+        .is_ok());
+    }
+
+    #[test]
+    fn switches_and_the_log_format_take_their_words_and_refuse_others() {
+        for on in ["1", "true", "TRUE", " yes ", "on"] {
+            assert!(parse_switch("X", Some(on)).unwrap(), "{on}");
+        }
+        for off in ["0", "false", "no", "off", ""] {
+            assert!(!parse_switch("X", Some(off)).unwrap(), "{off}");
+        }
+        assert!(!parse_switch("X", None).unwrap());
+        let err = parse_switch("ONCEPAY_WEBHOOK_ALLOW_PRIVATE", Some("enabled"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("ONCEPAY_WEBHOOK_ALLOW_PRIVATE") && err.contains("enabled"),
+            "{err}"
+        );
+
+        assert!(parse_log_format(Some("JSON")).unwrap());
+        assert!(!parse_log_format(Some("text")).unwrap());
+        assert!(!parse_log_format(None).unwrap());
+        let err = parse_log_format(Some("yaml")).unwrap_err().to_string();
+        assert!(err.contains("ONCEPAY_LOG_FORMAT") && err.contains("yaml"), "{err}");
+    }
+
+    #[test]
+    fn every_variable_the_code_reads_is_known() {
+        let config = include_str!("config.rs");
+        let sources = [
+            &config[..config.find("const KNOWN_VARIABLES").unwrap()],
+            include_str!("startup.rs"),
+            include_str!("tls.rs"),
+            include_str!("../client/src/lib.rs"),
+            include_str!("../client/src/cli.rs"),
+        ];
+        let mut read = 0;
+        for source in sources {
+            for (at, _) in source.match_indices("\"ONCEPAY_") {
+                let name: String = source[at + 1..]
+                    .chars()
+                    .take_while(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || *c == '_')
+                    .collect();
+                read += 1;
+                assert!(
+                    unknown_variables([name.clone()]).is_empty(),
+                    "{name} is read but not known"
+                );
+            }
+        }
+        assert!(read > 40, "the sources name the variables they read: {read}");
+    }
+
+    #[test]
+    fn an_oncepay_variable_nothing_reads_is_named_and_the_known_ones_are_not() {
+        let names = [
+            "ONCEPAY_REPLAY_WINDOW",
+            "ONCEPAY_REPLAY_WINDOW_SECS",
+            "ONCEPAY_PG_PORT",
+            "ONCEPAY_TEST_LOCALSTRIPE",
+            "ONCEPAY_HA_DIR",
+            "PATH",
+            "ONCEPAY_DB_POOL",
+        ]
+        .map(str::to_owned);
+        assert_eq!(
+            unknown_variables(names),
+            vec!["ONCEPAY_DB_POOL".to_owned(), "ONCEPAY_REPLAY_WINDOW".to_owned()]
+        );
     }
 
     #[test]

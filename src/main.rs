@@ -145,6 +145,9 @@ async fn main() {
 async fn run(command: ServerCommand) -> anyhow::Result<()> {
     let settings = Settings::from_env()?;
     telemetry::init(settings.log_json);
+    for name in oncepay::config::unknown_variables(std::env::vars_os().filter_map(|(k, _)| k.into_string().ok())) {
+        tracing::warn!(variable = %name, "this ONCEPAY_ variable is not one oncepay reads (misspelled?); it is ignored");
+    }
     match command {
         ServerCommand::Serve => {
             let app = Application::build(settings.clone())?;

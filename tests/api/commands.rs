@@ -181,6 +181,9 @@ async fn serve_logs_one_json_line_per_request_without_keys_or_bodies() {
         // It delivers nothing: on the shared database other tests' deliveries are due, whose
         // sealed secrets this process (no ONCEPAY_WEBHOOK_SECRET_KEY) cannot open.
         ("ONCEPAY_WEBHOOK_CONCURRENCY", "0".to_owned()),
+        // A misspelled setting (ONCEPAY_REPLAY_WINDOW_SECS), otherwise left at its default in
+        // silence.
+        ("ONCEPAY_REPLAY_WINDOW", "60".to_owned()),
     ]);
     let url = format!("http://127.0.0.1:{port}/payments");
     wait_until_ready(&app.client, port).await;
@@ -216,6 +219,12 @@ async fn serve_logs_one_json_line_per_request_without_keys_or_bodies() {
         .unwrap();
     assert_eq!(replay.status().as_u16(), 201);
     let logs = stop_logged(&mut server, logs).await;
+    let misspelled = logs
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .find(|entry| entry["variable"] == "ONCEPAY_REPLAY_WINDOW")
+        .unwrap_or_else(|| panic!("the misspelled variable is named: {logs}"));
+    assert_eq!(misspelled["level"], "WARN", "{misspelled}");
 
     let requests: Vec<serde_json::Value> = logs
         .lines()
