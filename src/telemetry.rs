@@ -66,7 +66,10 @@ pub async fn request_log(
             .duration
             .with_label_values(&[&route])
             .observe(elapsed.as_secs_f64());
-        if let Some(code) = code {
+        // Error answers to clients: a load balancer's probe answered 503 while the database
+        // is away is not one (it would page on its own: ops/prometheus/rules.yml).
+        let probe = matches!(route.as_str(), "/healthz" | "/readyz" | "/metrics");
+        if let (Some(code), false) = (code, probe) {
             state.metrics.errors.with_label_values(&[code.as_str()]).inc();
         }
         if let Some(tenant) = &tenant {

@@ -101,6 +101,21 @@ async fn readiness_is_503_when_the_database_is_unreachable() {
     }
     let alive = app.client.get(app.url("/healthz")).send().await.unwrap();
     assert_eq!(alive.status(), 200, "the process still runs");
+    // The probes' 503s are counted under their route, not as error answers to clients: a
+    // load balancer's probes alone must not make the error rate that pages.
+    let metrics = app.metrics().await;
+    assert!(
+        metric_value(
+            &metrics,
+            r#"oncepay_requests_total{outcome="transient_error",route="/readyz"}"#
+        ) >= 2.0,
+        "{metrics}"
+    );
+    assert_eq!(
+        metric_value(&metrics, r#"oncepay_errors_total{code="temporarily_unavailable"}"#),
+        0.0,
+        "{metrics}"
+    );
 }
 
 /// A database that stops answering without closing anything (a network partition, a frozen
