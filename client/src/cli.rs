@@ -61,9 +61,11 @@ pub enum ClientCommand {
     Deposit {
         #[command(flatten)]
         server: ServerArgs,
+        /// Amount in minor units (1 ..= 10^12).
         #[arg(long)]
         amount: i64,
-        #[arg(long, default_value = "main")]
+        /// Account to credit (default: main).
+        #[arg(long, default_value = "main", hide_default_value = true)]
         account: String,
         #[command(flatten)]
         key: KeyArg,
@@ -243,7 +245,7 @@ async fn refund_top_up(server: &ServerArgs, top_up: Uuid, key: &KeyArg) -> Resul
         .refund_top_up(top_up, &key)
         .await
         .map_err(|error| Failed {
-            error,
+            error: Box::new(error),
             key: Some(key.clone()),
         })?;
     let pending = reply.status == 202;
@@ -257,15 +259,19 @@ async fn refund_top_up(server: &ServerArgs, top_up: Uuid, key: &KeyArg) -> Resul
     Ok(EXIT_OUTCOME_UNKNOWN)
 }
 
-/// A failure, with the key of the operation it left unfinished.
+/// A failure, with the key of the operation it left unfinished (the error boxed: every
+/// command's result carries it).
 struct Failed {
-    error: ClientError,
+    error: Box<ClientError>,
     key: Option<IdempotencyKey>,
 }
 
 impl From<ClientError> for Failed {
     fn from(error: ClientError) -> Self {
-        Self { error, key: None }
+        Self {
+            error: Box::new(error),
+            key: None,
+        }
     }
 }
 
@@ -280,7 +286,7 @@ impl KeyArg {
 /// Prints the answer of a keyed operation; a failure carries the key to resume it with.
 fn print_keyed<T: Serialize>(reply: Result<Reply<T>, ClientError>, key: &IdempotencyKey) -> Result<(), Failed> {
     let reply = reply.map_err(|error| Failed {
-        error,
+        error: Box::new(error),
         key: Some(key.clone()),
     })?;
     print(reply, Some(key))
@@ -415,8 +421,16 @@ fn print<T: Serialize>(reply: Reply<T>, key: Option<&IdempotencyKey>) -> Result<
 
 fn fail(err: &ClientError, key: Option<&IdempotencyKey>) -> i32 {
     let status = err.status().map(|s| format!(" status={s}")).unwrap_or_default();
-    eprintln!("oncepay: error code={}{status}: {}", err.code(), chain(err));
+    // A problem's status and code are on the line already: its detail says the rest.
+    let what = match err {
+        ClientError::Problem(problem) => problem.detail.clone(),
+        _ => chain(err),
+    };
+    eprintln!("oncepay: error code={}{status}: {what}", err.code());
     if let ClientError::Problem(problem) = err {
+        if let Some(decline_code) = &problem.decline_code {
+            eprintln!("oncepay: decline_code={decline_code} (the card processor's own reason)");
+        }
         if problem.replayed {
             eprintln!("oncepay: replayed: this failure was stored with the key on its first request");
         }

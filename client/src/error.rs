@@ -18,6 +18,10 @@ pub struct Problem {
     pub title: String,
     #[serde(default)]
     pub detail: String,
+    /// A top-up's refusal by the card processor: the processor's own reason
+    /// (`card_declined`, `invalid_request`, `invalid_payment_method`; docs/top-ups.md).
+    #[serde(default)]
+    pub decline_code: Option<String>,
     /// A stored failure replayed for a retried key (`Idempotency-Replayed: true`).
     #[serde(skip)]
     pub replayed: bool,
@@ -33,6 +37,7 @@ impl Problem {
             code: format!("http_{status}"),
             title: String::new(),
             detail: String::from_utf8_lossy(&body[..body.len().min(200)]).into_owned(),
+            decline_code: None,
             replayed,
         });
         problem.status = status;

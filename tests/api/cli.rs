@@ -116,10 +116,12 @@ async fn a_refusal_exits_3_with_the_problem_code_on_stderr_after_one_attempt() {
     assert_eq!(run.status, 3, "stderr: {}", run.stderr);
     assert!(run.stdout.is_empty());
     assert!(
-        run.stderr.contains("code=insufficient_funds status=402"),
-        "{}",
+        run.stderr
+            .contains("code=insufficient_funds status=402: the account's balance is lower than the amount"),
+        "the status and code once, then the detail: {}",
         run.stderr
     );
+    assert!(!run.stderr.contains("402 insufficient_funds"), "{}", run.stderr);
     assert_eq!(proxy.seen().len(), 1, "a 402 is not retried");
 }
 

@@ -969,6 +969,11 @@ async fn the_cli_tops_up_across_a_lost_answer() {
     let declined = crate::cli::oncepay(&["top-up", "--amount", "5000", "--payment-method", DECLINED], &env).await;
     assert_eq!(declined.status, 3, "{}", declined.stderr);
     assert!(declined.stderr.contains("card_declined"), "{}", declined.stderr);
+    assert!(
+        declined.stderr.contains("decline_code=card_declined"),
+        "the processor's reason the detail points to: {}",
+        declined.stderr
+    );
 }
 
 /// Top-up events (docs/webhooks.md, the events): each final state of a top-up is one
