@@ -20,7 +20,7 @@ export SQLX_OFFLINE ?= true
 BIN := target/release/oncepay
 CARGO_TEST := $(shell cargo nextest --version >/dev/null 2>&1 && echo "cargo nextest run --workspace --no-fail-fast" || echo "cargo test --workspace --no-fail-fast")
 
-.PHONY: help run lab tenant db-url serve build install db-up db-down db-port-test readme-test migrate psql purge audit audit-bench test test-pgbouncer chaos check client-deps-check sqlx-check sqlx-prepare schema schema-check bench bench-quick bench-analyze callgrind sql-callgrind bench-ab openapi schemathesis alerts-test ha bench-ha
+.PHONY: help run lab tenant db-url build install db-up db-down db-port-test readme-test migrate psql purge audit audit-bench test test-pgbouncer chaos check client-deps-check sqlx-check sqlx-prepare schema schema-check bench bench-quick bench-analyze callgrind sql-callgrind bench-ab openapi schemathesis alerts-test ha bench-ha
 
 help:
 	@echo "make run      local database if needed, migrate, demo tenant, serve on 127.0.0.1:8130"
@@ -42,6 +42,7 @@ help:
 	@echo "make sql-callgrind   PostgreSQL's instructions per new payment, replay and payment with a webhook endpoint, alone and in batches, this SQL vs an older one"
 	@echo "make ha       Patroni cluster (3 PostgreSQL 15, etcd, HAProxy), 3 oncepay, 5 faults under load, books verified (root)"
 	@echo "make bench-ha  the yardstick ratios on that cluster (0.5 ms between nodes) and through PgBouncer (root)"
+	@echo "make build    the release binary (target/release/oncepay)"
 	@echo "make install  cargo install --path . --locked: the oncepay binary into ~/.cargo/bin"
 	@echo "make schema  schema/: the tables and every SQL function as the migrations leave them (make check fails while stale)"
 	@echo "make migrate | purge | psql | db-up | db-down | db-port-test | client-deps-check | bench | audit-bench | sqlx-prepare | sqlx-check | schema-check | openapi | ha"

@@ -5,7 +5,9 @@
 # must not depend on the processor deduplicating.
 #
 #   scripts/localstripe.sh install          the virtualenv (once); prints the executable's path
-#   scripts/localstripe.sh start PORT DIR   localstripe --from-scratch on 127.0.0.1:PORT, in DIR
+#   scripts/localstripe.sh start PORT DIR   localstripe --from-scratch on PORT, in DIR (it listens on
+#                                           every interface: it has no option for one; callers
+#                                           reach it on 127.0.0.1)
 #                                           (one DIR per instance, for its pid and log); prints its
 #                                           pid. It writes its state to the fixed
 #                                           /tmp/localstripe.pickle but, started --from-scratch,

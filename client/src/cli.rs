@@ -168,7 +168,8 @@ pub enum ClientCommand {
     /// Top-ups of the tenant.
     #[command(subcommand)]
     TopUps(TopUpsCommand),
-    /// The tenant's event log (its events, kept ONCEPAY_EVENT_RETENTION_DAYS).
+    /// The tenant's event log: the events of the types its webhook endpoints subscribed to
+    /// when they happened (no endpoint, no event), kept ONCEPAY_EVENT_RETENTION_DAYS.
     #[command(subcommand)]
     Events(EventsCommand),
     /// Webhook deliveries: attempts, resend, recover, enable.

@@ -17,7 +17,7 @@ macro_rules! problem_codes {
         }
 
         impl ProblemCode {
-            /// Every code, in the order of docs/api.md's table.
+            /// Every code (each has its row in docs/api.md's table).
             pub const ALL: &'static [ProblemCode] = &[$(Self::$variant,)+];
 
             pub const fn as_str(self) -> &'static str {
@@ -70,7 +70,7 @@ problem_codes! {
     IdempotencyKeyReused = "idempotency_key_reused", 422;
     IdempotencyKeyExpired = "idempotency_key_expired", 422;
     Overloaded = "overloaded", 429;
-    /// A transient failure committed nothing: retry with the same key.
+    /// A transient failure: nothing was done, or what was done the retry with the same key replays.
     TemporarilyUnavailable = "temporarily_unavailable", 503;
     /// Top-ups need a card processor (`ONCEPAY_PROCESSOR_URL`); not worth a retry.
     ProcessorNotConfigured = "processor_not_configured", 501;
@@ -119,6 +119,15 @@ mod tests {
             assert_eq!(json, code.as_str(), "{code:?}");
             assert_eq!(serde_json::from_value::<ProblemCode>(json).unwrap(), code);
             assert_eq!(code.as_str().parse::<ProblemCode>(), Ok(code));
+        }
+    }
+
+    #[test]
+    fn every_code_has_its_row_in_the_table_of_docs_api_md() {
+        let doc = include_str!("../../docs/api.md");
+        for &code in ProblemCode::ALL {
+            let row = format!("| {} | `{}` |", code.status(), code.as_str());
+            assert!(doc.contains(&row), "docs/api.md's table of codes has no row {row}");
         }
     }
 
