@@ -7,6 +7,7 @@ use serde::Serialize;
 
 use crate::db::DbError;
 use crate::operation::Decline;
+use crate::throttle::Throttle;
 
 pub use oncepay_protocol::ProblemCode;
 
@@ -236,6 +237,10 @@ impl ResponseError for ApiError {
     }
 }
 
+/// The warning of a transient database failure: once every 10 s with the count since, not
+/// once a request (each request's own line says 503 already).
+static TRANSIENT: Throttle = Throttle::new(std::time::Duration::from_secs(10));
+
 /// The edge decides what each class of database failure means to a client.
 impl From<DbError> for ApiError {
     fn from(err: DbError) -> Self {
@@ -243,7 +248,11 @@ impl From<DbError> for ApiError {
             DbError::InProgress => Self::InProgress,
             DbError::Saturated => Self::Overloaded,
             DbError::Transient(err) => {
-                tracing::warn!(error = %err, "transient database failure, rolled back");
+                match TRANSIENT.admit(std::time::Instant::now()) {
+                    Some(held_back) => tracing::warn!(error = %err, failures_since_last_line = held_back,
+                        "transient database failure, rolled back"),
+                    None => tracing::debug!(error = %err, "transient database failure, rolled back"),
+                }
                 Self::Unavailable
             }
             DbError::Unknown(err) => {

@@ -34,6 +34,7 @@ pub mod startup;
 pub mod state;
 pub mod telemetry;
 pub mod tenants;
+pub mod throttle;
 pub mod tls;
 pub mod top_ups;
 pub mod webhooks;

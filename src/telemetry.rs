@@ -8,6 +8,7 @@ use actix_web::dev::{ServiceRequest, ServiceResponse};
 use actix_web::http::header::{HeaderName, HeaderValue};
 use actix_web::middleware::Next;
 use actix_web::{web, HttpMessage};
+use tracing::Instrument as _;
 use tracing_subscriber::EnvFilter;
 
 use crate::error::ApiError;
@@ -47,7 +48,11 @@ pub async fn request_log(
         .map_or_else(|| uuid::Uuid::new_v4().simple().to_string(), str::to_owned);
     let state = req.app_data::<web::Data<AppState>>().cloned();
     let method = req.method().clone();
-    let mut res = next.call(req).await?;
+    // What the request logs on its way (a database failure's line) carries its request id.
+    let mut res = next
+        .call(req)
+        .instrument(tracing::info_span!("request", request_id = %request_id))
+        .await?;
 
     let elapsed = started.elapsed();
     let route = res.request().match_pattern().unwrap_or_else(|| "unmatched".to_owned());

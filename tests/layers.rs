@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 
 /// The layers, lowest first: what each top-level module is allowed to know.
 const LAYERS: &[(&str, &[&str])] = &[
-    ("values", &["domain", "json", "config", "operation"]),
+    ("values", &["domain", "json", "config", "operation", "throttle"]),
     ("the protocol", &["idempotency"]),
     ("the database", &["db"]),
     (

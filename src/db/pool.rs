@@ -8,6 +8,7 @@ use sqlx::postgres::PgConnectOptions;
 use sqlx::{Connection, PgConnection};
 
 use super::DbError;
+use crate::throttle::Throttle;
 
 /// A connection that sat unused this long is pinged before it is handed out: it may have
 /// been cut while idle (a failover, a pooler restart). One used more recently answered its
@@ -128,12 +129,23 @@ impl std::iter::Sum for PoolStatus {
     }
 }
 
+/// The warning that no connection could be opened: once every [`NO_CONNECTION_EVERY`] with
+/// the count since, not once a request (a database away for 20 s at a few requests a second
+/// wrote 179 such lines).
+static NO_CONNECTION: Throttle = Throttle::new(NO_CONNECTION_EVERY);
+const NO_CONNECTION_EVERY: Duration = Duration::from_secs(10);
+
 /// Takes a connection from the pool: [`DbError::Saturated`] when every connection stayed
 /// busy, [`DbError::Transient`] when none can be opened (database down), logged.
 pub(super) async fn acquire(pool: &Pool) -> Result<Object<Connector>, DbError> {
     acquire_unlogged(pool).await.inspect_err(|err| {
         if let DbError::Transient(err) = err {
-            tracing::warn!(error = %err, "no database connection");
+            match NO_CONNECTION.admit(std::time::Instant::now()) {
+                Some(held_back) => {
+                    tracing::warn!(error = %err, failures_since_last_line = held_back, "no database connection")
+                }
+                None => tracing::debug!(error = %err, "no database connection"),
+            }
         }
     })
 }

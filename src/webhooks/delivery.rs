@@ -43,6 +43,7 @@ use super::secrets::SecretBox;
 use super::{endpoints, signing, target};
 use crate::config::WebhookSettings;
 use crate::db::{Db, DbError};
+use crate::throttle::Throttle;
 
 /// Bytes of an answer kept with its attempt.
 const RESPONSE_HEAD_BYTES: usize = 256;
@@ -197,35 +198,8 @@ pub struct Deliverer {
     replica: String,
     counters: Counters,
     cannot_sign: Throttle,
-}
-
-/// Lets a repeated log line through at most once an interval, counting the ones held back.
-struct Throttle {
-    every: Duration,
-    /// When a line last went out, and how many were held back since.
-    state: std::sync::Mutex<(Option<Instant>, u64)>,
-}
-
-impl Throttle {
-    fn new(every: Duration) -> Self {
-        Self {
-            every,
-            state: std::sync::Mutex::new((None, 0)),
-        }
-    }
-
-    /// `Some(held back since the last line)` when a line may go out at `now`, else `None`
-    /// (and this one is counted).
-    fn admit(&self, now: Instant) -> Option<u64> {
-        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let (last, held) = &mut *state;
-        if last.is_some_and(|at| now.saturating_duration_since(at) < self.every) {
-            *held += 1;
-            return None;
-        }
-        *last = Some(now);
-        Some(std::mem::take(held))
-    }
+    /// A claim that failed (the database away): one WARN line every 10 s, not every round.
+    claim_failed: Throttle,
 }
 
 impl Deliverer {
@@ -257,6 +231,7 @@ impl Deliverer {
             replica,
             counters,
             cannot_sign: Throttle::new(CANNOT_SIGN_LOG_EVERY),
+            claim_failed: Throttle::new(Duration::from_secs(10)),
         })
     }
 
@@ -317,7 +292,11 @@ impl Deliverer {
                         }
                     }
                     Err(err) => {
-                        tracing::warn!(error = %err, "webhook claim failed; will try again");
+                        match self.claim_failed.admit(Instant::now()) {
+                            Some(held_back) => tracing::warn!(error = %err, failures_since_last_line = held_back,
+                                "webhook claim failed; will try again"),
+                            None => tracing::debug!(error = %err, "webhook claim failed; will try again"),
+                        }
                         tokio::time::sleep(self.settings.poll.max(Duration::from_secs(1))).await;
                         continue;
                     }
@@ -966,21 +945,6 @@ fn error_chain(err: &(dyn std::error::Error + 'static)) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_throttled_line_goes_out_once_an_interval_with_the_count_held_back() {
-        let throttle = Throttle::new(Duration::from_secs(60));
-        let start = Instant::now();
-        assert_eq!(throttle.admit(start), Some(0));
-        for s in [0, 1, 30, 59] {
-            assert_eq!(throttle.admit(start + Duration::from_secs(s)), None);
-        }
-        assert_eq!(throttle.admit(start + Duration::from_secs(60)), Some(4));
-        assert_eq!(throttle.admit(start + Duration::from_secs(61)), None);
-        assert_eq!(throttle.admit(start + Duration::from_secs(200)), Some(1));
-        // A clock read before the last line (another thread's) is held back, not a panic.
-        assert_eq!(throttle.admit(start), None);
-    }
 
     #[test]
     fn the_schedule_is_followed_with_jitter_then_given_up() {

@@ -125,14 +125,10 @@ async fn readiness_is_503_when_the_database_is_unreachable() {
 /// with the key charges once, whichever of the two reached it first.
 #[tokio::test]
 async fn a_database_that_stops_answering_is_answered_within_the_statement_timeout_and_a_margin() {
-    let mut url = reqwest::Url::parse(&database_url()).expect("DATABASE_URL is a URL");
-    let upstream = format!("{}:{}", url.host_str().unwrap(), url.port().unwrap_or(5432));
-    let relay = TcpRelay::start(upstream).await;
-    url.set_host(Some("127.0.0.1")).unwrap();
-    url.set_port(Some(relay.port)).unwrap();
+    let (relay, url) = TcpRelay::in_front_of(&database_url()).await;
     let app = TestApp::builder()
         .settings(|s| {
-            s.database_url = url.to_string();
+            s.database_url = url;
             s.statement_timeout = Duration::from_secs(1);
             s.db_acquire_timeout = Duration::from_millis(500);
         })

@@ -288,27 +288,41 @@ async fn the_serve_command_outlives_a_database_that_is_down_logs_each_attempt_an
     }
 }
 
+/// A `serve` process (RUST_LOG=info, stderr read) that reaches the test database through a
+/// relay the test can cut or silence, with `env` added; returned once it is ready, with its
+/// API port.
+async fn serve_through_relay(
+    env: &[(&str, String)],
+) -> (
+    crate::support::tcp_relay::TcpRelay,
+    u16,
+    tokio::process::Child,
+    tokio::task::JoinHandle<String>,
+) {
+    let (relay, url) = crate::support::tcp_relay::TcpRelay::in_front_of(&database_url()).await;
+    let port = crate::commands::free_port();
+    let mut all = vec![
+        ("DATABASE_URL", url),
+        ("ONCEPAY_BIND", format!("127.0.0.1:{port}")),
+        ("ONCEPAY_METRICS_BIND", "127.0.0.1:0".to_owned()),
+        ("RUST_LOG", "info".to_owned()),
+    ];
+    all.extend(env.iter().cloned());
+    let (server, logs) = crate::commands::serve_logged(&all);
+    crate::commands::wait_until_ready(&reqwest::Client::new(), port).await;
+    (relay, port, server, logs)
+}
+
 /// SIGTERM while the database takes what is sent and answers nothing (a network partition):
 /// the background work's calls are bounded like a request's (the statement timeout and a
 /// margin), so the process stops instead of waiting for the database to answer again.
 #[tokio::test]
 async fn serve_stops_on_sigterm_while_the_database_answers_nothing() {
-    let mut url = reqwest::Url::parse(&database_url()).expect("DATABASE_URL is a URL");
-    let upstream = format!("{}:{}", url.host_str().unwrap(), url.port().unwrap_or(5432));
-    let relay = crate::support::tcp_relay::TcpRelay::start(upstream).await;
-    url.set_host(Some("127.0.0.1")).unwrap();
-    url.set_port(Some(relay.port)).unwrap();
-    let port = crate::commands::free_port();
-    let (mut server, logs) = crate::commands::serve_logged(&[
-        ("DATABASE_URL", url.to_string()),
-        ("ONCEPAY_BIND", format!("127.0.0.1:{port}")),
-        ("ONCEPAY_METRICS_BIND", "127.0.0.1:0".to_owned()),
+    let (relay, _, mut server, logs) = serve_through_relay(&[
         ("ONCEPAY_STATEMENT_TIMEOUT_MS", "1000".to_owned()),
         ("ONCEPAY_INFLIGHT_WAIT_MS", "500".to_owned()),
-        ("RUST_LOG", "info".to_owned()),
-    ]);
-    let client = reqwest::Client::new();
-    crate::commands::wait_until_ready(&client, port).await;
+    ])
+    .await;
 
     relay.silence();
     // The deliverer looks for due deliveries every 250 ms: its next claim is sent and held.
@@ -327,4 +341,62 @@ async fn serve_stops_on_sigterm_while_the_database_answers_nothing() {
     assert_eq!(status.code(), Some(0), "a clean stop");
     let logs = logs.await.unwrap();
     assert!(logs.contains("SIGTERM"), "{logs}");
+}
+
+/// A database away while requests keep coming: each request's own line says 503, and the
+/// cause is written once, not once a request (20 payments wrote 40 WARN lines besides their
+/// own); the line a request wrote on its way carries its request id.
+#[tokio::test]
+async fn a_database_outage_is_logged_once_an_interval_not_once_a_request() {
+    let app = crate::support::helpers::spawn_app().await;
+    let (relay, port, mut server, logs) = serve_through_relay(&[
+        ("ONCEPAY_LOG_FORMAT", "json".to_owned()),
+        ("ONCEPAY_WEBHOOK_CONCURRENCY", "0".to_owned()),
+    ])
+    .await;
+    let client = reqwest::Client::new();
+    relay.cut().await;
+
+    let base = format!("http://127.0.0.1:{port}");
+    let read = client
+        .get(format!("{base}/accounts/main"))
+        .bearer_auth(&app.api_key)
+        .header("x-request-id", "outage-1")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(read.status(), 503);
+    for i in 0..20 {
+        let paid = client
+            .post(format!("{base}/payments"))
+            .bearer_auth(&app.api_key)
+            .header("Idempotency-Key", format!("outage-{i}-{}", uuid::Uuid::new_v4()))
+            .json(&json!({ "amount": 1 }))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(paid.status(), 503, "payment {i}");
+    }
+    let logs = crate::commands::stop_logged(&mut server, logs).await;
+    let entries: Vec<serde_json::Value> = logs.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
+    let warnings: Vec<&serde_json::Value> = entries
+        .iter()
+        .filter(|e| e["level"] == "WARN" && e["message"] != "request")
+        .collect();
+    let failed: Vec<&serde_json::Value> = entries
+        .iter()
+        .filter(|e| e["message"] == "request" && e["status"] == 503 && e["route"] != "/readyz")
+        .collect();
+    assert_eq!(failed.len(), 21, "each request's own line: {logs}");
+    assert!(
+        warnings.len() <= 4,
+        "the cause once an interval, not once a request: {} lines: {warnings:#?}",
+        warnings.len()
+    );
+    assert!(
+        entries
+            .iter()
+            .any(|e| e["level"] != "INFO" && e["span"]["request_id"] == "outage-1"),
+        "the line the request wrote carries its id: {logs}"
+    );
 }

@@ -56,6 +56,16 @@ impl TcpRelay {
         }
     }
 
+    /// A relay to the PostgreSQL of `url`, and `url` pointed at the relay.
+    pub async fn in_front_of(url: &str) -> (Self, String) {
+        let mut url = reqwest::Url::parse(url).expect("a database URL");
+        let upstream = format!("{}:{}", url.host_str().unwrap(), url.port().unwrap_or(5432));
+        let relay = Self::start(upstream).await;
+        url.set_host(Some("127.0.0.1")).unwrap();
+        url.set_port(Some(relay.port)).unwrap();
+        (relay, url.to_string())
+    }
+
     /// From now on nothing passes, either way, on any connection, old or new, until
     /// [`TcpRelay::resume`]: what was sent is held, not lost.
     pub fn silence(&self) {
