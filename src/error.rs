@@ -78,6 +78,10 @@ pub enum ApiError {
     TopUpProcessing,
     #[error("the service is at capacity; retry after the Retry-After delay")]
     Overloaded,
+    /// A payment refused unrun after waiting behind an earlier one of its account that is
+    /// still running: the account's row is in use, not the whole service.
+    #[error("an earlier payment of this account is still running (its row is in use, as by a long transaction or a payment waiting on it); nothing was done: retry after the Retry-After delay")]
+    AccountBusy,
     #[error("a temporary failure interrupted the request; retry with the same Idempotency-Key: if it was committed the retry replays it, otherwise the retry processes it")]
     Unavailable,
     /// `serve` has not reached its database yet (start-up): nothing was looked at or run.
@@ -108,7 +112,7 @@ impl ApiError {
             Self::KeyReused => ProblemCode::IdempotencyKeyReused,
             Self::KeyExpired => ProblemCode::IdempotencyKeyExpired,
             Self::InProgress | Self::TopUpProcessing => ProblemCode::RequestInProgress,
-            Self::Overloaded => ProblemCode::Overloaded,
+            Self::Overloaded | Self::AccountBusy => ProblemCode::Overloaded,
             Self::Unavailable | Self::Starting => ProblemCode::TemporarilyUnavailable,
             Self::Internal(_) => ProblemCode::InternalError,
         }
@@ -136,6 +140,7 @@ impl ApiError {
             Self::InProgress => "Request in progress",
             Self::TopUpProcessing => "Top-up still processing",
             Self::Overloaded => "Overloaded",
+            Self::AccountBusy => "Account busy",
             Self::Unavailable | Self::Starting => "Temporarily unavailable",
             Self::Internal(_) => "Internal error",
         }
@@ -159,7 +164,7 @@ impl ApiError {
             Self::KeyReused => "key_reused",
             Self::KeyExpired => "expired",
             Self::InProgress | Self::TopUpProcessing => "in_progress",
-            Self::Overloaded | Self::Unavailable | Self::Starting => "transient_error",
+            Self::Overloaded | Self::AccountBusy | Self::Unavailable | Self::Starting => "transient_error",
             Self::NotFound | Self::AccountNotFound => "not_found",
             Self::Internal(_) => "internal_error",
             Self::BodyTooLarge { .. }
@@ -174,9 +179,12 @@ impl ApiError {
     /// The `Retry-After` of this answer, in seconds, if it has one.
     fn retry_after(&self) -> Option<u64> {
         match self {
-            Self::InProgress | Self::Overloaded | Self::Unavailable | Self::Starting | Self::ProcessorUnknown => {
-                Some(RETRY_AFTER_SECS)
-            }
+            Self::InProgress
+            | Self::Overloaded
+            | Self::AccountBusy
+            | Self::Unavailable
+            | Self::Starting
+            | Self::ProcessorUnknown => Some(RETRY_AFTER_SECS),
             // A top-up ends when the completer or a cardholder's action ends it: seconds to
             // minutes, not the one second a request in flight takes.
             Self::TopUpProcessing | Self::ProcessorWaiting => Some(TOP_UP_PROCESSING_RETRY_AFTER_SECS),
@@ -247,6 +255,7 @@ impl From<DbError> for ApiError {
         match err {
             DbError::InProgress => Self::InProgress,
             DbError::Saturated => Self::Overloaded,
+            DbError::AccountBusy => Self::AccountBusy,
             DbError::Transient(err) => {
                 match TRANSIENT.admit(std::time::Instant::now()) {
                     Some(held_back) => tracing::warn!(error = %err, failures_since_last_line = held_back,

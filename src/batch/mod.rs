@@ -11,7 +11,8 @@
 //! payments queue and leave in the next one. At low load a payment leaves alone, at once.
 //!
 //! A payment waits for a slot at most `ONCEPAY_DB_ACQUIRE_TIMEOUT_MS`, as a request waits
-//! for a pooled connection, and is then refused (429) without having run; one held back as a
+//! for a pooled connection, and is then refused (429) without having run (titled `Account
+//! busy` when it was held back behind a payment of its account still out); one held back as a
 //! duplicate of a payment still running (below) waits as a duplicate does, up to
 //! `ONCEPAY_INFLIGHT_WAIT_MS`, then answers 409 `request_in_progress`. One already in a
 //! batch is always answered with what its batch did.
@@ -143,6 +144,10 @@ struct Job<E: Batched> {
     /// still out: the waiter then waits as a duplicate does, up to its in-flight wait, and
     /// answers 409 `request_in_progress` rather than 429.
     duplicate: Arc<AtomicBool>,
+    /// Set by the dispatcher when it holds the item back because its account is in a
+    /// statement still out: refused after its wait, it answers that the account is busy
+    /// ([`DbError::AccountBusy`]), not that the service is at capacity.
+    account_busy: Arc<AtomicBool>,
     /// What it locks or claims: made once, as the dispatcher may look at a held-back item
     /// many times.
     holds: Holds,
@@ -195,6 +200,7 @@ impl<E: Batched> Batcher<E> {
         let (reply, mut answer) = oneshot::channel();
         let taken = Arc::new(AtomicBool::new(false));
         let duplicate = Arc::new(AtomicBool::new(false));
+        let account_busy = Arc::new(AtomicBool::new(false));
         let inflight_wait = claim.inflight_wait();
         let holds = Holds {
             account: (tenant, effect.lock_order().to_owned()),
@@ -209,6 +215,7 @@ impl<E: Batched> Batcher<E> {
             reply,
             taken: Arc::clone(&taken),
             duplicate: Arc::clone(&duplicate),
+            account_busy: Arc::clone(&account_busy),
         };
         self.queue.try_send(job).map_err(|err| match err {
             mpsc::error::TrySendError::Full(_) => DbError::Saturated,
@@ -232,6 +239,8 @@ impl<E: Batched> Batcher<E> {
             // Still queued or held back: refused, and the dispatcher will skip it.
             return Err(if duplicate {
                 DbError::InProgress
+            } else if account_busy.load(Ordering::Acquire) {
+                DbError::AccountBusy
             } else {
                 DbError::Saturated
             });
@@ -457,8 +466,10 @@ impl<E: Batched> Dispatcher<E> {
                         Blocked::Key | Blocked::Account => self.counters.held_back.inc(),
                     }
                 }
-                if blocked == Blocked::Key {
-                    job.duplicate.store(true, Ordering::Release);
+                match blocked {
+                    Blocked::Key => job.duplicate.store(true, Ordering::Release),
+                    Blocked::Account => job.account_busy.store(true, Ordering::Release),
+                    Blocked::Share => {}
                 }
                 held.push_back(job);
             }
@@ -607,7 +618,7 @@ async fn execute<E: Batched>(db: &Db, mut batch: Vec<Job<E>>, counters: &Counter
         let job = batch.pop().expect("one job");
         let started = Instant::now();
         let result = alone(db, &job).await;
-        let took = (!matches!(result, Err(DbError::Saturated))).then(|| (started.elapsed(), 1));
+        let took = (!matches!(result, Err(DbError::Saturated | DbError::AccountBusy))).then(|| (started.elapsed(), 1));
         if result.is_ok() {
             counters.size.observe(1.0);
         }
@@ -778,6 +789,7 @@ mod tests {
             reply: oneshot::channel().0,
             taken: Arc::new(AtomicBool::new(false)),
             duplicate: Arc::new(AtomicBool::new(false)),
+            account_busy: Arc::new(AtomicBool::new(false)),
             holds,
         }
     }

@@ -19,6 +19,10 @@ pub enum DbError {
     /// Every pooled connection (or batch slot) is busy: the process is at capacity.
     #[error("every database connection is busy")]
     Saturated,
+    /// A payment waited its turn behind an earlier one of the same account, still running
+    /// (its row in use), and was refused unrun: the account is busy, not the process.
+    #[error("an earlier payment of this account is still running")]
+    AccountBusy,
     /// PostgreSQL refused or rolled back the call, or the call never reached it: nothing was
     /// committed, and the same request may succeed later (a deadlock, a serialization
     /// failure, a statement timeout, a node that cannot write, no connection to be had).
@@ -47,7 +51,7 @@ impl DbError {
             Self::InProgress => true,
             Self::Transient(err) => matches!(sqlstate(err).as_deref(), Some("40001" | "40P01")),
             Self::Other(err) => matches!(err, sqlx::Error::Database(_)),
-            Self::Saturated | Self::Unknown(_) => false,
+            Self::Saturated | Self::AccountBusy | Self::Unknown(_) => false,
         }
     }
 
@@ -57,6 +61,7 @@ impl DbError {
         match self {
             Self::InProgress => Self::InProgress,
             Self::Saturated => Self::Saturated,
+            Self::AccountBusy => Self::AccountBusy,
             Self::Transient(e) => Self::Transient(text(e)),
             Self::Unknown(e) => Self::Unknown(text(e)),
             Self::Other(e) => Self::Other(sqlx::Error::Decode(e.to_string().into())),

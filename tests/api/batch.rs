@@ -532,6 +532,37 @@ async fn payments_beyond_the_batch_queue_are_refused_as_overloaded_and_change_no
     );
 }
 
+/// A payment held back behind an earlier one of its account whose row is in use (here a
+/// session holds it) is refused unrun after the acquire timeout, as one that found no slot
+/// is; its answer says the account is busy, not that the service is at capacity. Payments of
+/// other accounts go on meanwhile (two slots: one is the blocked payment's).
+#[tokio::test]
+async fn a_payment_behind_a_busy_account_is_refused_as_the_account_busy_not_the_service_full() {
+    let app = spawn_app_with(|s| {
+        s.db_batches_in_flight = Some(2);
+        s.db_acquire_timeout = Duration::from_millis(300);
+    })
+    .await;
+    app.open_account("blocker", 1_000).await;
+    let (mut lock, first) = hold_slot(&app, &new_key(), "blocker").await;
+
+    let behind = pay_on(&app, &new_key(), "blocker", 1).await;
+    behind.assert_problem(429, "overloaded");
+    assert_eq!(behind.body["title"], "Account busy", "{}", behind.body);
+    assert!(
+        behind.body["detail"].as_str().unwrap().contains("this account"),
+        "{}",
+        behind.body
+    );
+    assert_eq!(behind.header("retry-after"), Some("1"));
+    let other = pay_on(&app, &new_key(), "main", 1).await;
+    assert_eq!(other.status, 201, "another account's payment goes on: {}", other.body);
+
+    sqlx::query("COMMIT").execute(&mut lock).await.unwrap();
+    assert_eq!(first.await.unwrap().status, 201);
+    assert_eq!(app.balance("blocker").await, 999, "the refused payment charged nothing");
+}
+
 #[tokio::test]
 async fn a_payment_that_waits_for_a_slot_past_the_acquire_timeout_gets_429_and_never_runs() {
     let app = spawn_app_with(|s| {
