@@ -39,16 +39,18 @@ enum Command {
 /// The commands that work on the database (they need DATABASE_URL).
 #[derive(Subcommand)]
 enum ServerCommand {
-    /// Run the HTTP API (waits for the database, answering 503 meanwhile; stops on a schema
-    /// that is behind).
+    /// Run the HTTP API on the database at DATABASE_URL (waits for it, answering 503
+    /// meanwhile; stops on a schema that is behind). Settings: ONCEPAY_* (README.md).
     Serve,
     /// Apply the embedded migrations to DATABASE_URL (safe to run twice or concurrently).
     Migrate,
-    /// Delete idempotency-key rows older than ONCEPAY_RETENTION_SECS (prints `deleted=N`) and
-    /// webhook events older than ONCEPAY_EVENT_RETENTION_DAYS.
+    /// Delete, on DATABASE_URL, idempotency-key rows older than the key retention
+    /// (ONCEPAY_RETENTION_SECS, or a server's longer one) and past their window (prints
+    /// `deleted=N`), and webhook events older than ONCEPAY_EVENT_RETENTION_DAYS.
     Purge,
-    /// Reconcile balances, key rows and effects (docs/audit.md). Exit 0 clean (warnings
-    /// allowed), 3 when an invariant is broken, 1 when the audit could not run.
+    /// Reconcile balances, key rows and effects on DATABASE_URL (docs/audit.md). Exit 0
+    /// clean (warnings allowed), 3 when an invariant is broken, 1 when the audit could not
+    /// run.
     Audit {
         /// Print the report as one JSON object.
         #[arg(long)]
@@ -63,7 +65,7 @@ enum ServerCommand {
         #[arg(long, default_value_t = 20)]
         samples: i64,
     },
-    /// Manage tenants.
+    /// Manage the tenants of the database at DATABASE_URL.
     #[command(subcommand)]
     Tenant(TenantCommand),
 }
@@ -72,10 +74,14 @@ enum ServerCommand {
 enum TenantCommand {
     /// Create a tenant with its `main` account; prints its API key (shown only once).
     Create {
+        /// The tenant's name, for people (its id, printed, is what identifies it).
         #[arg(long)]
         name: String,
+        /// What a request without Idempotency-Key gets: reject (400), allow (processed,
+        /// unprotected) or fingerprint (deduplicated by a key derived from the body).
         #[arg(long, value_enum, default_value = "reject")]
         missing_key_policy: PolicyArg,
+        /// The opening balance of its `main` account, in minor units.
         #[arg(long, default_value_t = 0)]
         main_balance: i64,
     },
@@ -88,18 +94,22 @@ enum TenantCommand {
 enum KeyCommand {
     /// Adds an API key to the tenant; prints it (shown only once). Its other keys stay valid.
     Create {
+        /// The tenant's id.
         #[arg(long)]
         tenant: uuid::Uuid,
     },
     /// Prints the tenant's keys (ids, creation, last use, revocation; never a secret).
     List {
+        /// The tenant's id.
         #[arg(long)]
         tenant: uuid::Uuid,
     },
     /// Revokes a key: every replica refuses it within one second.
     Revoke {
+        /// The tenant's id.
         #[arg(long)]
         tenant: uuid::Uuid,
+        /// The key's id (`tenant key list` shows it).
         key_id: uuid::Uuid,
     },
 }
