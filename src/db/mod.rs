@@ -37,6 +37,9 @@ pub const APPLICATION_NAME: &str = "oncepay";
 /// How long a transaction may sit idle (a stalled process must not hold row locks).
 const IDLE_IN_TRANSACTION: &str = "60s";
 
+/// How long [`Db::close`] waits for the idle connections' goodbyes.
+const CLOSE_WAIT: Duration = Duration::from_secs(2);
+
 /// How much longer than the statement timeout a call waits for PostgreSQL's answer before it
 /// gives up on the connection ([`Session::deadline`]). PostgreSQL answers a statement past
 /// its timeout itself (57014) within a moment; only a database that receives nothing, or
@@ -249,11 +252,17 @@ impl Db {
     }
 
     /// Closes the idle connections (a clean `Terminate` each) and refuses further calls;
-    /// connections in use are closed when their call returns them.
+    /// connections in use are closed when their call returns them. The goodbyes get
+    /// [`CLOSE_WAIT`]: a TLS connection's close waits for the server's own, which a database
+    /// that went silent never sends, and a stopping process must not wait for it (the
+    /// sockets are dropped instead, which PostgreSQL sees as a client gone).
     pub async fn close(&self) {
         let idle = self.pool.retain(|_, _| false).removed;
         self.pool.close();
-        futures_util::future::join_all(idle.into_iter().map(Connection::close)).await;
+        let goodbyes = futures_util::future::join_all(idle.into_iter().map(Connection::close));
+        if tokio::time::timeout(CLOSE_WAIT, goodbyes).await.is_err() {
+            tracing::debug!("idle database connections dropped without their goodbye");
+        }
     }
 
     /// `oncepay_db_connections_closed_total{reason}`, for the process's metrics registry.
