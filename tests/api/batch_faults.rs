@@ -184,11 +184,7 @@ async fn a_batch_whose_answer_cannot_be_read_after_it_ran_answers_503_and_runs_n
 #[tokio::test]
 async fn a_batch_whose_connection_breaks_while_it_runs_is_not_run_again() {
     let url = faulty_database("batch_cut").await;
-    let mut relayed = reqwest::Url::parse(&url).unwrap();
-    let upstream = format!("{}:{}", relayed.host_str().unwrap(), relayed.port().unwrap_or(5432));
-    let relay = TcpRelay::start(upstream).await;
-    relayed.set_host(Some("127.0.0.1")).unwrap();
-    relayed.set_port(Some(relay.port)).unwrap();
+    let (relay, relayed) = TcpRelay::in_front_of(&url).await;
     let pool = PgPool::connect(&url).await.unwrap();
     let (tenant_id, api_key) = new_tenant(&pool, MissingKeyPolicy::Allow).await;
     sqlx::query(
@@ -202,7 +198,7 @@ async fn a_batch_whose_connection_breaks_while_it_runs_is_not_run_again() {
     // in autocommit: the case where a statement commits with nobody left to hear it.
     let app = TestApp::builder()
         .settings(|s| {
-            s.database_url = relayed.to_string();
+            s.database_url = relayed;
             s.db_pooler = Pooler::None;
             s.db_batches_in_flight = Some(1);
             s.db_batch_max = 32;

@@ -159,6 +159,16 @@ pub async fn stop_logged(server: &mut tokio::process::Child, logs: tokio::task::
     logs.await.unwrap()
 }
 
+/// Sends SIGTERM to a server process (a graceful stop).
+pub fn sigterm(server: &tokio::process::Child) {
+    let pid = server.id().expect("the process runs").to_string();
+    let sent = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap();
+    assert!(sent.success(), "kill -TERM {pid}");
+}
+
 /// A free port on 127.0.0.1 for a server process (bound, read, released).
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")

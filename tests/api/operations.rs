@@ -75,14 +75,10 @@ async fn health_and_readiness_answer() {
 async fn readiness_is_503_when_the_database_is_unreachable() {
     // The database lost after start (one not reached yet: tests/api/startup.rs): the server
     // reaches it through a relay, which is cut once it is ready.
-    let mut url = reqwest::Url::parse(&database_url()).expect("DATABASE_URL is a URL");
-    let upstream = format!("{}:{}", url.host_str().unwrap(), url.port().unwrap_or(5432));
-    let relay = TcpRelay::start(upstream).await;
-    url.set_host(Some("127.0.0.1")).unwrap();
-    url.set_port(Some(relay.port)).unwrap();
+    let (relay, url) = TcpRelay::in_front_of(&database_url()).await;
     let app = TestApp::builder()
         .settings(|s| {
-            s.database_url = url.to_string();
+            s.database_url = url;
             s.db_acquire_timeout = Duration::from_millis(500);
         })
         .spawn()

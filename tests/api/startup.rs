@@ -245,12 +245,7 @@ async fn the_serve_command_outlives_a_database_that_is_down_logs_each_attempt_an
     assert_eq!(client.get(format!("{base}/readyz")).send().await.unwrap().status(), 503);
     assert!(server.try_wait().unwrap().is_none(), "serve still runs");
 
-    let pid = server.id().unwrap().to_string();
-    let signalled = std::process::Command::new("kill")
-        .args(["-TERM", &pid])
-        .status()
-        .unwrap();
-    assert!(signalled.success());
+    crate::commands::sigterm(&server);
     let status = tokio::time::timeout(Duration::from_secs(20), server.wait())
         .await
         .expect("serve stops within 20 s of SIGTERM")
@@ -331,12 +326,7 @@ async fn serve_stops_on_sigterm_while_the_database_answers_nothing() {
     relay.silence();
     // The deliverer looks for due deliveries every 250 ms: its next claim is sent and held.
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    let pid = server.id().unwrap().to_string();
-    let signalled = std::process::Command::new("kill")
-        .args(["-TERM", &pid])
-        .status()
-        .unwrap();
-    assert!(signalled.success());
+    crate::commands::sigterm(&server);
     let stopped = tokio::time::timeout(Duration::from_secs(15), server.wait()).await;
     relay.resume();
     let Ok(status) = stopped else {

@@ -101,10 +101,7 @@ impl StripeRules {
                     return Some(("amount_too_small", stripe_answer(400, &error)));
                 }
             }
-            if let Some(intent) = path
-                .strip_prefix("/v1/payment_intents/")
-                .and_then(|p| p.strip_suffix("/confirm"))
-            {
+            if let Some(intent) = confirmed_intent(path) {
                 let needs_return_url = self.state.lock().unwrap().redirecting.contains(intent)
                     && !form.contains_key("return_url")
                     && form.get("off_session").map(String::as_str) != Some("true");
@@ -161,11 +158,10 @@ impl StripeRules {
                 }
                 return answer;
             }
-            ("POST", p) if p.ends_with("/confirm") && status == 402 && body["error"]["payment_intent"].is_null() => {
-                let intent = p
-                    .strip_prefix("/v1/payment_intents/")
-                    .and_then(|p| p.strip_suffix("/confirm"))
-                    .unwrap_or_default();
+            ("POST", p)
+                if status == 402 && body["error"]["payment_intent"].is_null() && confirmed_intent(p).is_some() =>
+            {
+                let intent = confirmed_intent(p).unwrap_or_default();
                 body["error"]["payment_intent"] =
                     json!({"id": intent, "object": "payment_intent", "status": "requires_payment_method"});
                 return stripe_answer(402, &body);
@@ -250,6 +246,12 @@ impl StripeRules {
             state.answered.insert(key.clone());
         }
     }
+}
+
+/// The PaymentIntent a `POST /v1/payment_intents/{id}/confirm` confirms.
+fn confirmed_intent(path: &str) -> Option<&str> {
+    path.strip_prefix("/v1/payment_intents/")
+        .and_then(|p| p.strip_suffix("/confirm"))
 }
 
 /// The request's form (a POST's body).

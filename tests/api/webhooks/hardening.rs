@@ -728,12 +728,7 @@ async fn a_replica_stopped_gracefully_records_the_attempts_in_flight() {
     })
     .await;
 
-    let pid = server.id().unwrap().to_string();
-    assert!(std::process::Command::new("kill")
-        .args(["-TERM", &pid])
-        .status()
-        .unwrap()
-        .success());
+    crate::commands::sigterm(&server);
     let status = tokio::time::timeout(Duration::from_secs(20), server.wait())
         .await
         .expect("serve stops within 20 s of SIGTERM")
