@@ -337,7 +337,7 @@ impl<E: Batched> Dispatcher<E> {
             let waiting = self.arrived.len() + self.jobs.len();
             if let Some(until) = self
                 .fill
-                .wait_until(self.in_flight, waiting, free_since, self.limit.least_latency())
+                .wait_until(self.out.items_total(), waiting, free_since, self.limit.least_latency())
                 .filter(|_| !self.closed)
             {
                 tokio::select! {
@@ -583,6 +583,11 @@ impl Out {
         } else {
             None
         }
+    }
+
+    /// Items in the statements out, every tenant's.
+    fn items_total(&self) -> usize {
+        self.items.values().sum()
     }
 
     fn items_of(&self, tenant: TenantId) -> usize {
