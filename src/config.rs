@@ -348,6 +348,13 @@ impl Settings {
                 );
             }
         }
+        if self.db_pool_size > MAX_DB_POOL_SIZE {
+            bail!(
+                "ONCEPAY_DB_POOL_SIZE={} is more than {MAX_DB_POOL_SIZE}: PostgreSQL serves each connection with a \
+                 process of its own (its max_connections is usually a few hundred)",
+                self.db_pool_size
+            );
+        }
         for (name, positive) in [
             ("ONCEPAY_DB_POOL_SIZE", self.db_pool_size > 0),
             ("ONCEPAY_WORKERS", self.workers > 0),
@@ -367,8 +374,12 @@ impl Settings {
         if self.webhooks.max_endpoints == 0 || self.webhooks.max_endpoints > 1_000 {
             bail!("ONCEPAY_WEBHOOK_MAX_ENDPOINTS must be between 1 and 1000");
         }
-        if self.webhooks.disable_after.as_secs() > i32::MAX as u64 {
-            bail!("ONCEPAY_WEBHOOK_DISABLE_AFTER_SECS above {} is not supported", i32::MAX);
+        if self.webhooks.disable_after.is_zero() || self.webhooks.disable_after.as_secs() > i32::MAX as u64 {
+            bail!(
+                "ONCEPAY_WEBHOOK_DISABLE_AFTER_SECS must be between 1 and {}: at 0 an endpoint's first failed \
+                 attempt would disable it",
+                i32::MAX
+            );
         }
         if let Some(token) = &self.admin_token {
             if !token.bytes().all(|b| b.is_ascii_graphic()) {
@@ -535,17 +546,19 @@ fn var(name: &str) -> Option<String> {
 }
 
 /// A number, or `None` when the variable is unset or empty.
+/// A number setting; unset or empty (blank) is `None`, as for switches and the log format.
 fn optional_number<T: std::str::FromStr>(name: &str) -> anyhow::Result<Option<T>> {
-    match var(name).filter(|raw| !raw.trim().is_empty()) {
-        None => Ok(None),
-        Some(raw) => raw.trim().parse().map(Some).map_err(|_| not_a_number(name, &raw)),
-    }
+    parse_number(name, var(name).as_deref())
 }
 
 fn number<T: std::str::FromStr>(name: &str, default: T) -> anyhow::Result<T> {
-    match var(name) {
-        None => Ok(default),
-        Some(raw) => raw.trim().parse().map_err(|_| not_a_number(name, &raw)),
+    Ok(optional_number(name)?.unwrap_or(default))
+}
+
+fn parse_number<T: std::str::FromStr>(name: &str, raw: Option<&str>) -> anyhow::Result<Option<T>> {
+    match raw.map(str::trim).filter(|raw| !raw.is_empty()) {
+        None => Ok(None),
+        Some(raw) => raw.parse().map(Some).map_err(|_| not_a_number(name, raw)),
     }
 }
 
@@ -653,6 +666,10 @@ pub fn unknown_variables(names: impl IntoIterator<Item = String>) -> Vec<String>
     unknown.sort();
     unknown
 }
+
+/// The largest `ONCEPAY_DB_POOL_SIZE`: far above what one PostgreSQL serves, low enough to
+/// catch a mistyped number (4294967295 started without a word).
+pub const MAX_DB_POOL_SIZE: u32 = 10_000;
 
 /// The longest `ONCEPAY_RETENTION_SECS`: ten years (the purge computes `now()` minus it).
 pub const MAX_RETENTION_SECS: u64 = 10 * 365 * 86_400;
@@ -782,6 +799,32 @@ mod tests {
             },
             "ONCEPAY_WORKERS",
         );
+        // These started without a word: a pool no database serves, and endpoints disabled
+        // at their first failed attempt.
+        refused(
+            Settings {
+                db_pool_size: u32::MAX,
+                ..base.clone()
+            },
+            "ONCEPAY_DB_POOL_SIZE",
+        );
+        refused(
+            Settings {
+                webhooks: WebhookSettings {
+                    disable_after: Duration::ZERO,
+                    ..base.webhooks.clone()
+                },
+                ..base.clone()
+            },
+            "ONCEPAY_WEBHOOK_DISABLE_AFTER_SECS",
+        );
+        assert!(Settings {
+            db_pool_size: MAX_DB_POOL_SIZE,
+            db_batches_in_flight: None,
+            ..base.clone()
+        }
+        .validate()
+        .is_ok());
         assert!(Settings {
             statement_timeout: Duration::from_millis(i32::MAX as u64),
             retention: Duration::from_secs(MAX_RETENTION_SECS),
@@ -789,6 +832,18 @@ mod tests {
         }
         .validate()
         .is_ok());
+    }
+
+    #[test]
+    fn an_empty_number_is_unset_like_an_empty_switch_and_words_are_refused_naming_the_variable() {
+        assert_eq!(parse_number::<u32>("X", None).unwrap(), None);
+        assert_eq!(parse_number::<u32>("X", Some("")).unwrap(), None);
+        assert_eq!(parse_number::<u32>("X", Some("  ")).unwrap(), None);
+        assert_eq!(parse_number::<u32>("X", Some(" 12 ")).unwrap(), Some(12));
+        for bad in ["twelve", "-1", "1.5", "4294967296"] {
+            let err = parse_number::<u32>("ONCEPAY_X", Some(bad)).unwrap_err().to_string();
+            assert!(err.contains("ONCEPAY_X") && err.contains(bad), "{bad}: {err}");
+        }
     }
 
     #[test]
