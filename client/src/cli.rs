@@ -135,6 +135,8 @@ pub enum ClientCommand {
         account_flag: Option<String>,
     },
     /// A payment's current state: GET /payments/{id}.
+    // The id is required unless the hidden --id gives it, which clap's usage line cannot say.
+    #[command(override_usage = "oncepay get-payment [OPTIONS] --url <URL> --api-key <API_KEY> <ID>")]
     GetPayment {
         #[command(flatten)]
         server: ServerArgs,

@@ -81,6 +81,13 @@ fn get_payment_takes_the_id_as_its_argument_and_still_accepts_the_id_flag() {
         );
     }
     assert!(parse(&["get-payment"]).is_err(), "the id is required");
+    let mut cli = <Cli as clap::CommandFactory>::command();
+    let usage = cli
+        .find_subcommand_mut("get-payment")
+        .unwrap()
+        .render_usage()
+        .to_string();
+    assert!(usage.ends_with(" <ID>"), "the usage shows the id as required: {usage}");
     assert!(parse(&["get-payment", id, "--id", id]).is_err(), "one id at most");
 }
 
