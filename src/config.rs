@@ -365,11 +365,35 @@ impl Settings {
                 bail!("{name} must be positive");
             }
         }
+        if self.workers > MAX_WORKERS {
+            bail!(
+                "ONCEPAY_WORKERS={} is more than the {MAX_WORKERS} HTTP workers the server can run (one thread each)",
+                self.workers
+            );
+        }
         if self.max_connections == 0 {
             bail!("ONCEPAY_MAX_CONNECTIONS must be at least 1 (open connections per process)");
         }
         if self.webhooks.timeout.is_zero() || self.webhooks.endpoint_concurrency == 0 || self.webhooks.poll.is_zero() {
             bail!("ONCEPAY_WEBHOOK_TIMEOUT_MS, ONCEPAY_WEBHOOK_ENDPOINT_CONCURRENCY and ONCEPAY_WEBHOOK_POLL_MS must be positive");
+        }
+        // Past these a deliverer stopped at its start (too many attempts for a semaphore), or
+        // never looked again (a poll of years), or panicked at its first attempt's deadline.
+        if self.webhooks.concurrency > MAX_WEBHOOK_CONCURRENCY {
+            bail!("ONCEPAY_WEBHOOK_CONCURRENCY must be at most {MAX_WEBHOOK_CONCURRENCY} attempts in flight");
+        }
+        if self.webhooks.timeout > MAX_WEBHOOK_TIMEOUT {
+            bail!(
+                "ONCEPAY_WEBHOOK_TIMEOUT_MS must be at most {} (five minutes): an attempt holds its delivery and a \
+                 slot while it waits (receivers are expected to answer within seconds)",
+                MAX_WEBHOOK_TIMEOUT.as_millis()
+            );
+        }
+        if self.webhooks.poll > MAX_WEBHOOK_POLL {
+            bail!(
+                "ONCEPAY_WEBHOOK_POLL_MS must be at most {} (a minute): a due delivery can wait this long for an idle worker",
+                MAX_WEBHOOK_POLL.as_millis()
+            );
         }
         if self.webhooks.max_endpoints == 0 || self.webhooks.max_endpoints > 1_000 {
             bail!("ONCEPAY_WEBHOOK_MAX_ENDPOINTS must be between 1 and 1000");
@@ -671,6 +695,18 @@ pub fn unknown_variables(names: impl IntoIterator<Item = String>) -> Vec<String>
 /// catch a mistyped number (4294967295 started without a word).
 pub const MAX_DB_POOL_SIZE: u32 = 10_000;
 
+/// The most `ONCEPAY_WORKERS` (actix-server's limit: past it, a panic at start).
+pub const MAX_WORKERS: usize = 512;
+
+/// The most `ONCEPAY_WEBHOOK_CONCURRENCY`.
+pub const MAX_WEBHOOK_CONCURRENCY: usize = 10_000;
+
+/// The longest `ONCEPAY_WEBHOOK_TIMEOUT_MS`.
+pub const MAX_WEBHOOK_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// The longest `ONCEPAY_WEBHOOK_POLL_MS`.
+pub const MAX_WEBHOOK_POLL: Duration = Duration::from_secs(60);
+
 /// The longest `ONCEPAY_RETENTION_SECS`: ten years (the purge computes `now()` minus it).
 pub const MAX_RETENTION_SECS: u64 = 10 * 365 * 86_400;
 
@@ -799,6 +835,14 @@ mod tests {
             },
             "ONCEPAY_WORKERS",
         );
+        let webhooks = |change: &dyn Fn(&mut WebhookSettings)| {
+            let mut webhooks = base.webhooks.clone();
+            change(&mut webhooks);
+            Settings {
+                webhooks,
+                ..base.clone()
+            }
+        };
         // These started without a word: a pool no database serves, and endpoints disabled
         // at their first failed attempt.
         refused(
@@ -809,15 +853,32 @@ mod tests {
             "ONCEPAY_DB_POOL_SIZE",
         );
         refused(
-            Settings {
-                webhooks: WebhookSettings {
-                    disable_after: Duration::ZERO,
-                    ..base.webhooks.clone()
-                },
-                ..base.clone()
-            },
+            webhooks(&|w| w.disable_after = Duration::ZERO),
             "ONCEPAY_WEBHOOK_DISABLE_AFTER_SECS",
         );
+        // These started and then panicked: the deliverer at once (a semaphore of usize::MAX
+        // permits) while the server answered ready, actix at start (workers past 512), a
+        // delivery at its deadline (a timeout of u64::MAX ms); a poll of years never looked.
+        refused(
+            Settings {
+                workers: MAX_WORKERS + 1,
+                ..base.clone()
+            },
+            "ONCEPAY_WORKERS",
+        );
+        refused(webhooks(&|w| w.concurrency = usize::MAX), "ONCEPAY_WEBHOOK_CONCURRENCY");
+        refused(
+            webhooks(&|w| w.timeout = Duration::from_millis(u64::MAX)),
+            "ONCEPAY_WEBHOOK_TIMEOUT_MS",
+        );
+        refused(webhooks(&|w| w.poll = MAX_WEBHOOK_POLL * 2), "ONCEPAY_WEBHOOK_POLL_MS");
+        assert!(webhooks(&|w| {
+            w.concurrency = MAX_WEBHOOK_CONCURRENCY;
+            w.timeout = MAX_WEBHOOK_TIMEOUT;
+            w.poll = MAX_WEBHOOK_POLL;
+        })
+        .validate()
+        .is_ok());
         assert!(Settings {
             db_pool_size: MAX_DB_POOL_SIZE,
             db_batches_in_flight: None,
