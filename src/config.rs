@@ -35,9 +35,12 @@ pub struct Settings {
     /// as a statement of its own.
     pub db_batch_max: usize,
     /// Batched statements in flight per process, fixed (`ONCEPAY_DB_BATCHES_IN_FLIGHT`); unset,
-    /// the batcher chooses it from the statements' latency (src/batch/limit.rs), between 1 and
+    /// the batcher chooses it from the statements' latency (src/batch/limit.rs), between two and
     /// the pool's size. While all are out, payments queue and leave together in the next one.
     pub db_batches_in_flight: Option<usize>,
+    /// Where the batcher's chosen limit starts: one statement per core, 2 to 8 (not a
+    /// variable: the machine's; tests set it).
+    pub db_batches_initial: usize,
     /// Most payments of one tenant in a process's statements at once while other tenants
     /// are paying too (`ONCEPAY_DB_TENANT_SHARE`); 0 turns the share off (src/batch/mod.rs).
     pub db_tenant_share: usize,
@@ -255,6 +258,7 @@ impl Settings {
             // Measured in docs/bench/analysis.md ("Payments in batches").
             db_batch_max: number("ONCEPAY_DB_BATCH_MAX", 32)?,
             db_batches_in_flight: optional_number("ONCEPAY_DB_BATCHES_IN_FLIGHT")?,
+            db_batches_initial: cores.clamp(2, 8),
             // Two payments in flight per core keep a core busy; measured in docs/bench/README.md
             // ("Noisy neighbour").
             db_tenant_share: number("ONCEPAY_DB_TENANT_SHARE", (cores * 2).clamp(4, 32))?,
@@ -482,6 +486,7 @@ impl std::fmt::Debug for Settings {
             statement_timeout,
             db_batch_max,
             db_batches_in_flight,
+            db_batches_initial,
             db_tenant_share,
             purge_interval,
             purge_batch_size,
@@ -515,6 +520,7 @@ impl std::fmt::Debug for Settings {
             .field("statement_timeout", statement_timeout)
             .field("db_batch_max", db_batch_max)
             .field("db_batches_in_flight", db_batches_in_flight)
+            .field("db_batches_initial", db_batches_initial)
             .field("db_tenant_share", db_tenant_share)
             .field("purge_interval", purge_interval)
             .field("purge_batch_size", purge_batch_size)

@@ -66,8 +66,8 @@ impl Application {
         metrics.register_db(&db);
         let payments = (settings.db_batch_max > 1).then(|| {
             // The limit starts at one statement per core (what the fixed default was) and moves
-            // between one and the pool's size.
-            let initial = std::thread::available_parallelism().map_or(2, |n| n.get()).clamp(2, 8);
+            // between two and the pool's size.
+            let initial = settings.db_batches_initial;
             let limits = Limits {
                 max_items: settings.db_batch_max,
                 in_flight: settings.db_batches_in_flight,

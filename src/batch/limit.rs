@@ -30,7 +30,8 @@
 //!   limit): the database is the bound (its CPU, its locks, its disk), and more statements only
 //!   queue there, each with a smaller batch, at a higher cost per payment. At most once a round
 //!   (as many samples as the limit), so one slow moment is one step down.
-//! - Between the two it holds. It never goes below 1 nor above the ceiling (the pool).
+//! - Between the two it holds. It never goes below [`FLOOR`] (two: one statement stuck on a
+//!   row lock leaves a slot to everyone else) nor above the ceiling (the pool).
 //!
 //! A fixed limit (`ONCEPAY_DB_BATCHES_IN_FLIGHT`) is the same type, which never moves.
 
@@ -44,6 +45,12 @@ pub const BETA: f64 = 4.0;
 pub const STEP: f64 = 4.0;
 /// What a lowering multiplies the limit by.
 pub const BACKOFF: f64 = 0.9;
+/// The least the adaptive limit goes down to: two statements, so that one stuck on a row lock
+/// (a hot account, a duplicate of a key another replica runs, a row an operator's session
+/// holds) never takes every slot. At one, a statement waiting seconds on a lock held every
+/// other tenant's payments until they were refused (429), the pool idle: the rule lowers the
+/// limit on a stall, and a statement that does not come back gives it nothing to raise it by.
+pub const FLOOR: usize = 2;
 /// Samples of one size class after which its older window of minimums is forgotten.
 pub const WINDOW: u32 = 500;
 /// Size classes: batches of 1, 2-3, 4-7, ..., 512 and more.
@@ -114,12 +121,13 @@ pub struct Limit {
 }
 
 impl Limit {
-    /// A limit that starts at `initial` and moves between 1 and `ceiling`.
+    /// A limit that starts at `initial` and moves between [`FLOOR`] (or `ceiling`, if lower)
+    /// and `ceiling`.
     pub fn adaptive(initial: usize, ceiling: usize) -> Self {
         let ceiling = ceiling.max(1) as f64;
         Self {
-            value: (initial.max(1) as f64).min(ceiling),
-            floor: 1.0,
+            value: (initial.max(FLOOR) as f64).min(ceiling),
+            floor: (FLOOR as f64).min(ceiling),
             ceiling,
             adaptive: true,
             baselines: [Baseline::default(); CLASSES],
@@ -260,28 +268,28 @@ mod tests {
 
     #[test]
     fn a_stall_takes_one_whole_statement_away_even_from_a_small_limit() {
-        let mut limit = Limit::adaptive(2, 32);
+        let mut limit = Limit::adaptive(3, 32);
         let calm = Sample {
             latency: ms(2.0),
             items: 1,
-            in_flight: 2,
+            in_flight: 3,
             waiting: true,
         };
-        // Room and payments waiting: 2 becomes 2.5, still two statements.
+        // Room and payments waiting: 3 becomes 3.33, still three statements.
         assert_eq!(limit.observe(calm), Change::Held);
-        assert_eq!(limit.current(), 2);
-        // A stall: 2.5 x BACKOFF would still be two statements, which would change nothing.
+        assert_eq!(limit.current(), 3);
+        // A stall: 3.33 x BACKOFF would still be three statements, which would change nothing.
         let stall = Sample {
             latency: ms(300.0),
             ..calm
         };
         assert_eq!(limit.observe(stall), Change::Lowered);
-        assert_eq!(limit.current(), 1);
-        // Not below the floor.
+        assert_eq!(limit.current(), 2);
+        // Not below the floor: one statement stuck on a lock leaves one slot.
         for _ in 0..4 {
-            limit.observe(Sample { in_flight: 1, ..stall });
+            limit.observe(Sample { in_flight: 2, ..stall });
         }
-        assert_eq!(limit.current(), 1);
+        assert_eq!(limit.current(), FLOOR);
     }
 
     #[test]
@@ -302,8 +310,8 @@ mod tests {
         // while it stays busy (relearned from calm samples only).
         run(&mut limit, 2_000, 4, ms(6.0));
         assert!((2..=8).contains(&limit.current()), "{}", limit.current());
-        // Stalls bring it down to one, and never below (within a window: longer, and the slow
-        // database is the baseline, as above).
+        // Stalls bring it down to the floor, and never below (within a window: longer, and the
+        // slow database is the baseline, as above).
         let mut floor = Limit::adaptive(4, 8);
         floor.observe(Sample {
             latency: ms(1.0),
@@ -320,7 +328,9 @@ mod tests {
                 waiting: true,
             });
         }
-        assert_eq!(floor.current(), 1);
+        assert_eq!(floor.current(), FLOOR);
+        // A pool smaller than the floor is the ceiling.
+        assert_eq!(Limit::adaptive(4, 1).current(), 1);
     }
 
     #[test]
