@@ -73,15 +73,21 @@ BEGIN
         IF p_outcome[i] = 'deferred' THEN
             UPDATE webhook_deliveries d
                SET attempts = d.attempts - 1, leased_until = NULL,
+                   schedule_start = least(d.schedule_start, d.attempts - 1),
                    next_attempt_at = coalesce(p_next_attempt_at[i], now())
              WHERE d.tenant_id = p_tenant[i] AND d.event_id = p_event[i] AND d.endpoint_id = p_endpoint[i]
                AND (d.state = 'pending') IS TRUE AND d.attempts = p_attempt[i];
         ELSE
+            -- schedule_start at or past this attempt: a recovery restarted the schedule while
+            -- it was out, so its failure is the end of nothing: the delivery goes again now.
             UPDATE webhook_deliveries d
                SET leased_until = NULL, last_status = p_status[i], last_error = p_error[i],
-                   next_attempt_at = coalesce(p_next_attempt_at[i], now()),
-                   state = CASE WHEN p_outcome[i] = 'given_up' THEN 'given_up' ELSE 'pending' END,
-                   finished_at = CASE WHEN p_outcome[i] = 'given_up' THEN now() END
+                   next_attempt_at = CASE WHEN d.schedule_start >= p_attempt[i] THEN now()
+                                          ELSE coalesce(p_next_attempt_at[i], now()) END,
+                   state = CASE WHEN p_outcome[i] = 'given_up' AND d.schedule_start < p_attempt[i]
+                                THEN 'given_up' ELSE 'pending' END,
+                   finished_at = CASE WHEN p_outcome[i] = 'given_up' AND d.schedule_start < p_attempt[i]
+                                      THEN now() END
              WHERE d.tenant_id = p_tenant[i] AND d.event_id = p_event[i] AND d.endpoint_id = p_endpoint[i]
                AND (d.state = 'pending') IS TRUE AND d.attempts = p_attempt[i];
         END IF;

@@ -17,6 +17,60 @@ use crate::support::helpers::{
 use crate::support::webhook_receiver::{Receiver, Reply};
 use crate::webhooks::{delivering, pay, refund, subscribe, WAIT};
 
+/// Found from outside: a recovery while an event's last attempt was out answered
+/// `"deliveries": 0` and left the event alone; the attempt then timed out, the event was given
+/// up and never delivered. Now the recovery restarts the delivery's schedule under the attempt
+/// out: its failure is not the end, the event goes again at once.
+#[tokio::test]
+async fn a_recovery_while_an_events_last_attempt_is_out_delivers_it_once_that_attempt_fails() {
+    let (app, url) = spawn_app_on_own_database_with("recovery_during_attempt", |s| {
+        delivering(s);
+        // Two attempts, each given a second.
+        s.webhooks.retry_schedule = vec![Duration::from_millis(50)];
+        s.webhooks.timeout = Duration::from_secs(1);
+    })
+    .await;
+    let receiver = Receiver::start().await;
+    let endpoint = subscribe(&app, &receiver, None).await;
+    // Both attempts of the schedule hang past the timeout (and would be refused after it).
+    receiver.set_delay(Duration::from_secs(3));
+    receiver.script(|m| {
+        if m.nth <= 2 {
+            Reply::Status(500)
+        } else {
+            Reply::Status(204)
+        }
+    });
+    let since = unix_now() - 60;
+    pay(&app, 10).await;
+    let deadline = Instant::now() + WAIT;
+    // The receiver holds each request 3 s, past the sender's second: two out at once is the
+    // second attempt out (a message is listed once answered).
+    while receiver.in_flight() < 2 {
+        assert!(Instant::now() < deadline, "the last attempt went out within {WAIT:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+
+    let recovered = recover(&app, &endpoint, since).await;
+
+    assert_eq!(recovered.status, 202, "{}", recovered.body);
+    assert_eq!(
+        recovered.body["deliveries"], 1,
+        "the event whose attempt is out: {}",
+        recovered.body
+    );
+    receiver.set_delay(Duration::ZERO);
+    receiver.wait_for_acknowledged(1, Duration::from_secs(15)).await;
+    let nths: Vec<usize> = receiver.messages().iter().map(|m| m.nth).collect();
+    assert_eq!(
+        nths,
+        [1, 2, 3],
+        "the two attempts of the schedule, then the recovered one"
+    );
+    drop(app);
+    drop_database(&url).await;
+}
+
 /// A replica that delivers, with a retry schedule this short: a receiver down for a second
 /// outlasts all of it, as one down for three hours outlasts the default schedule. On a
 /// database of its own, so that it is the only deliverer: on the shared one every test's
@@ -31,6 +85,16 @@ async fn short_schedule_app(name_hint: &str) -> (TestApp, String) {
 }
 
 const SHORT_SCHEDULE: [f64; 3] = [0.05, 0.1, 0.15];
+
+/// `POST /webhook-endpoints/{endpoint}/recover` since `since` (Unix seconds), under a new key.
+async fn recover(app: &TestApp, endpoint: &str, since: i64) -> crate::support::helpers::Answer {
+    app.post(
+        &format!("/webhook-endpoints/{endpoint}/recover"),
+        Some(&new_key()),
+        &json!({ "since": since }),
+    )
+    .await
+}
 
 /// Waits until the tenant has `n` deliveries in `state`.
 async fn wait_for_deliveries(app: &TestApp, state: &str, n: i64) {
@@ -359,13 +423,7 @@ async fn a_disabled_endpoints_recovery_is_held_until_it_is_enabled() {
     assert!(disabled);
     receiver.start_again().await;
 
-    let recovered = app
-        .post(
-            &format!("/webhook-endpoints/{endpoint}/recover"),
-            Some(&new_key()),
-            &json!({ "since": since }),
-        )
-        .await;
+    let recovered = recover(&app, &endpoint, since).await;
     assert_eq!((recovered.status, &recovered.body["deliveries"]), (202, &json!(4)));
     tokio::time::sleep(Duration::from_millis(700)).await;
     assert!(receiver.messages().is_empty(), "nothing goes to a disabled endpoint");

@@ -1,0 +1,218 @@
+-- A recovery while an event's attempt is out delivers it (found from outside).
+--
+-- V24's recover reopened an endpoint's deliveries that had ended without a 2xx and brought
+-- forward the pending ones waiting for their next attempt, but left alone a delivery whose
+-- attempt was out (leased): answered "deliveries": 0 for it, and when that attempt was the
+-- schedule's last and failed (a receiver hanging as it came back: the usual outage), the
+-- event was given up and never delivered; when it was not the last, it waited for its next
+-- retry, half an hour to ten hours on the default schedule, though the runbook says every
+-- missed event then arrives.
+--
+-- Now recover counts such a delivery and restarts its schedule under the attempt out
+-- (schedule_start = its attempts, that attempt's number), without waiting for it. The record
+-- of an attempt whose number is not past its delivery's schedule_start (a recovery came while
+-- it was out) does not give up and does not wait: the delivery goes again at once, its next
+-- attempt the first of the new schedule. A deferred attempt (not counted) keeps that start
+-- at most its attempts. Resend is unchanged (an attempt out: 409, retried).
+--
+-- Left as it was: a delivery being recorded at the very moment of the recovery (its row
+-- locked for the record's transaction, milliseconds) is skipped, not waited for (a wait would
+-- close a cycle with the record, which locks deliveries then the endpoint).
+
+CREATE OR REPLACE FUNCTION oncepay_recover_webhook_endpoint(p_tenant uuid, p oncepay_claim_args, p_endpoint uuid,
+                                                 p_since timestamptz)
+RETURNS TABLE (outcome oncepay_outcome, decline oncepay_decline, expires_at timestamptz,
+               resource webhook_recoveries)
+LANGUAGE plpgsql SET enable_seqscan = off AS $$
+#variable_conflict use_column
+DECLARE
+    c oncepay_claimed := oncepay_claim(p_tenant, p, NULL);
+    ep webhook_endpoints;
+    v_reopened int;
+    v_due int;
+BEGIN
+    IF c.outcome = 'created' THEN
+        SELECT e.* INTO ep FROM webhook_endpoints e
+         WHERE e.tenant_id = p_tenant AND e.endpoint_id = p_endpoint AND e.deleted_at IS NULL
+           FOR SHARE;
+        IF NOT FOUND THEN
+            c := oncepay_decline(p_tenant, p, 'not_found');
+        ELSE
+            UPDATE webhook_deliveries d
+               SET state = CASE WHEN ep.disabled_at IS NULL THEN 'pending' ELSE 'held' END,
+                   finished_at = CASE WHEN ep.disabled_at IS NULL THEN NULL ELSE now() END,
+                   next_attempt_at = now(), leased_until = NULL, schedule_start = d.attempts
+             WHERE d.tenant_id = p_tenant AND d.endpoint_id = p_endpoint
+               AND d.state IN ('given_up', 'cancelled') AND d.created_at >= p_since
+               AND NOT EXISTS (SELECT FROM webhook_attempts a
+                                WHERE a.tenant_id = d.tenant_id AND a.event_id = d.event_id
+                                  AND a.endpoint_id = d.endpoint_id AND a.status BETWEEN 200 AND 299);
+            GET DIAGNOSTICS v_reopened = ROW_COUNT;
+            -- By row address, the rows locked first: a delivery being recorded right now is not
+            -- waited for. One whose attempt is out (leased) has its schedule restarted under
+            -- that attempt: if it fails, the record sends it again at once (below).
+            UPDATE webhook_deliveries d
+               SET next_attempt_at = CASE WHEN d.leased_until > now() THEN d.next_attempt_at ELSE now() END,
+                   schedule_start = d.attempts
+             WHERE d.ctid = ANY (ARRAY(
+                       SELECT w.ctid FROM webhook_deliveries w
+                        WHERE w.tenant_id = p_tenant AND w.endpoint_id = p_endpoint AND w.state = 'pending'
+                          AND w.created_at >= p_since
+                          AND (w.next_attempt_at > now() OR w.leased_until > now())
+                          FOR UPDATE SKIP LOCKED));
+            GET DIAGNOSTICS v_due = ROW_COUNT;
+            INSERT INTO webhook_recoveries AS r (tenant_id, recovery_id, endpoint_id, since, deliveries,
+                                                 idempotency_key, created_at)
+            VALUES (p_tenant, c.resource_id::uuid, p_endpoint, p_since, v_reopened + v_due, p.key, now())
+            RETURNING r.* INTO resource;
+        END IF;
+    ELSIF c.resource_id IS NOT NULL THEN
+        SELECT r.* INTO resource FROM webhook_recoveries r
+         WHERE r.tenant_id = p_tenant AND r.recovery_id = c.resource_id::uuid;
+    END IF;
+    outcome := c.outcome; decline := c.decline; expires_at := c.expires_at;
+    RETURN NEXT;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION oncepay_webhook_record_results(p_tenant uuid[], p_event uuid[], p_endpoint uuid[],
+                                               p_attempt int[], p_started_at timestamptz[],
+                                               p_latency_ms int[], p_status smallint[],
+                                               p_response_head text[], p_error text[], p_replica text,
+                                               p_outcome text[], p_next_attempt_at timestamptz[],
+                                               p_disable_after_secs int, p_pause_secs int)
+RETURNS TABLE (tenant uuid, event_id uuid, endpoint_id uuid, applied boolean, disabled_for_failing boolean)
+LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+DECLARE
+    i int;
+    v_current boolean[] := array_fill(false, ARRAY[cardinality(p_event)]);
+    ep record;
+    v_failing_since timestamptz;
+    v_previous timestamptz;
+    v_live boolean;
+BEGIN
+    PERFORM set_config('synchronous_commit', 'off', true);
+    INSERT INTO webhook_attempts (tenant_id, event_id, endpoint_id, attempt, started_at, latency_ms,
+                                  status, response_head, error, replica)
+    SELECT a.tenant_id, a.event_id, a.endpoint_id, a.attempt, a.started_at, a.latency_ms, a.status,
+           a.response_head, a.error, p_replica
+      FROM unnest(p_tenant, p_event, p_endpoint, p_attempt, p_started_at, p_latency_ms, p_status,
+                  p_response_head, p_error, p_outcome)
+           AS a(tenant_id, event_id, endpoint_id, attempt, started_at, latency_ms, status,
+                response_head, error, outcome)
+     WHERE a.outcome <> 'deferred'
+    ON CONFLICT DO NOTHING;
+    RETURN QUERY
+    WITH delivered AS (
+        SELECT u.tenant_id, u.event_id, u.endpoint_id, u.status
+          FROM unnest(p_tenant, p_event, p_endpoint, p_status, p_outcome)
+               AS u(tenant_id, event_id, endpoint_id, status, outcome)
+         WHERE u.outcome = 'delivered'),
+    settled AS (
+        UPDATE webhook_deliveries d
+           SET state = 'delivered', finished_at = now(), leased_until = NULL,
+               last_status = delivered.status, last_error = NULL
+          FROM delivered
+         WHERE d.tenant_id = delivered.tenant_id AND d.event_id = delivered.event_id
+           AND d.endpoint_id = delivered.endpoint_id AND (d.state = 'pending') IS TRUE
+        RETURNING d.event_id, d.endpoint_id)
+    SELECT delivered.tenant_id, delivered.event_id, delivered.endpoint_id,
+           EXISTS (SELECT FROM settled s
+                    WHERE s.event_id = delivered.event_id AND s.endpoint_id = delivered.endpoint_id),
+           false
+      FROM delivered;
+    IF 'delivered' = ANY (p_outcome) THEN
+        -- A 2xx ends the endpoint's failing stretch (written only when there is one).
+        UPDATE webhook_endpoints e SET failing_since = NULL
+          FROM (SELECT DISTINCT u.tenant_id, u.endpoint_id
+                  FROM unnest(p_tenant, p_endpoint, p_outcome) AS u(tenant_id, endpoint_id, outcome)
+                 WHERE u.outcome = 'delivered') AS ok
+         WHERE e.tenant_id = ok.tenant_id AND e.endpoint_id = ok.endpoint_id AND e.failing_since IS NOT NULL;
+    END IF;
+    IF p_outcome <@ ARRAY['delivered'] THEN
+        RETURN;
+    END IF;
+    -- The rest in one order, so that two replicas recording overlapping attempts (a lease
+    -- taken over) cannot wait on each other in a cycle.
+    FOR i IN SELECT s.i FROM generate_subscripts(p_event, 1) AS s(i)
+              WHERE p_outcome[s.i] <> 'delivered'
+              ORDER BY p_tenant[s.i], p_event[s.i], p_endpoint[s.i]
+    LOOP
+        IF p_outcome[i] = 'deferred' THEN
+            UPDATE webhook_deliveries d
+               SET attempts = d.attempts - 1, leased_until = NULL,
+                   schedule_start = least(d.schedule_start, d.attempts - 1),
+                   next_attempt_at = coalesce(p_next_attempt_at[i], now())
+             WHERE d.tenant_id = p_tenant[i] AND d.event_id = p_event[i] AND d.endpoint_id = p_endpoint[i]
+               AND (d.state = 'pending') IS TRUE AND d.attempts = p_attempt[i];
+        ELSE
+            -- schedule_start at or past this attempt: a recovery restarted the schedule while
+            -- it was out, so its failure is the end of nothing: the delivery goes again now.
+            UPDATE webhook_deliveries d
+               SET leased_until = NULL, last_status = p_status[i], last_error = p_error[i],
+                   next_attempt_at = CASE WHEN d.schedule_start >= p_attempt[i] THEN now()
+                                          ELSE coalesce(p_next_attempt_at[i], now()) END,
+                   state = CASE WHEN p_outcome[i] = 'given_up' AND d.schedule_start < p_attempt[i]
+                                THEN 'given_up' ELSE 'pending' END,
+                   finished_at = CASE WHEN p_outcome[i] = 'given_up' AND d.schedule_start < p_attempt[i]
+                                      THEN now() END
+             WHERE d.tenant_id = p_tenant[i] AND d.event_id = p_event[i] AND d.endpoint_id = p_endpoint[i]
+               AND (d.state = 'pending') IS TRUE AND d.attempts = p_attempt[i];
+        END IF;
+        v_current[i] := FOUND;
+        tenant := p_tenant[i];
+        event_id := p_event[i];
+        endpoint_id := p_endpoint[i];
+        applied := v_current[i];
+        disabled_for_failing := false;
+        RETURN NEXT;
+    END LOOP;
+    -- The endpoints' failures, one endpoint at a time in key order. A stale attempt's failure
+    -- is not counted (its lease was taken over: its delivery is being tried again).
+    FOR ep IN
+        SELECT u.tenant_id, u.endpoint_id,
+               bool_or(u.outcome = 'delivered') AS succeeded,
+               bool_or(u.outcome = 'gone' AND u.current) AS gone,
+               min(u.started_at) FILTER (WHERE u.outcome IN ('retry', 'given_up') AND u.current) AS failed_at
+          FROM unnest(p_tenant, p_endpoint, p_outcome, p_started_at, v_current)
+               AS u(tenant_id, endpoint_id, outcome, started_at, current)
+         GROUP BY u.tenant_id, u.endpoint_id
+         ORDER BY u.tenant_id, u.endpoint_id
+    LOOP
+        IF ep.gone THEN
+            PERFORM oncepay_webhook_disable(ep.tenant_id, ep.endpoint_id, 'gone');
+        ELSIF NOT ep.succeeded AND ep.failed_at IS NOT NULL THEN
+            SELECT e.failing_since INTO v_failing_since FROM webhook_endpoints e
+             WHERE e.tenant_id = ep.tenant_id AND e.endpoint_id = ep.endpoint_id
+               AND e.disabled_at IS NULL AND e.deleted_at IS NULL;
+            v_live := FOUND;
+            IF v_live AND v_failing_since IS NOT NULL THEN
+                -- The attempt before this call's first failure (webhook_attempts_list_idx):
+                -- none for longer than the pause, and nothing was being retried in between.
+                SELECT max(a.started_at) INTO v_previous FROM webhook_attempts a
+                 WHERE a.tenant_id = ep.tenant_id AND a.endpoint_id = ep.endpoint_id
+                   AND a.started_at < ep.failed_at;
+                IF v_previous IS NULL OR v_previous < ep.failed_at - make_interval(secs => p_pause_secs) THEN
+                    v_failing_since := NULL;
+                END IF;
+            END IF;
+            IF NOT v_live THEN
+                NULL;  -- disabled or deleted meanwhile: nothing to judge
+            ELSIF v_failing_since IS NULL THEN
+                UPDATE webhook_endpoints e SET failing_since = ep.failed_at
+                 WHERE e.tenant_id = ep.tenant_id AND e.endpoint_id = ep.endpoint_id
+                   AND e.disabled_at IS NULL AND e.deleted_at IS NULL;
+            ELSIF v_failing_since <= now() - make_interval(secs => p_disable_after_secs) THEN
+                PERFORM oncepay_webhook_disable(ep.tenant_id, ep.endpoint_id, 'failing');
+                tenant := ep.tenant_id;
+                event_id := NULL;
+                endpoint_id := ep.endpoint_id;
+                applied := false;
+                disabled_for_failing := true;
+                RETURN NEXT;
+            END IF;
+        END IF;
+    END LOOP;
+END
+$$;
