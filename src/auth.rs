@@ -38,8 +38,15 @@ impl Default for TenantCache {
     }
 }
 
+/// The request's one bearer token. Two `Authorization` headers are none: the first one won
+/// before (tenant A's key then B's charged A), and which credential a request carries must
+/// not depend on the order a proxy put them in.
 fn bearer(req: &HttpRequest) -> Option<&str> {
-    let value = req.headers().get(header::AUTHORIZATION)?.to_str().ok()?;
+    let mut values = req.headers().get_all(header::AUTHORIZATION);
+    let value = values.next()?.to_str().ok()?;
+    if values.next().is_some() {
+        return None;
+    }
     let (scheme, token) = value.split_once(' ')?;
     scheme
         .eq_ignore_ascii_case("bearer")

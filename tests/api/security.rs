@@ -356,6 +356,42 @@ async fn a_bearer_not_of_the_api_key_form_is_refused_without_the_database() {
         .assert_problem(503, "temporarily_unavailable");
 }
 
+/// Found from outside: with two `Authorization` headers the first won (tenant A's key then
+/// B's charged A; the admin routes alike). A request carries one credential or none.
+#[tokio::test]
+async fn two_authorization_headers_are_no_credential_and_change_nothing() {
+    let app = spawn_app().await;
+    let (_, other_key) = new_tenant(&app.pool, MissingKeyPolicy::Reject).await;
+    for (first, second) in [
+        (app.api_key.clone(), other_key.clone()),
+        (app.api_key.clone(), app.api_key.clone()),
+    ] {
+        let answer = Answer::from(
+            app.client
+                .post(app.url("/payments"))
+                .header("Authorization", format!("Bearer {first}"))
+                .header("Authorization", format!("Bearer {second}"))
+                .header("Idempotency-Key", new_key())
+                .json(&json!({ "amount": 1 }))
+                .send()
+                .await
+                .unwrap(),
+        )
+        .await;
+        answer.assert_problem(401, "unauthorized");
+    }
+    assert_eq!(app.balance("main").await, MAIN_BALANCE, "nothing charged");
+    let admin = app
+        .client
+        .post(app.url("/admin/purge"))
+        .header("Authorization", format!("Bearer {ADMIN_TOKEN}"))
+        .header("Authorization", "Bearer x")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(admin.status(), 401);
+}
+
 #[tokio::test]
 async fn near_misses_of_either_credential_are_401_whatever_their_length() {
     let app = spawn_app().await;
