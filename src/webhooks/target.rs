@@ -26,6 +26,8 @@ pub enum Refused {
     Malformed,
     #[error("`url` must not carry a user name or password")]
     Credentials,
+    #[error("`url` must not contain control characters (NUL, CR, LF, tab, ...) or begin or end with a space")]
+    ControlCharacters,
     #[error("`url` resolves to an address that is not global unicast ({0}: loopback, private, link-local or another special-purpose range), which webhooks may not target")]
     Private(IpAddr),
     #[error("`url`'s host does not resolve")]
@@ -38,6 +40,11 @@ pub enum Refused {
 pub fn parse(raw: &str) -> Result<Url, Refused> {
     if raw.len() > 2048 {
         return Err(Refused::Malformed);
+    }
+    // A URL parser drops these silently (leading and trailing ones, tabs and newlines
+    // anywhere): `x\r\nX-Evil: 1` was stored as `xX-Evil:%201`. Refused, not rewritten.
+    if raw.chars().any(char::is_control) || raw.trim() != raw {
+        return Err(Refused::ControlCharacters);
     }
     let url = Url::parse(raw).map_err(|_| Refused::Malformed)?;
     if !matches!(url.scheme(), "http" | "https") || url.host().is_none() || url.cannot_be_a_base() {
@@ -272,6 +279,19 @@ mod tests {
         assert_eq!(parse("mailto:a@b.c").unwrap_err(), Refused::Malformed);
         assert_eq!(parse("/relative").unwrap_err(), Refused::Malformed);
         assert_eq!(parse("https://u:p@example.com/").unwrap_err(), Refused::Credentials);
+        for rewritten in [
+            "https://example.com/x\r\nX-Evil: 1",
+            "https://example.com/x\0",
+            "https://exa\tmple.com/",
+            " https://example.com/",
+            "https://example.com/ ",
+        ] {
+            assert_eq!(
+                parse(rewritten).unwrap_err(),
+                Refused::ControlCharacters,
+                "{rewritten:?}"
+            );
+        }
     }
 
     #[tokio::test]

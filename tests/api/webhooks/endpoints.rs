@@ -110,6 +110,9 @@ async fn private_targets_unknown_events_and_a_server_without_a_key_are_refused()
         "ftp://example.com/x",
         "not a url",
         "https://user:pw@example.com/x",
+        // Were stored rewritten (found from outside): NUL dropped, CR LF removed.
+        "https://93.184.216.34/x\u{0}",
+        "https://93.184.216.34/x\r\nX-Evil: 1",
     ] {
         let answer = app
             .post("/webhook-endpoints", Some(&new_key()), &json!({ "url": url }))
