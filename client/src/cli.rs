@@ -407,12 +407,27 @@ fn note_retry(note: &RetryNote<'_>) {
     );
 }
 
+/// Writes one line to standard output: `Ok(false)` once its reader has gone (`... | head`),
+/// and the command then stops quietly with status 0, as Unix tools do (`println!` panicked:
+/// status 101).
+fn line_out(line: &str) -> Result<bool, Failed> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    match writeln!(out, "{line}").and_then(|()| out.flush()) {
+        Ok(()) => Ok(true),
+        Err(err) if err.kind() == std::io::ErrorKind::BrokenPipe => Ok(false),
+        Err(err) => Err(ClientError::InvalidArgument(format!("cannot write to standard output: {err}")).into()),
+    }
+}
+
 fn print<T: Serialize>(reply: Reply<T>, key: Option<&IdempotencyKey>) -> Result<(), Failed> {
     let json = serde_json::to_string(&reply.value).map_err(|source| ClientError::InvalidResponse {
         status: reply.status,
         source,
     })?;
-    println!("{json}");
+    if !line_out(&json)? {
+        return Ok(());
+    }
     if reply.attempts > 1 {
         eprintln!("oncepay: answered {} after {} attempts", reply.status, reply.attempts);
     }

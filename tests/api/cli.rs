@@ -82,6 +82,42 @@ async fn pay_prints_the_payment_json_and_exits_0() {
     assert_eq!(app.balance("main").await, MAIN_BALANCE - 250);
 }
 
+/// Found from outside: `oncepay payments list | head -1` panicked on the closed pipe (status
+/// 101). A reader that has gone ends the command quietly, with status 0, as Unix tools do.
+#[tokio::test]
+async fn a_list_whose_reader_goes_away_stops_quietly_with_status_0() {
+    use tokio::io::{AsyncBufReadExt, BufReader};
+    let app = spawn_app().await;
+    // More than a page (100): the second page is written after the reader has gone.
+    for _ in 0..150 {
+        assert_eq!(app.pay(Some(&new_key()), 1).await.status, 201);
+    }
+    let mut args = vec!["payments", "list"];
+    args.extend(server_args(&app.address, &app));
+    let mut child = Command::new(env!("CARGO_BIN_EXE_oncepay"))
+        .args(&args)
+        .env_remove("DATABASE_URL")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut first)
+        .await
+        .unwrap();
+    assert!(first.starts_with('{'), "{first}");
+    // The reader (and with it the pipe's read end) is gone here.
+    let output = tokio::time::timeout(Duration::from_secs(60), child.wait_with_output())
+        .await
+        .expect("the command ends within 60 s")
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(0), "stderr: {stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
 #[tokio::test]
 async fn paying_again_with_the_same_key_reports_the_replay_and_charges_once() {
     let app = spawn_app().await;

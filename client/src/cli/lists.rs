@@ -10,7 +10,7 @@ use futures_util::{Stream, TryStreamExt as _};
 use serde::Serialize;
 use uuid::Uuid;
 
-use super::{client, print, print_keyed, Failed, KeyArg, ServerArgs};
+use super::{client, line_out, print, print_keyed, Failed, KeyArg, ServerArgs};
 use crate::{
     AttemptListParams, ClientError, EventListParams, IdempotencyKey, ListParams, PaymentListParams, TopUpListParams,
     TransferListParams,
@@ -178,7 +178,9 @@ async fn print_all<T: Serialize>(items: impl Stream<Item = Result<T, ClientError
     while let Some(item) = items.try_next().await? {
         let json =
             serde_json::to_string(&item).map_err(|source| ClientError::InvalidResponse { status: 200, source })?;
-        println!("{json}");
+        if !line_out(&json)? {
+            break;
+        }
     }
     Ok(())
 }
