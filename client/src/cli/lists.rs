@@ -47,8 +47,15 @@ impl ListArgs {
 }
 
 /// A time as a list command takes it.
+/// A fraction of a second is refused: the API filters by whole seconds, so `--since
+/// 12:10:08.990` listed a payment of 12:10:08.946, before it (found from outside).
 fn parse_time(raw: &str) -> Result<DateTime<Utc>, String> {
     if let Ok(at) = DateTime::parse_from_rfc3339(raw) {
+        if at.timestamp_subsec_nanos() != 0 {
+            return Err(format!(
+                "{raw:?} has a fraction of a second; the API takes whole seconds: give the time without it"
+            ));
+        }
         return Ok(at.with_timezone(&Utc));
     }
     if let Ok(day) = NaiveDate::parse_from_str(raw, "%Y-%m-%d") {

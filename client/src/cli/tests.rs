@@ -124,3 +124,22 @@ fn account_create_takes_the_id_and_an_optional_balance_and_key() {
     assert_eq!(balance, None, "the server's default, 0");
     assert!(parse(&["account", "create"]).is_err(), "the id is required");
 }
+
+#[test]
+fn list_times_take_whole_seconds_and_refuse_a_fraction() {
+    let since = |at: &str| parse(&["payments", "list", "--since", at]).map(|_| ());
+    assert!(since("2026-12-06T12:10:08Z").is_ok());
+    assert!(since("2026-12-06T12:10:08.000Z").is_ok(), "a zero fraction is whole");
+    assert!(since("2026-12-06").is_ok());
+    assert!(since("1764547200").is_ok());
+    let err = since("2026-12-06T12:10:08.990Z").unwrap_err().to_string();
+    assert!(err.contains("whole seconds"), "{err}");
+    let recover = parse(&[
+        "webhooks",
+        "recover",
+        "9b2f4f6e-52c4-4c3a-a0f5-0e4d2f5b8a11",
+        "--since",
+        "2026-12-06T12:10:08.5+01:00",
+    ]);
+    assert!(recover.is_err(), "recover's --since alike");
+}
