@@ -18,8 +18,10 @@ pub struct KeyInfo {
     pub created_at: DateTime<Utc>,
     /// Until when a retry with the key replays its answer.
     pub expires_at: DateTime<Utc>,
-    /// The status its requests are answered with.
-    pub status: u16,
+    /// The status its requests are answered with; `None` while the operation has not ended
+    /// (a top-up or its refund whose outcome at the card processor is not known yet: a
+    /// retry with the key finishes it).
+    pub status: Option<u16>,
     /// A stored decline's problem code; `None` for a success.
     pub code: Option<String>,
     /// What it created or changed; `None` for a stored decline.

@@ -60,6 +60,9 @@ pub struct KeyRow {
     pub operation: Operation,
     /// The status its requests are answered with (the success's, or a stored decline's).
     pub status: i16,
+    /// Whether that status is final: `false` for a top-up (or its refund) whose outcome at
+    /// the card processor is not known yet, whose retry may still end as a decline.
+    pub settled: bool,
     pub resource_id: Option<String>,
     pub decline: Option<Decline>,
     pub created_at: DateTime<Utc>,
@@ -69,10 +72,17 @@ pub struct KeyRow {
 /// The tenant's key row `key`, if the tenant has one by that name (another tenant's is none).
 pub async fn key(conn: &mut PgConnection, tenant: TenantId, key: &str) -> Result<Option<KeyRow>, sqlx::Error> {
     let row = sqlx::query!(
-        r#"SELECT key::text AS "key!", operation AS "operation!: Operation", status::smallint AS "status!",
-                  resource_id, error_code AS "decline: Decline", created_at, expires_at
-             FROM idempotency_keys
-            WHERE tenant_id = $1 AND key = $2"#,
+        r#"SELECT k.key::text AS "key!", k.operation AS "operation!: Operation", k.status::smallint AS "status!",
+                  k.resource_id, k.error_code AS "decline: Decline", k.created_at, k.expires_at,
+                  NOT EXISTS (SELECT FROM top_ups t
+                               WHERE k.operation IN ('top_up', 'refund_top_up') AND k.error_code IS NULL
+                                 AND t.tenant_id = k.tenant_id
+                                 AND t.top_up_id = CASE WHEN k.operation IN ('top_up', 'refund_top_up')
+                                                        THEN k.resource_id::uuid END
+                                 AND CASE WHEN k.operation = 'top_up' THEN t.status = 'processing'
+                                          ELSE t.refund_state = 'debited' END) AS "settled!"
+             FROM idempotency_keys k
+            WHERE k.tenant_id = $1 AND k.key = $2"#,
         tenant.get(),
         key,
     )
@@ -82,6 +92,7 @@ pub async fn key(conn: &mut PgConnection, tenant: TenantId, key: &str) -> Result
         key: r.key,
         operation: r.operation,
         status: r.status,
+        settled: r.settled,
         resource_id: r.resource_id,
         decline: r.decline,
         created_at: r.created_at,

@@ -31,8 +31,10 @@ struct KeyOut {
     #[serde(serialize_with = "time::rfc3339")]
     expires_at: DateTime<Utc>,
     /// The HTTP status its requests are answered with: the operation's success, or a stored
-    /// decline's (see `code`).
-    status: i16,
+    /// decline's (see `code`); `null` while the operation has not ended: a top-up (or its
+    /// refund) whose outcome at the card processor is not known yet, which a retry with the
+    /// key finishes (it may end as a decline).
+    status: Option<i16>,
     /// The problem `code` of a stored decline; `null` for a success.
     code: Option<&'static str>,
     /// What the operation created or changed; `null` for a stored decline.
@@ -89,7 +91,7 @@ pub(super) async fn show(req: HttpRequest, state: web::Data<AppState>) -> Result
         operation: spec.name,
         created_at: row.created_at,
         expires_at: row.expires_at,
-        status: row.status,
+        status: row.settled.then_some(row.status),
         code: row.decline.map(|d| d.code().as_str()),
         resource,
     }))

@@ -443,7 +443,7 @@ async fn every_tenant_endpoint_has_a_typed_call() {
     let looked_up = client.idempotency_key(&key).await.unwrap();
     assert_eq!(
         (looked_up.value.status, looked_up.value.operation.as_str()),
-        (201, "create_payment")
+        (Some(201), "create_payment")
     );
 
     // Every documented tenant endpoint was reached through a typed call: the server counts

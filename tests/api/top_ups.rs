@@ -604,6 +604,14 @@ async fn a_top_up_whose_outcome_stays_unknown_is_looked_at_less_and_less_often()
     let shown = app.get(&format!("/top-ups/{id}")).await.body;
     assert_eq!(shown["status"], "processing", "{shown}");
     assert_eq!(app.balance("main").await, MAIN_BALANCE, "nothing credited");
+    // Its key says so: no status yet (it said 201, and the retry then answered 402: found
+    // from outside).
+    let looked_up = app.get(&format!("/idempotency-keys/{key}")).await.body;
+    assert_eq!(
+        (&looked_up["status"], &looked_up["code"], &looked_up["resource"]["id"]),
+        (&json!(null), &json!(null), &json!(id)),
+        "{looked_up}"
+    );
     // A client's retry still looks at once (the proxy notes a call after it answered it;
     // every call left to make is a look).
     let before = proxy.seen().len();
@@ -622,16 +630,26 @@ async fn a_top_up_whose_outcome_stays_unknown_is_looked_at_less_and_less_often()
 async fn a_refund_whose_outcome_stays_unknown_is_looked_at_less_and_less_often() {
     let rig = completer_rig(Call::Refund, "/v1/refunds").await;
     let (app, proxy) = (&rig.app, &rig.proxy);
-    let created = app.top_up(&new_key(), "main", AMOUNT, VISA).await;
+    let created_key = new_key();
+    let created = app.top_up(&created_key, "main", AMOUNT, VISA).await;
     assert_eq!(created.status, 201, "{}", created.body);
     let id = created.body["id"].as_str().unwrap().to_owned();
-    app.refund_top_up(&new_key(), &id)
+    let refund_key = new_key();
+    app.refund_top_up(&refund_key, &id)
         .await
         .assert_problem(503, "temporarily_unavailable");
     let gap = second_look_put_off(app, proxy, &id).await;
     assert!((1.5..=2.5).contains(&gap), "the second wait is doubled: {gap} s");
     let shown = app.get(&format!("/top-ups/{id}")).await.body;
     assert_eq!(shown["status"], "refund_pending", "{shown}");
+    let looked_up = app.get(&format!("/idempotency-keys/{refund_key}")).await.body;
+    assert_eq!(
+        looked_up["status"],
+        json!(null),
+        "the refund has not ended: {looked_up}"
+    );
+    let creation = app.get(&format!("/idempotency-keys/{created_key}")).await.body;
+    assert_eq!(creation["status"], 201, "the top-up itself has ended: {creation}");
     assert_eq!(app.balance("main").await, MAIN_BALANCE, "debited once, while pending");
 }
 
