@@ -432,7 +432,7 @@ fn print<T: Serialize>(reply: Reply<T>, key: Option<&IdempotencyKey>) -> Result<
         eprintln!("oncepay: answered {} after {} attempts", reply.status, reply.attempts);
     }
     if let (true, Some(key)) = (reply.replayed, key) {
-        eprintln!("oncepay: replayed: the server had already processed key {key}; this is its stored answer, nothing was charged again");
+        eprintln!("oncepay: replayed: the server had already processed key {key}; this is its stored answer, nothing was done again");
     }
     Ok(())
 }

@@ -183,7 +183,7 @@ pub(super) async fn list(
     let page = conn
         .run(async |c| ledger::lists::accounts(c, tenant.id, &page).await)
         .await?
-        .ok_or_else(lists::unknown_cursor)?;
+        .ok_or_else(|| lists::unknown_cursor(&page))?;
     let page = page.try_map(|a| {
         Ok::<_, ApiError>(AccountOut {
             id: AccountId::parse(&a.account_id.0).map_err(|_| corrupt("a stored account id the syntax refuses"))?,

@@ -83,9 +83,16 @@ fn write<T: ListItem>(url: &str, items: &[T], has_more: bool) -> Result<Vec<u8>,
     Ok(body)
 }
 
-/// A cursor that names no item of the list (unknown, another tenant's, or purged since).
-pub fn unknown_cursor() -> ApiError {
-    ApiError::InvalidRequest("the cursor is not the id of an item of this list".to_owned())
+/// A cursor that names no item of the list (unknown, another list's or another tenant's, or
+/// purged since), named by its parameter.
+pub fn unknown_cursor<Id>(page: &PageRequest<Id>) -> ApiError {
+    let name = match page.cursor {
+        Some(Cursor::Before(_)) => "ending_before",
+        _ => "starting_after",
+    };
+    ApiError::InvalidRequest(format!(
+        "`{name}` is not the id of an item of this list (unknown, another list's or another tenant's, or purged since)"
+    ))
 }
 
 /// An `account` filter, parsed.

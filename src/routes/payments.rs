@@ -276,7 +276,7 @@ pub(super) async fn list(
     let page = conn
         .run(async |c| ledger::lists::payments(c, tenant.id, account.as_ref(), status, &page).await)
         .await?
-        .ok_or_else(lists::unknown_cursor)?;
+        .ok_or_else(|| lists::unknown_cursor(&page))?;
     Ok(lists::answer(
         routes::LIST_PAYMENTS.path.to_owned(),
         page.map(PaymentStateOut::from),

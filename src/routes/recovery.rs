@@ -177,7 +177,7 @@ pub(super) async fn list_events(
     let page = conn
         .run(async |c| recovery::events(c, tenant.id, filters.event_type.as_deref(), &page).await)
         .await?
-        .ok_or_else(lists::unknown_cursor)?;
+        .ok_or_else(|| lists::unknown_cursor(&page))?;
     Ok(lists::answer(
         routes::LIST_EVENTS.path.to_owned(),
         page.map(EventOut::from),
@@ -255,7 +255,7 @@ pub(super) async fn list_attempts(
         .await?
         .map_err(|refused| match refused {
             AttemptsRefused::UnknownEndpoint => ApiError::NotFound,
-            AttemptsRefused::UnknownCursor => lists::unknown_cursor(),
+            AttemptsRefused::UnknownCursor => lists::unknown_cursor(&page),
         })?;
     let url = routes::LIST_WEBHOOK_ATTEMPTS.with_id(&endpoint.to_string());
     Ok(lists::answer(

@@ -369,7 +369,7 @@ pub(super) async fn list(
     let page = conn
         .run(async |c| ledger::lists::top_ups(c, tenant.id, filters.status.as_deref(), &page).await)
         .await?
-        .ok_or_else(lists::unknown_cursor)?;
+        .ok_or_else(|| lists::unknown_cursor(&page))?;
     Ok(lists::answer(
         routes::LIST_TOP_UPS.path.to_owned(),
         page.map(TopUpStateOut::from),

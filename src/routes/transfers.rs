@@ -160,7 +160,7 @@ pub(super) async fn list(
     let page = conn
         .run(async |c| ledger::lists::transfers(c, tenant.id, account.as_ref(), &page).await)
         .await?
-        .ok_or_else(lists::unknown_cursor)?;
+        .ok_or_else(|| lists::unknown_cursor(&page))?;
     Ok(lists::answer(
         routes::LIST_TRANSFERS.path.to_owned(),
         page.map(TransferStateOut::from),

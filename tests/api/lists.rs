@@ -424,6 +424,16 @@ async fn a_cursor_that_is_malformed_unknown_or_another_tenants_and_bad_parameter
             answer.body
         );
     }
+    // A well-formed cursor that names no item says which parameter it is (found from
+    // outside: both read "the cursor").
+    for (param, path) in [
+        ("starting_after", format!("/payments?starting_after={unknown}")),
+        ("ending_before", format!("/payments?ending_before={theirs}")),
+        ("ending_before", format!("/events?ending_before={unknown}")),
+    ] {
+        let detail = app.get(&path).await.body["detail"].as_str().unwrap().to_owned();
+        assert!(detail.starts_with(&format!("`{param}`")), "{path}: {detail}");
+    }
     // The tenant's own payment is a cursor; the list then ends after it.
     let page = app.get(&format!("/payments?starting_after={mine}")).await;
     assert_eq!((page.status, ids(&page).len()), (200, 0));
