@@ -21,9 +21,21 @@ pub struct RequestOutcome(pub &'static str);
 
 pub const REQUEST_ID_HEADER: &str = "x-request-id";
 
+/// actix-http's dispatcher logs every malformed request head at ERROR (`stream error: request
+/// parse error: ...`): any client could write ERROR lines at will, and alerts on ERROR would
+/// page on it. Its answers are the problems of docs/api.md ("framing"); its lines are off
+/// unless `RUST_LOG` names `actix_http` itself.
+const QUIET_DISPATCHER: &str = "actix_http::h1::dispatcher=off";
+
 /// Installs the global subscriber. `RUST_LOG` filters (default `info`); logs go to stderr.
 pub fn init(json: bool) {
+    let asked = std::env::var("RUST_LOG").unwrap_or_default();
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let filter = if asked.contains("actix_http") {
+        filter
+    } else {
+        filter.add_directive(QUIET_DISPATCHER.parse().expect("a valid directive"))
+    };
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);

@@ -308,6 +308,32 @@ async fn serve_through_relay(
     (relay, port, server, logs)
 }
 
+/// Found from outside: every malformed request head (any client's) wrote an ERROR line of
+/// actix-http's dispatcher; its problem answer is all there is to it (docs/api.md, framing).
+#[tokio::test]
+async fn a_malformed_request_head_is_answered_and_writes_no_error_line() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    // No deliverer: on the shared database other tests' endpoints log lines of their own.
+    let (_relay, port, mut server, logs) =
+        serve_through_relay(&[("ONCEPAY_WEBHOOK_CONCURRENCY", "0".to_owned())]).await;
+    for head in [
+        "GET / HTTP/1.1\r\nBad Header\r\n\r\n",
+        "GET / HTTP/9.9\r\nHost: x\r\n\r\n",
+    ] {
+        let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+        stream.write_all(head.as_bytes()).await.unwrap();
+        let mut answer = Vec::new();
+        tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut answer))
+            .await
+            .expect("answered and closed")
+            .unwrap();
+        let answer = String::from_utf8_lossy(&answer);
+        assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    }
+    let logs = crate::commands::stop_logged(&mut server, logs).await;
+    assert!(!logs.contains("ERROR"), "{logs}");
+}
+
 /// SIGTERM while the database takes what is sent and answers nothing (a network partition):
 /// the background work's calls are bounded like a request's (the statement timeout and a
 /// margin), so the process stops instead of waiting for the database to answer again.
