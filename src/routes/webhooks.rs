@@ -67,7 +67,8 @@ pub struct RotatedSecretOut {
     id: EndpointId,
     /// The new `whsec_` secret; `null` on a replay once it was rotated again.
     secret: Option<String>,
-    /// Until when the previous secret signs too.
+    /// Until when the previous secret signs too; `null` on a replay once it was rotated
+    /// again, as the secret (the endpoint then holds the later rotation's).
     #[serde(serialize_with = "time::rfc3339_opt")]
     previous_secret_expires_at: Option<DateTime<Utc>>,
 }
@@ -221,10 +222,13 @@ impl Endpoint for RotateWebhookSecret {
     }
 
     fn render(row: EndpointRow) -> Result<RotatedSecretOut, ApiError> {
+        // The row is the endpoint as it is now: a rotation's replay whose secret is no longer
+        // the current one (hidden) would show the later rotation's expiry as its own.
+        let previous_secret_expires_at = row.secret.as_ref().and(row.previous_secret_expires_at);
         Ok(RotatedSecretOut {
             id: row.id,
             secret: row.secret,
-            previous_secret_expires_at: row.previous_secret_expires_at,
+            previous_secret_expires_at,
         })
     }
 }

@@ -907,5 +907,13 @@ async fn a_replayed_creation_answers_alike_on_every_replica_and_never_with_a_lat
         let replay = app.post(&rotate, Some(&rotation_key), &json!({})).await;
         assert_eq!((replay.status, replay.replayed()), (200, true));
         assert_eq!(replay.body["secret"], serde_json::Value::Null, "{}", replay.body);
+        // Nor the later rotation's expiry as its own (found from outside: the replay showed
+        // the second rotation's previous_secret_expires_at).
+        assert_eq!(
+            (&replay.body["previous_secret_expires_at"], &replay.body["id"]),
+            (&serde_json::Value::Null, &rotated.body["id"]),
+            "{}",
+            replay.body
+        );
     }
 }
