@@ -76,6 +76,10 @@ pub enum ApiError {
     /// retry with the same key refunds it once it has succeeded.
     #[error("the top-up is still processing at the card processor (GET /top-ups/{{id}} shows when it ends: a wait for the cardholder's action may last ONCEPAY_TOPUP_ACTION_TIMEOUT_SECS); it can be refunded once it has succeeded. Nothing was stored under this Idempotency-Key")]
     TopUpProcessing,
+    /// A resend while an attempt of the event to the endpoint is out (the key is new, or
+    /// free: nothing was stored under it).
+    #[error("an attempt to deliver this event to this endpoint is out now; retry with the same Idempotency-Key after the Retry-After delay and the event is sent again. Nothing was stored under this key")]
+    DeliveryAttemptOut,
     #[error("the service is at capacity; retry after the Retry-After delay")]
     Overloaded,
     /// A payment refused unrun after waiting behind an earlier one of its account that is
@@ -111,7 +115,7 @@ impl ApiError {
             Self::ProcessorUnknown | Self::ProcessorWaiting => ProblemCode::TemporarilyUnavailable,
             Self::KeyReused => ProblemCode::IdempotencyKeyReused,
             Self::KeyExpired => ProblemCode::IdempotencyKeyExpired,
-            Self::InProgress | Self::TopUpProcessing => ProblemCode::RequestInProgress,
+            Self::InProgress | Self::TopUpProcessing | Self::DeliveryAttemptOut => ProblemCode::RequestInProgress,
             Self::Overloaded | Self::AccountBusy => ProblemCode::Overloaded,
             Self::Unavailable | Self::Starting => ProblemCode::TemporarilyUnavailable,
             Self::Internal(_) => ProblemCode::InternalError,
@@ -139,6 +143,7 @@ impl ApiError {
             Self::KeyExpired => "Idempotency key expired",
             Self::InProgress => "Request in progress",
             Self::TopUpProcessing => "Top-up still processing",
+            Self::DeliveryAttemptOut => "Delivery attempt in progress",
             Self::Overloaded => "Overloaded",
             Self::AccountBusy => "Account busy",
             Self::Unavailable | Self::Starting => "Temporarily unavailable",
@@ -163,7 +168,7 @@ impl ApiError {
             Self::ProcessorUnknown | Self::ProcessorWaiting => "transient_error",
             Self::KeyReused => "key_reused",
             Self::KeyExpired => "expired",
-            Self::InProgress | Self::TopUpProcessing => "in_progress",
+            Self::InProgress | Self::TopUpProcessing | Self::DeliveryAttemptOut => "in_progress",
             Self::Overloaded | Self::AccountBusy | Self::Unavailable | Self::Starting => "transient_error",
             Self::NotFound | Self::AccountNotFound => "not_found",
             Self::Internal(_) => "internal_error",
@@ -180,6 +185,7 @@ impl ApiError {
     fn retry_after(&self) -> Option<u64> {
         match self {
             Self::InProgress
+            | Self::DeliveryAttemptOut
             | Self::Overloaded
             | Self::AccountBusy
             | Self::Unavailable
@@ -254,6 +260,7 @@ impl From<DbError> for ApiError {
     fn from(err: DbError) -> Self {
         match err {
             DbError::InProgress => Self::InProgress,
+            DbError::AttemptOut => Self::DeliveryAttemptOut,
             DbError::Saturated => Self::Overloaded,
             DbError::AccountBusy => Self::AccountBusy,
             DbError::Transient(err) => {

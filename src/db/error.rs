@@ -16,6 +16,10 @@ pub enum DbError {
     /// transaction, which is still running.
     #[error("the key's original request is still in flight")]
     InProgress,
+    /// SQLSTATE 55P03 raised by a resend (migrations/V30): an attempt of the event to the
+    /// endpoint is out; the resend runs once it is settled.
+    #[error("an attempt of the event to the endpoint is out")]
+    AttemptOut,
     /// Every pooled connection (or batch slot) is busy: the process is at capacity.
     #[error("every database connection is busy")]
     Saturated,
@@ -48,7 +52,7 @@ impl DbError {
     /// anything whose outcome is unknown.
     pub fn is_one_items(&self) -> bool {
         match self {
-            Self::InProgress => true,
+            Self::InProgress | Self::AttemptOut => true,
             Self::Transient(err) => matches!(sqlstate(err).as_deref(), Some("40001" | "40P01")),
             Self::Other(err) => matches!(err, sqlx::Error::Database(_)),
             Self::Saturated | Self::AccountBusy | Self::Unknown(_) => false,
@@ -60,6 +64,7 @@ impl DbError {
         let text = |e: &sqlx::Error| sqlx::Error::Protocol(e.to_string());
         match self {
             Self::InProgress => Self::InProgress,
+            Self::AttemptOut => Self::AttemptOut,
             Self::Saturated => Self::Saturated,
             Self::AccountBusy => Self::AccountBusy,
             Self::Transient(e) => Self::Transient(text(e)),
@@ -72,7 +77,11 @@ impl DbError {
 impl From<sqlx::Error> for DbError {
     fn from(err: sqlx::Error) -> Self {
         if is_in_progress(&err) {
-            Self::InProgress
+            if message(&err).starts_with(ATTEMPT_OUT) {
+                Self::AttemptOut
+            } else {
+                Self::InProgress
+            }
         } else if is_outcome_unknown(&err) {
             Self::Unknown(err)
         } else if is_transient(&err) {
@@ -97,6 +106,9 @@ fn message(err: &sqlx::Error) -> Cow<'_, str> {
         _ => Cow::Borrowed(""),
     }
 }
+
+/// The start of the message migrations/V30's resend raises with 55P03.
+const ATTEMPT_OUT: &str = "an attempt of this event to this endpoint is out";
 
 /// SQLSTATE 55P03: the key's original transaction outlived `lock_timeout`.
 fn is_in_progress(err: &sqlx::Error) -> bool {

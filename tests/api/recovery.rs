@@ -282,6 +282,9 @@ async fn a_resend_while_an_attempt_is_out_is_409_and_delivers_once_retried() {
 
     during.assert_problem(409, "request_in_progress");
     assert_eq!(during.header("retry-after"), Some("1"));
+    // Said as what it is (found from outside: it spoke of a request with this key, though
+    // the key was new).
+    assert_eq!(during.body["title"], "Delivery attempt in progress", "{}", during.body);
     receiver.wait_for_acknowledged(1, WAIT).await;
     receiver.set_delay(Duration::ZERO);
     let after = app.post(&path, Some(&key), &json!({})).await;
