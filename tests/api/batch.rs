@@ -811,9 +811,12 @@ async fn beside_another_paying_tenant_a_tenant_has_at_most_its_share_in_statemen
 async fn a_database_that_stalls_lowers_the_limit_on_statements_in_flight_and_no_payment_fails() {
     let (app, url) = crate::support::helpers::spawn_app_on_own_database_with("adaptive_limit", |s| {
         s.db_batches_in_flight = None;
-        // Above the floor (two statements), where a stall has a statement to take away, also
-        // on a two-core host, where 24 payers leave no room to raise it there.
-        s.db_batches_initial = 6;
+        // Well above the floor (two statements), where a stall has a statement to take away:
+        // on a two-core host beside the other tests, 24 payers (and even 8) brought it to the
+        // floor by their own queueing and left it no room to rise again. Four payers cannot
+        // be judged a queue (more than `limit::BETA` statements queued): only the stalls,
+        // and a loaded host's own slow moments, lower it.
+        s.db_batches_initial = 8;
         s.db_pool_size = 10;
         s.db_acquire_timeout = Duration::from_secs(15);
     })
@@ -821,7 +824,7 @@ async fn a_database_that_stalls_lowers_the_limit_on_statements_in_flight_and_no_
     let gauge = "oncepay_db_batches_in_flight_limit";
     let downs = "oncepay_db_batches_in_flight_limit_changes_total{direction=\"down\"}";
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let payers: Vec<JoinHandle<Vec<u16>>> = (0..8)
+    let payers: Vec<JoinHandle<Vec<u16>>> = (0..4)
         .map(|_| {
             let (app, stop) = (app.clone(), stop.clone());
             tokio::spawn(async move {
@@ -884,7 +887,7 @@ async fn a_database_that_stalls_lowers_the_limit_on_statements_in_flight_and_no_
         stalls.iter().filter(|(_, lowered)| *lowered).count() >= 3,
         "of four stalls fewer than three lowered the limit: {stalls:?}"
     );
-    // Payers throughout, each stall catching some (four stalls of 300 ms, eight payers).
+    // Payers throughout, each stall catching some (four stalls of 300 ms, four payers).
     assert!(statuses.len() > 32, "{} payments", statuses.len());
     let failed: std::collections::BTreeMap<u16, usize> =
         statuses
