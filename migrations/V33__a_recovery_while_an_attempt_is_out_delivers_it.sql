@@ -15,6 +15,11 @@
 -- attempt the first of the new schedule. A deferred attempt (not counted) keeps that start
 -- at most its attempts. Resend is unchanged (an attempt out: 409, retried).
 --
+-- And the record no longer writes an attempt whose event the purge deleted while the
+-- attempt was out (found by a full test run: an attempt row left without its event, which
+-- no purge would ever reach): it inserts attempts only of events still there, locked in
+-- KEY SHARE mode until it commits.
+--
 -- Left as it was: a delivery being recorded at the very moment of the recovery (its row
 -- locked for the record's transaction, milliseconds) is skipped, not waited for (a wait would
 -- close a cycle with the record, which locks deliveries then the endpoint).
@@ -102,6 +107,11 @@ BEGIN
            AS a(tenant_id, event_id, endpoint_id, attempt, started_at, latency_ms, status,
                 response_head, error, outcome)
      WHERE a.outcome <> 'deferred'
+       -- Its event still there, and kept there until this commits (the purge skips an event
+       -- locked here; one the purge holds is waited for and then found gone).
+       AND EXISTS (SELECT FROM webhook_events e
+                    WHERE e.tenant_id = a.tenant_id AND e.event_id = a.event_id
+                      FOR KEY SHARE)
     ON CONFLICT DO NOTHING;
     RETURN QUERY
     WITH delivered AS (

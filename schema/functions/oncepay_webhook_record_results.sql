@@ -33,6 +33,11 @@ BEGIN
            AS a(tenant_id, event_id, endpoint_id, attempt, started_at, latency_ms, status,
                 response_head, error, outcome)
      WHERE a.outcome <> 'deferred'
+       -- Its event still there, and kept there until this commits (the purge skips an event
+       -- locked here; one the purge holds is waited for and then found gone).
+       AND EXISTS (SELECT FROM webhook_events e
+                    WHERE e.tenant_id = a.tenant_id AND e.event_id = a.event_id
+                      FOR KEY SHARE)
     ON CONFLICT DO NOTHING;
     RETURN QUERY
     WITH delivered AS (

@@ -134,6 +134,57 @@ async fn events_written_while_none_delivers_are_fanned_out_in_order_to_the_endpo
 /// (docs/webhooks.md), then purged with their deliveries and attempts: one delivered long
 /// ago but created within the retention stays (before V24 it went a key retention after its
 /// delivery), one created before goes even with a delivery still pending.
+/// Found by a full test run: an attempt out while the purge deleted its event was recorded
+/// afterwards, an attempt row without its event that no purge would ever reach (the test
+/// below counted it). The record writes attempts only of events still there (V33).
+#[tokio::test]
+async fn an_attempt_out_while_the_purge_deletes_its_event_leaves_no_attempt_behind() {
+    let app = delivering_app().await;
+    let receiver = Receiver::start().await;
+    receiver.set_delay(Duration::from_secs(2));
+    subscribe(&app, &receiver, None).await;
+    let payment = pay(&app, 10).await;
+    let deadline = std::time::Instant::now() + WAIT;
+    while receiver.in_flight() == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the attempt went out within {WAIT:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    sqlx::query(
+        "WITH e AS (UPDATE webhook_events SET created_at = now() - interval '31 days'
+                     WHERE tenant_id = $1 AND resource_id = $2 RETURNING event_id)
+         UPDATE webhook_deliveries d SET created_at = now() - interval '31 days'
+           FROM e WHERE d.tenant_id = $1 AND d.event_id = e.event_id",
+    )
+    .bind(app.tenant_id)
+    .bind(&payment)
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    let purged = app.admin(Method::POST, "/admin/purge", None).await;
+    assert_eq!(purged.status, 200);
+    assert_eq!(receiver.in_flight(), 1, "the purge ran while the attempt was out");
+
+    receiver.wait_for_acknowledged(1, WAIT).await;
+    // The record follows the answer within the attempt's bookkeeping; give it a moment.
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    let (events, attempts): (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM webhook_events WHERE tenant_id = $1),
+                (SELECT count(*) FROM webhook_attempts WHERE tenant_id = $1)",
+    )
+    .bind(app.tenant_id)
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        (events, attempts),
+        (0, 0),
+        "the event purged, and no attempt of it left"
+    );
+}
+
 #[tokio::test]
 async fn events_are_purged_after_their_retention_delivered_or_not_with_their_deliveries() {
     let app = delivering_app().await;
