@@ -575,8 +575,8 @@ fn var(name: &str) -> Option<String> {
     std::env::var(name).ok()
 }
 
-/// A number, or `None` when the variable is unset or empty.
-/// A number setting; unset or empty (blank) is `None`, as for switches and the log format.
+/// A number, or `None` when the variable is unset or empty (blank), as for switches and the
+/// log format.
 fn optional_number<T: std::str::FromStr>(name: &str) -> anyhow::Result<Option<T>> {
     parse_number(name, var(name).as_deref())
 }
