@@ -23,7 +23,7 @@ use crate::webhooks::{delivering, pay, refund, subscribe, WAIT};
 /// out: its failure is not the end, the event goes again at once.
 #[tokio::test]
 async fn a_recovery_while_an_events_last_attempt_is_out_delivers_it_once_that_attempt_fails() {
-    let (app, url) = spawn_app_on_own_database_with("recovery_during_attempt", |s| {
+    let (app, url) = spawn_app_on_own_database_with("recover_attempt_out", |s| {
         delivering(s);
         // Two attempts, each given a second.
         s.webhooks.retry_schedule = vec![Duration::from_millis(50)];

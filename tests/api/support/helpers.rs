@@ -483,6 +483,12 @@ pub fn new_key() -> String {
 /// A new, empty database on the test cluster; returns its URL.
 pub async fn empty_database(name_hint: &str) -> String {
     let name = format!("oncepay_{name_hint}_{}", Uuid::new_v4().simple());
+    // PostgreSQL cuts a longer name to 63 bytes, and connects to the cut name too; PgBouncer
+    // looks the whole name up and finds no such database (the test then fails only there).
+    assert!(
+        name.len() <= 63,
+        "{name} is longer than PostgreSQL's 63 bytes: give a name hint of at most 22 characters"
+    );
     let mut conn = sqlx::PgConnection::connect(&database_url()).await.unwrap();
     conn.execute(format!("CREATE DATABASE {name}").as_str()).await.unwrap();
     let (base, _) = database_url()
