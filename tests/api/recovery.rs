@@ -15,7 +15,7 @@ use crate::support::helpers::{
     drop_database, new_key, new_tenant, spawn_app, spawn_app_on_own_database, spawn_app_on_own_database_with, TestApp,
 };
 use crate::support::webhook_receiver::{Receiver, Reply};
-use crate::webhooks::{delivering, pay, refund, subscribe, WAIT};
+use crate::webhooks::{delivering, pay, refund, subscribe, wait_until, WAIT};
 
 /// Found from outside: a recovery while an event's last attempt was out answered
 /// `"deliveries": 0` and left the event alone; the attempt then timed out, the event was given
@@ -43,13 +43,9 @@ async fn a_recovery_while_an_events_last_attempt_is_out_delivers_it_once_that_at
     });
     let since = unix_now() - 60;
     pay(&app, 10).await;
-    let deadline = Instant::now() + WAIT;
     // The receiver holds each request 3 s, past the sender's second: two out at once is the
     // second attempt out (a message is listed once answered).
-    while receiver.in_flight() < 2 {
-        assert!(Instant::now() < deadline, "the last attempt went out within {WAIT:?}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    wait_until("the last attempt out", WAIT, || async { receiver.in_flight() >= 2 }).await;
 
     let recovered = recover(&app, &endpoint, since).await;
 
@@ -266,11 +262,7 @@ async fn a_resend_while_an_attempt_is_out_is_409_and_delivers_once_retried() {
     let endpoint = subscribe(&app, &receiver, None).await;
     receiver.set_delay(Duration::from_secs(2));
     pay(&app, 10).await;
-    let deadline = Instant::now() + WAIT;
-    while receiver.in_flight() == 0 {
-        assert!(Instant::now() < deadline, "the first attempt went out within {WAIT:?}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    wait_until("the first attempt out", WAIT, || async { receiver.in_flight() >= 1 }).await;
     let event = app.get("/events").await.body["data"][0]["id"]
         .as_str()
         .unwrap()

@@ -18,25 +18,12 @@ use uuid::Uuid;
 
 use oncepay::domain::MissingKeyPolicy;
 
-use super::{delivering, endpoints_stored, pay, refund, subscribe, subscribe_as, WAIT};
+use super::{delivering, endpoints_stored, pay, refund, subscribe, subscribe_as, wait_until, WAIT};
 use crate::commands::{free_port, serve_logged, stop_logged, wait_until_ready};
 use crate::support::helpers::{
     drop_database, metric_value, new_key, new_tenant, server_url, spawn_app_on_own_database_with, TestApp,
 };
 use crate::support::webhook_receiver::{Receiver, Reply};
-
-/// Waits until `check` holds, polling every 50 ms; panics naming `what` after `timeout`.
-async fn wait_until<F, Fut>(what: &str, timeout: Duration, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = Instant::now() + timeout;
-    while !check().await {
-        assert!(Instant::now() < deadline, "not within {timeout:?}: {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
 
 /// `(state, count)` of the tenant's deliveries.
 async fn delivery_states(pool: &sqlx::PgPool, tenant: Uuid) -> Vec<(String, i64)> {

@@ -27,6 +27,19 @@ mod signing;
 
 pub(crate) const WAIT: Duration = Duration::from_secs(60);
 
+/// Waits until `check` holds, polling every 50 ms; panics naming `what` after `timeout`.
+pub(crate) async fn wait_until<F, Fut>(what: &str, timeout: Duration, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = std::time::Instant::now() + timeout;
+    while !check().await {
+        assert!(std::time::Instant::now() < deadline, "not within {timeout:?}: {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// A replica that delivers webhooks.
 pub(crate) fn delivering(settings: &mut oncepay::config::Settings) {
     settings.webhooks.concurrency = 16;

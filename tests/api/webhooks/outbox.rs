@@ -10,7 +10,7 @@ use uuid::Uuid;
 
 use oncepay::domain::MissingKeyPolicy;
 
-use super::{all_delivered, committed, delivering, delivering_app, pay, refund, subscribe, WAIT};
+use super::{all_delivered, committed, delivering, delivering_app, pay, refund, subscribe, wait_until, WAIT};
 use crate::support::helpers::{drop_database, new_key, TestApp};
 use crate::support::webhook_receiver::Receiver;
 
@@ -134,6 +134,22 @@ async fn events_written_while_none_delivers_are_fanned_out_in_order_to_the_endpo
 /// (docs/webhooks.md), then purged with their deliveries and attempts: one delivered long
 /// ago but created within the retention stays (before V24 it went a key retention after its
 /// delivery), one created before goes even with a delivery still pending.
+/// Makes the events of `resource` (and their deliveries) 31 days old: past the default event
+/// retention.
+async fn age_past_retention(app: &TestApp, resource: &str) {
+    sqlx::query(
+        "WITH e AS (UPDATE webhook_events SET created_at = now() - interval '31 days'
+                     WHERE tenant_id = $1 AND resource_id = $2 RETURNING event_id)
+         UPDATE webhook_deliveries d SET created_at = now() - interval '31 days'
+           FROM e WHERE d.tenant_id = $1 AND d.event_id = e.event_id",
+    )
+    .bind(app.tenant_id)
+    .bind(resource)
+    .execute(&app.pool)
+    .await
+    .unwrap();
+}
+
 /// Found by a full test run: an attempt out while the purge deleted its event was recorded
 /// afterwards, an attempt row without its event that no purge would ever reach (the test
 /// below counted it). The record writes attempts only of events still there (V33).
@@ -144,25 +160,8 @@ async fn an_attempt_out_while_the_purge_deletes_its_event_leaves_no_attempt_behi
     receiver.set_delay(Duration::from_secs(2));
     subscribe(&app, &receiver, None).await;
     let payment = pay(&app, 10).await;
-    let deadline = std::time::Instant::now() + WAIT;
-    while receiver.in_flight() == 0 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the attempt went out within {WAIT:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    sqlx::query(
-        "WITH e AS (UPDATE webhook_events SET created_at = now() - interval '31 days'
-                     WHERE tenant_id = $1 AND resource_id = $2 RETURNING event_id)
-         UPDATE webhook_deliveries d SET created_at = now() - interval '31 days'
-           FROM e WHERE d.tenant_id = $1 AND d.event_id = e.event_id",
-    )
-    .bind(app.tenant_id)
-    .bind(&payment)
-    .execute(&app.pool)
-    .await
-    .unwrap();
+    wait_until("the attempt out", WAIT, || async { receiver.in_flight() >= 1 }).await;
+    age_past_retention(&app, &payment).await;
     let purged = app.admin(Method::POST, "/admin/purge", None).await;
     assert_eq!(purged.status, 200);
     assert_eq!(receiver.in_flight(), 1, "the purge ran while the attempt was out");
@@ -196,17 +195,7 @@ async fn events_are_purged_after_their_retention_delivered_or_not_with_their_del
     let young = pay(&app, 10).await;
     // Each event fanned out to both endpoints: delivered to the first, pending for the second.
     all_delivered(&app, &receiver).await;
-    sqlx::query(
-        "WITH e AS (UPDATE webhook_events SET created_at = now() - interval '31 days'
-                     WHERE tenant_id = $1 AND resource_id = $2 RETURNING event_id)
-         UPDATE webhook_deliveries d SET created_at = now() - interval '31 days'
-           FROM e WHERE d.tenant_id = $1 AND d.event_id = e.event_id",
-    )
-    .bind(app.tenant_id)
-    .bind(&old)
-    .execute(&app.pool)
-    .await
-    .unwrap();
+    age_past_retention(&app, &old).await;
     sqlx::query(
         "UPDATE webhook_deliveries SET finished_at = now() - interval '29 days'
           WHERE tenant_id = $1 AND resource_id = $2 AND finished_at IS NOT NULL",
