@@ -22,6 +22,7 @@ pub struct Payment {
     /// The account's balance right after this payment (as of the first answer on a replay).
     pub balance: i64,
     pub status: String,
+    #[serde(serialize_with = "crate::time::rfc3339")]
     pub created_at: DateTime<Utc>,
 }
 
@@ -33,7 +34,9 @@ pub struct PaymentState {
     pub amount: i64,
     /// `succeeded` or `refunded`.
     pub status: String,
+    #[serde(serialize_with = "crate::time::rfc3339")]
     pub created_at: DateTime<Utc>,
+    #[serde(serialize_with = "crate::time::rfc3339_opt")]
     pub refunded_at: Option<DateTime<Utc>>,
 }
 
@@ -51,6 +54,7 @@ pub struct Refund {
 pub struct AccountCreated {
     pub id: String,
     pub balance: i64,
+    #[serde(serialize_with = "crate::time::rfc3339")]
     pub created_at: DateTime<Utc>,
 }
 

@@ -15,8 +15,10 @@ pub struct KeyInfo {
     pub key: String,
     /// `create_payment`, `refund_payment`, `create_transfer`, ...
     pub operation: String,
+    #[serde(serialize_with = "crate::time::rfc3339")]
     pub created_at: DateTime<Utc>,
     /// Until when a retry with the key replays its answer.
+    #[serde(serialize_with = "crate::time::rfc3339")]
     pub expires_at: DateTime<Utc>,
     /// The status its requests are answered with; `None` while the operation has not ended
     /// (a top-up or its refund whose outcome at the card processor is not known yet: a

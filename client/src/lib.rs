@@ -30,6 +30,7 @@ mod lists;
 pub mod policy;
 mod recovery;
 mod retry;
+mod time;
 mod tls;
 mod top_ups;
 mod transfers;

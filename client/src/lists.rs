@@ -143,6 +143,7 @@ pub struct Attempt {
     pub id: String,
     /// The event, its `webhook-id`.
     pub event_id: Uuid,
+    #[serde(serialize_with = "crate::time::rfc3339")]
     pub attempted_at: DateTime<Utc>,
     /// The receiver's status; `None` when no answer came (see `error`).
     pub status: Option<u16>,

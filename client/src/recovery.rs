@@ -27,10 +27,12 @@ pub struct Resent {
 pub struct Recovery {
     pub id: Uuid,
     pub endpoint_id: Uuid,
+    #[serde(serialize_with = "crate::time::rfc3339")]
     pub since: DateTime<Utc>,
     /// Deliveries made due again (given up or waiting for a retry), each with a new retry
     /// schedule; held until enabled for a disabled endpoint.
     pub deliveries: u64,
+    #[serde(serialize_with = "crate::time::rfc3339")]
     pub created_at: DateTime<Utc>,
 }
 

@@ -25,6 +25,7 @@ pub struct TopUp {
     pub processor_payment_id: Option<String>,
     /// The account's balance right after this top-up.
     pub balance: i64,
+    #[serde(serialize_with = "crate::time::rfc3339")]
     pub created_at: DateTime<Utc>,
 }
 
@@ -51,6 +52,7 @@ pub struct TopUpState {
     /// Why the last refund failed (its amount was credited back).
     #[serde(default)]
     pub refund_failure_code: Option<String>,
+    #[serde(serialize_with = "crate::time::rfc3339")]
     pub created_at: DateTime<Utc>,
 }
 

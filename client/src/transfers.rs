@@ -22,6 +22,7 @@ pub struct Transfer {
     /// The balances right after this transfer (as of the first answer on a replay).
     pub from_balance: i64,
     pub to_balance: i64,
+    #[serde(serialize_with = "crate::time::rfc3339")]
     pub created_at: DateTime<Utc>,
 }
 
@@ -32,6 +33,7 @@ pub struct TransferState {
     pub from: String,
     pub to: String,
     pub amount: i64,
+    #[serde(serialize_with = "crate::time::rfc3339")]
     pub created_at: DateTime<Utc>,
 }
 

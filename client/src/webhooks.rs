@@ -194,6 +194,7 @@ pub struct WebhookEndpoint {
     /// `whsec_...`: what [`verify`] takes. `None` only on a replay (a retry with the same key)
     /// after the secret was rotated: a replay never shows a secret its first answer did not.
     pub secret: Option<String>,
+    #[serde(serialize_with = "crate::time::rfc3339")]
     pub created_at: chrono::DateTime<chrono::Utc>,
 }
 
@@ -203,9 +204,11 @@ pub struct ListedEndpoint {
     pub id: uuid::Uuid,
     pub url: String,
     pub events: Vec<String>,
+    #[serde(serialize_with = "crate::time::rfc3339")]
     pub created_at: chrono::DateTime<chrono::Utc>,
     /// `enabled` or `disabled`.
     pub status: String,
+    #[serde(serialize_with = "crate::time::rfc3339_opt")]
     pub disabled_at: Option<chrono::DateTime<chrono::Utc>>,
     /// `gone` (the receiver answered 410) or `failing` (no attempt succeeded for the server's
     /// `ONCEPAY_WEBHOOK_DISABLE_AFTER_SECS` while attempts kept failing).
@@ -218,6 +221,7 @@ pub struct EnabledEndpoint {
     pub id: uuid::Uuid,
     pub url: String,
     pub events: Vec<String>,
+    #[serde(serialize_with = "crate::time::rfc3339")]
     pub created_at: chrono::DateTime<chrono::Utc>,
     /// `enabled`.
     pub status: String,
@@ -230,6 +234,7 @@ pub struct RotatedSecret {
     /// The new secret; the previous one signs too until `previous_secret_expires_at`. `None`
     /// only on a replay once the secret was rotated again.
     pub secret: Option<String>,
+    #[serde(serialize_with = "crate::time::rfc3339_opt")]
     pub previous_secret_expires_at: Option<chrono::DateTime<chrono::Utc>>,
 }
 

@@ -6,12 +6,15 @@ use chrono::{DateTime, Utc};
 use serde::Serialize;
 use uuid::Uuid;
 
+use crate::domain::time;
+
 /// The whole report. `clean` is false when any invariant is broken; suspected duplicates
 /// are warnings and never make a report unclean.
 #[derive(Debug, Serialize)]
 pub struct Report {
     pub clean: bool,
     /// The database's clock at the snapshot every check read.
+    #[serde(serialize_with = "time::rfc3339")]
     pub snapshot_at: DateTime<Utc>,
     pub elapsed_ms: u64,
     pub scope: Scope,
@@ -120,6 +123,7 @@ pub struct MissingKey {
     pub tenant_id: Uuid,
     pub id: Uuid,
     pub key: String,
+    #[serde(serialize_with = "time::rfc3339")]
     pub created_at: DateTime<Utc>,
     /// What the key row names instead, when there is one.
     pub key_row_resource: Option<String>,

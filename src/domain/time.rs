@@ -1,5 +1,8 @@
-//! Times in answers, exactly as chrono's `Serialize` writes them (RFC 3339 in UTC with `Z`,
-//! the fraction in 0, 3, 6 or 9 digits as it needs), written in one piece.
+//! Times in answers: RFC 3339 in UTC with `Z` and always six digits of fraction
+//! (`2026-12-06T15:04:05.120000Z`), PostgreSQL's precision, as chrono's
+//! `to_rfc3339_opts(SecondsFormat::Micros, true)` writes them, written in one piece. One length
+//! for every time, so that their texts sort as the times do (chrono's own `Serialize` writes 0,
+//! 3, 6 or 9 digits as a time needs: `...:05Z` sorts after `...:05.120Z`).
 //!
 //! chrono writes a time to serde_json fragment by fragment (`collect_str`: each of its two-digit
 //! fields and separators goes through serde_json's string escaping on its own): about 2,500
@@ -13,22 +16,27 @@
 
 use std::cell::Cell;
 
-use chrono::{DateTime, Datelike, NaiveDate, Timelike, Utc};
+use chrono::{DateTime, Datelike, NaiveDate, SecondsFormat, Timelike, Utc};
 use serde::{Serialize, Serializer};
 
-/// Longest form: `9999-12-31T23:59:59.999999999Z`.
-const MAX_LEN: usize = 30;
+/// The form: `9999-12-31T23:59:59.999999Z`.
+const MAX_LEN: usize = 27;
 
-/// Serializes `time` as chrono does.
+/// Serializes `time` with six digits of fraction.
 pub fn rfc3339<S: Serializer>(time: &DateTime<Utc>, serializer: S) -> Result<S::Ok, S::Error> {
     let mut buf = [0u8; MAX_LEN];
     match write(time, &mut buf).and_then(|len| std::str::from_utf8(&buf[..len]).ok()) {
         Some(text) => serializer.serialize_str(text),
-        None => time.serialize(serializer),
+        None => serializer.serialize_str(&chrono_text(time)),
     }
 }
 
-/// Serializes `time` as chrono does, `null` for `None`.
+/// chrono's text of the same form, for the times [`write`] leaves to it.
+fn chrono_text(time: &DateTime<Utc>) -> String {
+    time.to_rfc3339_opts(SecondsFormat::Micros, true)
+}
+
+/// Serializes `time` as [`rfc3339`] does, `null` for `None`.
 pub fn rfc3339_opt<S: Serializer>(time: &Option<DateTime<Utc>>, serializer: S) -> Result<S::Ok, S::Error> {
     struct Present<'a>(&'a DateTime<Utc>);
     impl Serialize for Present<'_> {
@@ -42,7 +50,7 @@ pub fn rfc3339_opt<S: Serializer>(time: &Option<DateTime<Utc>>, serializer: S) -
     }
 }
 
-/// Appends `time` to `out` as a JSON string, as serde_json writes chrono's: for answers that
+/// Appends `time` to `out` as a JSON string, as [`rfc3339`] writes it: for answers that
 /// write their JSON themselves (a list's items).
 pub fn append_json(time: &DateTime<Utc>, out: &mut Vec<u8>) {
     let mut buf = [0u8; MAX_LEN];
@@ -53,8 +61,7 @@ pub fn append_json(time: &DateTime<Utc>, out: &mut Vec<u8>) {
             out.extend_from_slice(&buf[..len]);
             out.push(b'"');
         }
-        // chrono writes its form through serde; a `Vec` takes any write.
-        None => serde_json::to_writer(out, time).expect("a Vec takes every write, and chrono's Serialize never fails"),
+        None => serde_json::to_writer(out, &chrono_text(time)).expect("a Vec takes every write"),
     }
 }
 
@@ -75,18 +82,11 @@ fn write(time: &DateTime<Utc>, buf: &mut [u8; MAX_LEN]) -> Option<usize> {
     put(&mut buf[14..16], secs / 60 % 60);
     buf[16] = b':';
     put(&mut buf[17..19], secs % 60);
-    let mut len = 19;
-    let fraction = match nanos {
-        0 => None,
-        n if n % 1_000_000 == 0 => Some((n / 1_000_000, 3)),
-        n if n % 1_000 == 0 => Some((n / 1_000, 6)),
-        n => Some((n, 9)),
-    };
-    if let Some((value, digits)) = fraction {
-        buf[len] = b'.';
-        put(&mut buf[len + 1..len + 1 + digits], value);
-        len += 1 + digits;
-    }
+    // Always microseconds, PostgreSQL's precision: one length, so that the text of two times
+    // sorts as the times do ("...:00Z" would sort after "...:00.5Z").
+    buf[19] = b'.';
+    put(&mut buf[20..26], nanos / 1_000);
+    let len = 26;
     buf[len] = b'Z';
     Some(len + 1)
 }
@@ -150,21 +150,17 @@ mod tests {
         maybe: Option<DateTime<Utc>>,
     }
 
-    #[derive(Serialize)]
-    struct Chrono {
-        at: DateTime<Utc>,
-        maybe: Option<DateTime<Utc>>,
-    }
-
+    /// Ours, and chrono's `to_rfc3339_opts(SecondsFormat::Micros, true)` of the same.
     fn both(at: DateTime<Utc>, maybe: Option<DateTime<Utc>>) -> (String, String) {
-        (
-            serde_json::to_string(&Fast { at, maybe }).unwrap(),
-            serde_json::to_string(&Chrono { at, maybe }).unwrap(),
-        )
+        let chrono = serde_json::json!({
+            "at": at.to_rfc3339_opts(SecondsFormat::Micros, true),
+            "maybe": maybe.map(|m| m.to_rfc3339_opts(SecondsFormat::Micros, true)),
+        });
+        (serde_json::to_string(&Fast { at, maybe }).unwrap(), chrono.to_string())
     }
 
     #[test]
-    fn each_fraction_length_and_the_edges_read_as_chrono_writes_them() {
+    fn each_fraction_and_the_edges_read_as_chrono_writes_them_in_microseconds() {
         for (secs, nanos) in [
             (0, 0),
             (1_764_800_000, 0),
@@ -186,11 +182,14 @@ mod tests {
         let at = Utc.timestamp_opt(1_764_800_000, 0).single().unwrap();
         let (fast, chrono) = both(at, None);
         assert_eq!(fast, chrono);
-        assert_eq!(fast, r#"{"at":"2025-12-03T22:13:20Z","maybe":null}"#);
+        assert_eq!(fast, r#"{"at":"2025-12-03T22:13:20.000000Z","maybe":null}"#);
+        let mut listed = Vec::new();
+        append_json(&at, &mut listed);
+        assert_eq!(listed, br#""2025-12-03T22:13:20.000000Z""#);
     }
 
     #[test]
-    fn times_of_one_day_and_of_days_taken_in_turn_read_as_chrono_writes_them() {
+    fn times_of_one_day_and_of_days_taken_in_turn_read_as_chrono_writes_them_in_microseconds() {
         // The kept date must never leak into another day's time.
         let day = 86_400;
         for secs in [
@@ -213,7 +212,7 @@ mod tests {
 
     proptest! {
         #[test]
-        fn any_time_reads_as_chrono_writes_it(
+        fn any_time_reads_as_chrono_writes_it_in_microseconds(
             secs in -62_167_219_200i64..=253_402_300_799,
             nanos in prop_oneof![Just(0u32), (0u32..1000).prop_map(|m| m * 1_000_000),
                                  (0u32..1_000_000).prop_map(|u| u * 1000), 0u32..1_000_000_000],

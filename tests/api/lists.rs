@@ -247,7 +247,7 @@ async fn each_listed_payment_reads_as_its_get_answers_it_at_any_time() {
     assert_eq!(items[0]["created_at"], "9999-12-31T23:59:59.123456Z");
     // Past the year 9999, chrono's own form (a sign before the year).
     assert_eq!(items[0]["refunded_at"], "+10000-01-01T00:00:00.123457Z");
-    assert_eq!(items[3]["created_at"], "2000-01-01T00:00:00Z");
+    assert_eq!(items[3]["created_at"], "2000-01-01T00:00:00.000000Z");
     assert_eq!(items[3]["refunded_at"], "2000-01-01T00:00:01.000001Z");
     assert_eq!(items[4]["created_at"], "1999-12-31T23:59:59.999999Z");
     assert_eq!(items[4]["refunded_at"], Value::Null);

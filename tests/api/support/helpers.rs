@@ -284,6 +284,24 @@ pub struct Answer {
     pub body: Value,
 }
 
+/// Every time in an answer reads `YYYY-MM-DDTHH:MM:SS.ffffffZ` (docs/api.md, times): one
+/// length, so that their texts sort as the times do. Checked on every answer a test reads.
+fn assert_times_in_microseconds(value: &Value) {
+    match value {
+        Value::String(text) if chrono::DateTime::parse_from_rfc3339(text).is_ok() => {
+            let b = text.as_bytes();
+            let digits = |range: std::ops::Range<usize>| b[range].iter().all(u8::is_ascii_digit);
+            assert!(
+                b.len() == 27 && b[19] == b'.' && b[26] == b'Z' && digits(0..4) && digits(20..26),
+                "a time not in microseconds with Z: {text}"
+            );
+        }
+        Value::Array(items) => items.iter().for_each(assert_times_in_microseconds),
+        Value::Object(fields) => fields.values().for_each(assert_times_in_microseconds),
+        _ => {}
+    }
+}
+
 impl Answer {
     pub async fn from(response: Response) -> Self {
         let status = response.status().as_u16();
@@ -295,6 +313,7 @@ impl Answer {
             serde_json::from_slice(&bytes)
                 .unwrap_or_else(|_| panic!("body is not JSON: {}", String::from_utf8_lossy(&bytes)))
         };
+        assert_times_in_microseconds(&body);
         Self { status, headers, body }
     }
 
