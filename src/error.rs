@@ -33,8 +33,8 @@ pub enum ApiError {
     BodyTooLarge { limit: usize },
     #[error("the body did not arrive within {secs} seconds; nothing was processed")]
     BodyTimeout { secs: u64 },
-    #[error("the body must be JSON, sent with `Content-Type: application/json`")]
-    UnsupportedMediaType,
+    #[error("{0}")]
+    UnsupportedMediaType(&'static str),
     #[error("this tenant requires an `Idempotency-Key` header on every POST")]
     MissingIdempotencyKey,
     #[error("invalid Idempotency-Key: {0}")]
@@ -49,8 +49,14 @@ pub enum ApiError {
     #[error("no such account")]
     AccountNotFound,
     /// A deterministic failure of the operation: stored with the key and replayed.
-    #[error("{}", .decline.detail())]
-    Declined { decline: Decline, replayed: bool },
+    /// `detail` is the decline's own (`Decline::detail`) or the operation's words for it
+    /// (`Spec::decline_detail`).
+    #[error("{detail}")]
+    Declined {
+        decline: Decline,
+        replayed: bool,
+        detail: &'static str,
+    },
     /// A top-up's stored decline, decided by the card processor (with its `decline_code`).
     #[error("{}", .decline.detail())]
     ProcessorDeclined {
@@ -103,7 +109,7 @@ impl ApiError {
             Self::AdminDisabled => ProblemCode::AdminDisabled,
             Self::BodyTooLarge { .. } => ProblemCode::BodyTooLarge,
             Self::BodyTimeout { .. } => ProblemCode::RequestTimeout,
-            Self::UnsupportedMediaType => ProblemCode::UnsupportedMediaType,
+            Self::UnsupportedMediaType(_) => ProblemCode::UnsupportedMediaType,
             Self::MissingIdempotencyKey => ProblemCode::MissingIdempotencyKey,
             Self::InvalidIdempotencyKey(_) => ProblemCode::InvalidIdempotencyKey,
             Self::InvalidJson(_) => ProblemCode::InvalidJson,
@@ -128,7 +134,7 @@ impl ApiError {
             Self::AdminDisabled => "Admin API disabled",
             Self::BodyTooLarge { .. } => "Body too large",
             Self::BodyTimeout { .. } => "Request timeout",
-            Self::UnsupportedMediaType => "Unsupported media type",
+            Self::UnsupportedMediaType(_) => "Unsupported media type",
             Self::MissingIdempotencyKey => "Missing idempotency key",
             Self::InvalidIdempotencyKey(_) => "Invalid idempotency key",
             Self::InvalidJson(_) => "Invalid JSON",
@@ -162,6 +168,7 @@ impl ApiError {
             Self::Declined {
                 decline: Decline::NotFound,
                 replayed: false,
+                ..
             } => "not_found",
             Self::Declined { replayed: false, .. } | Self::ProcessorDeclined { replayed: false, .. } => "declined",
             Self::ProcessorNotConfigured => "invalid",
@@ -174,7 +181,7 @@ impl ApiError {
             Self::Internal(_) => "internal_error",
             Self::BodyTooLarge { .. }
             | Self::BodyTimeout { .. }
-            | Self::UnsupportedMediaType
+            | Self::UnsupportedMediaType(_)
             | Self::InvalidIdempotencyKey(_)
             | Self::InvalidJson(_)
             | Self::InvalidRequest(_) => "invalid",

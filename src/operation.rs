@@ -390,9 +390,7 @@ impl Decline {
         match self {
             Self::InsufficientFunds => "the account's balance is lower than the amount",
             Self::AccountNotFound => "no such account",
-            Self::NotFound => {
-                "nothing of this tenant's to act on: no such payment, top-up, webhook endpoint or event, or a top-up that failed (nothing was charged, so nothing is refunded)"
-            }
+            Self::NotFound => "nothing of this tenant's to act on: the path names no resource of this tenant",
             Self::AlreadyRefunded => "it was already refunded",
             Self::AccountExists => "an account with this id already exists",
             Self::CardDeclined => "the card processor declined the charge; nothing was charged",
@@ -413,6 +411,26 @@ impl Decline {
 }
 
 impl Spec {
+    /// The detail of a decline of this operation: a 404 names what was not found.
+    pub const fn decline_detail(&self, decline: Decline) -> &'static str {
+        match (decline, self.operation) {
+            (Decline::NotFound, Operation::Refund) => "nothing of this tenant's to act on: no such payment",
+            (Decline::NotFound, Operation::RefundTopUp) => {
+                "nothing of this tenant's to act on: no such top-up, or one that failed (nothing was charged, so nothing is refunded)"
+            }
+            (Decline::NotFound, Operation::RotateWebhookSecret | Operation::EnableWebhookEndpoint) => {
+                "nothing of this tenant's to act on: no such webhook endpoint (or it was deleted)"
+            }
+            (Decline::NotFound, Operation::ResendWebhookEvent) => {
+                "nothing of this tenant's to act on: no such webhook endpoint, or no such event for it (it is older than the endpoint, of a type it does not subscribe to, or past its retention)"
+            }
+            (Decline::NotFound, Operation::RecoverWebhookEndpoint) => {
+                "nothing of this tenant's to act on: no such webhook endpoint (or it was deleted)"
+            }
+            _ => decline.detail(),
+        }
+    }
+
     /// `{"<decline code>": <status>}` for this operation's declines, as the SQL reads it.
     pub fn decline_statuses(&self) -> serde_json::Value {
         self.declines

@@ -37,20 +37,27 @@ fn tenant_of(req: &HttpRequest) -> Result<TenantId, ApiError> {
 }
 
 /// Adds an API key to the tenant: the answer is the only time it is shown; the tenant's other
-/// keys stay valid (rotation: create, move the clients, revoke the old one). Takes no body.
+/// keys stay valid (rotation: create, move the clients, revoke the old one). Takes no body
+/// (empty or `{}`).
 #[utoipa::path(
     post, path = "/admin/tenants/{tenant_id}/api-keys", tag = "admin", operation_id = "create_api_key",
-    security(("admin_token" = [])),
+    request_body(content = NoParametersIn, description = "None: empty or `{}`."), security(("admin_token" = [])),
     params(("tenant_id" = TenantId, Path, description = "The tenant's id.")),
     responses(
         (status = 201, description = "Created.", body = tenants::CreatedKey),
-        (status = 401, response = Unauthorized), (status = 403, response = AdminDisabled),
-        (status = 404, response = NotFound), (status = 429, response = Overloaded),
+        (status = 400, response = BadRequest), (status = 401, response = Unauthorized),
+        (status = 403, response = AdminDisabled), (status = 404, response = NotFound),
+        (status = 408, response = RequestTimeout), (status = 413, response = BodyTooLarge),
+        (status = 415, response = UnsupportedMediaType), (status = 429, response = Overloaded),
         (status = 503, response = Unavailable),
     )
 )]
-pub(super) async fn create_api_key(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
-    state.admin(&req)?;
+pub(super) async fn create_api_key(
+    req: HttpRequest,
+    payload: web::Payload,
+    state: web::Data<AppState>,
+) -> Result<HttpResponse, ApiError> {
+    admin_no_body(&req, payload, &state).await?;
     let tenant = tenant_of(&req)?;
     let created = tenants::create_key(&state.db, tenant)
         .await?
@@ -147,6 +154,18 @@ async fn admin_body<T: DeserializeOwned>(
     parse_body(&bytes, EmptyBody::Refused).map(|(_, body)| body)
 }
 
+/// The body of an admin call that takes none: empty or `{}`, like a tenant's refund; anything
+/// else is refused (400, 415) before the call acts, not ignored.
+#[derive(Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct NoParametersIn {}
+
+async fn admin_no_body(req: &HttpRequest, payload: web::Payload, state: &AppState) -> Result<(), ApiError> {
+    state.admin(req)?;
+    let bytes = read_body(req, payload, state.settings.max_body_bytes).await?;
+    parse_body::<NoParametersIn>(&bytes, EmptyBody::MeansEmptyObject).map(|_| ())
+}
+
 /// Creates a tenant with its `main` account; the answer is the only time its API key is shown.
 #[utoipa::path(
     post, path = "/admin/tenants", tag = "admin", operation_id = "create_tenant",
@@ -215,17 +234,24 @@ struct PurgedOut {
     deleted: u64,
 }
 
-/// Deletes key rows older than the retention (the cron endpoint); takes no body.
+/// Deletes key rows older than the retention (the cron endpoint); takes no body (empty or `{}`).
 #[utoipa::path(
-    post, path = "/admin/purge", tag = "admin", operation_id = "purge", security(("admin_token" = [])),
+    post, path = "/admin/purge", tag = "admin", operation_id = "purge",
+    request_body(content = NoParametersIn, description = "None: empty or `{}`."), security(("admin_token" = [])),
     responses(
         (status = 200, description = "Purged.", body = PurgedOut),
-        (status = 401, response = Unauthorized), (status = 403, response = AdminDisabled),
+        (status = 400, response = BadRequest), (status = 401, response = Unauthorized),
+        (status = 403, response = AdminDisabled), (status = 408, response = RequestTimeout),
+        (status = 413, response = BodyTooLarge), (status = 415, response = UnsupportedMediaType),
         (status = 429, response = Overloaded), (status = 503, response = Unavailable),
     )
 )]
-pub(super) async fn run_purge(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
-    state.admin(&req)?;
+pub(super) async fn run_purge(
+    req: HttpRequest,
+    payload: web::Payload,
+    state: web::Data<AppState>,
+) -> Result<HttpResponse, ApiError> {
+    admin_no_body(&req, payload, &state).await?;
     let deleted = purge::purge(
         &state.db,
         purge::Retention::of(&state.settings),

@@ -35,14 +35,31 @@ pub fn parse_body<T: DeserializeOwned>(bytes: &[u8], empty: EmptyBody) -> Result
     }
     let parsed = serde_path_to_error::deserialize(&value).map_err(|err| {
         let path = err.path().to_string();
-        let inner = err.into_inner();
+        let inner = plain_types(&err.into_inner().to_string());
         ApiError::InvalidRequest(if path == "." {
-            inner.to_string()
+            inner
         } else {
             format!("`{path}`: {inner}")
         })
     })?;
     Ok((value, parsed))
+}
+
+/// serde names the Rust type a number was read into (`expected u32`): said in JSON's words
+/// instead (the field's own range, where it has one, is checked and named after parsing).
+fn plain_types(detail: &str) -> String {
+    const TYPES: [(&str, &str); 6] = [
+        ("expected u16", "expected a whole number, not negative"),
+        ("expected u32", "expected a whole number, not negative"),
+        ("expected u64", "expected a whole number, not negative"),
+        ("expected i32", "expected a whole number"),
+        ("expected i64", "expected a whole number"),
+        ("expected f64", "expected a number"),
+    ];
+    match TYPES.iter().find(|(rust, _)| detail.ends_with(rust)) {
+        Some((rust, plain)) => format!("{}{plain}", &detail[..detail.len() - rust.len()]),
+        None => detail.to_owned(),
+    }
 }
 
 /// For an optional field whose `null` is not documented: absent is `None` (with
@@ -80,11 +97,42 @@ pub async fn read_body(req: &HttpRequest, payload: web::Payload, limit: usize) -
         Ok(Err(err)) => return Err(ApiError::InvalidJson(format!("the body could not be read: {err}"))),
         Ok(Ok(bytes)) => bytes,
     };
-    let plain_json = is_json(req) && is_unencoded(req);
-    if !bytes.is_empty() && !plain_json {
-        return Err(ApiError::UnsupportedMediaType);
+    if !bytes.is_empty() {
+        if let Some(reason) = media_refused(req) {
+            return Err(ApiError::UnsupportedMediaType(reason));
+        }
     }
     Ok(bytes)
+}
+
+/// Why a non-empty body's media type or encoding is refused (415), if it is.
+fn media_refused(req: &HttpRequest) -> Option<&'static str> {
+    if req.headers().get_all(header::CONTENT_TYPE).nth(1).is_some() {
+        // Which one the body is in cannot be told; taking the first would read a body its
+        // sender (or a proxy between) took for the other.
+        return Some("the request carries two `Content-Type` headers; send one, `application/json`");
+    }
+    if !is_json(req) {
+        return Some("the body must be JSON, sent with `Content-Type: application/json`");
+    }
+    if !is_utf8(req) {
+        return Some("the body must be UTF-8 JSON: a `charset` other than `utf-8` is not read");
+    }
+    if !is_unencoded(req) {
+        return Some("the body must be sent uncompressed: no `Content-Encoding` but `identity` is decoded");
+    }
+    None
+}
+
+/// No `charset` parameter or `utf-8` (RFC 8259, 8.1: JSON exchanged between systems is
+/// UTF-8): a body declared in another charset would be read as UTF-8 bytes it is not.
+fn is_utf8(req: &HttpRequest) -> bool {
+    match req.mime_type() {
+        Ok(Some(mime)) => mime
+            .get_param(mime::CHARSET)
+            .is_none_or(|charset| charset == mime::UTF_8 || charset.as_str().eq_ignore_ascii_case("utf8")),
+        _ => true,
+    }
 }
 
 /// No `Content-Encoding` but `identity`: the server decodes none (RFC 9110, 8.4: a body in

@@ -99,6 +99,18 @@ impl Modify for Operations {
         document_operation::<webhooks::EnableWebhookEndpoint>(openapi);
         document_operation::<recovery::ResendWebhookEvent>(openapi);
         document_operation::<recovery::RecoverWebhookEndpoint>(openapi);
+        // The admin calls that take no body (admin::NoParametersIn): one may be sent, `{}`.
+        for path in ["/admin/purge", "/admin/tenants/{tenant_id}/api-keys"] {
+            let body = openapi
+                .paths
+                .paths
+                .get_mut(path)
+                .and_then(|item| item.post.as_mut())
+                .and_then(|post| post.request_body.as_mut());
+            if let Some(utoipa::openapi::RefOr::T(body)) = body {
+                body.required = Some(Required::False);
+            }
+        }
     }
 }
 

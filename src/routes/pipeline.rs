@@ -156,7 +156,7 @@ async fn handle<E: Endpoint>(
     })
     .await?;
     if let Some(claim) = claim.as_ref().filter(|_| E::CACHES_REPLAYS) {
-        if let Some(answer) = cached(&state, &tenant, claim) {
+        if let Some(answer) = cached(&state, spec, &tenant, claim) {
             return answer;
         }
     }
@@ -179,7 +179,7 @@ async fn handle<E: Endpoint>(
 
 /// The answer from this process's replay cache, if it knows the key (`None`: ask the
 /// database).
-fn cached(state: &AppState, tenant: &Tenant, claim: &Claim) -> Option<Result<HttpResponse, ApiError>> {
+fn cached(state: &AppState, spec: &Spec, tenant: &Tenant, claim: &Claim) -> Option<Result<HttpResponse, ApiError>> {
     let hit = match state.replays.lookup(tenant.id, &claim.key, &claim.fingerprint) {
         Lookup::Miss => {
             state.metrics.replay_cache_misses.inc();
@@ -190,6 +190,7 @@ fn cached(state: &AppState, tenant: &Tenant, claim: &Claim) -> Option<Result<Htt
             CachedAnswer::Declined(decline) => Err(ApiError::Declined {
                 decline: *decline,
                 replayed: true,
+                detail: spec.decline_detail(*decline),
             }),
             CachedAnswer::Success { status, body, location } => {
                 Ok(answer(*status, body.clone(), location.as_deref(), Replay::Replayed))
@@ -213,7 +214,11 @@ fn respond<E: Endpoint>(
         Ok(Reply::Replayed(row)) => (row, true),
         Err(Refusal::Declined { decline, replayed }) => {
             return Ok((
-                Err(ApiError::Declined { decline, replayed }),
+                Err(ApiError::Declined {
+                    decline,
+                    replayed,
+                    detail: spec.decline_detail(decline),
+                }),
                 Some(CachedAnswer::Declined(decline)),
             ))
         }
@@ -286,7 +291,11 @@ pub fn json_body<T: Serialize>(out: &T) -> Result<Bytes, ApiError> {
 impl From<Refusal> for ApiError {
     fn from(refusal: Refusal) -> Self {
         match refusal {
-            Refusal::Declined { decline, replayed } => ApiError::Declined { decline, replayed },
+            Refusal::Declined { decline, replayed } => ApiError::Declined {
+                decline,
+                replayed,
+                detail: decline.detail(),
+            },
             Refusal::KeyReused => ApiError::KeyReused,
             Refusal::KeyExpired => ApiError::KeyExpired,
         }

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use reqwest::Method;
 
 use crate::commands::oncepay;
-use crate::support::helpers::{database_url, Answer, TestApp};
+use crate::support::helpers::{database_url, Answer, TestApp, ADMIN_TOKEN};
 
 async fn keys(app: &TestApp) -> Answer {
     app.admin(Method::GET, &format!("/admin/tenants/{}/api-keys", app.tenant_id), None)
@@ -186,4 +186,45 @@ async fn the_cli_creates_lists_and_revokes_keys_through_the_database() {
     .await;
     assert_ne!(unknown.status, 0);
     assert!(unknown.stderr.contains("no such tenant"), "{}", unknown.stderr);
+}
+
+/// The admin calls that take no body refuse one they cannot read, as the tenant's refund
+/// does, before they act: a key asked for with fields or in text is not created, nor a purge
+/// run; empty or `{}` is the call itself.
+#[tokio::test]
+async fn admin_calls_without_a_body_refuse_one_before_acting() {
+    let app = TestApp::builder().spawn().await;
+    let create = format!("/admin/tenants/{}/api-keys", app.tenant_id);
+    let send = async |path: &str, content_type: &str, body: &str| {
+        let request = app
+            .client
+            .post(app.url(path))
+            .bearer_auth(ADMIN_TOKEN)
+            .header("Content-Type", content_type)
+            .body(body.to_owned());
+        Answer::from(request.send().await.unwrap()).await
+    };
+    for path in [create.as_str(), "/admin/purge"] {
+        let fields = send(path, "application/json", r#"{"x": 1}"#).await;
+        fields.assert_problem(400, "invalid_request");
+        assert!(
+            fields.body["detail"].as_str().unwrap().contains("`x`"),
+            "{}",
+            fields.body
+        );
+        send(path, "text/plain", "garbage")
+            .await
+            .assert_problem(415, "unsupported_media_type");
+        send(path, "application/json", "[")
+            .await
+            .assert_problem(400, "invalid_json");
+    }
+    assert_eq!(keys(&app).await.body.as_array().unwrap().len(), 1, "no key created");
+    for body in ["", "{}"] {
+        let created = send(&create, "application/json", body).await;
+        assert_eq!(created.status, 201, "{body:?}: {}", created.body);
+        let purged = send("/admin/purge", "application/json", body).await;
+        assert_eq!(purged.status, 200, "{body:?}: {}", purged.body);
+    }
+    assert_eq!(keys(&app).await.body.as_array().unwrap().len(), 3);
 }

@@ -169,6 +169,88 @@ async fn a_content_encoded_body_is_415_and_changes_nothing() {
     assert_eq!(identity.status, 201, "identity is no encoding: {}", identity.body);
 }
 
+/// Two `Content-Type` headers: which one the body is in cannot be told (the first won, and a
+/// payment was charged), nor a `charset` that is not UTF-8 read as the bytes it names; and a
+/// 415 says what was refused: the encoding, not a Content-Type the client did send.
+#[tokio::test]
+async fn two_content_types_or_another_charset_are_415_naming_what_was_refused() {
+    let app = spawn_app().await;
+    let pay = async |headers: &[(&str, &str)]| {
+        let mut request = app
+            .client
+            .post(app.url("/payments"))
+            .bearer_auth(&app.api_key)
+            .header("Idempotency-Key", new_key())
+            .body(r#"{"amount": 1}"#);
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
+        Answer::from(request.send().await.unwrap()).await
+    };
+    let detail = |answer: &Answer| answer.body["detail"].as_str().unwrap_or("").to_owned();
+    for pair in [
+        ["application/json", "text/plain"],
+        ["text/plain", "application/json"],
+        ["application/json"; 2],
+    ] {
+        let twice = pay(&[("Content-Type", pair[0]), ("Content-Type", pair[1])]).await;
+        twice.assert_problem(415, "unsupported_media_type");
+        assert!(
+            detail(&twice).contains("two `Content-Type`"),
+            "{pair:?}: {}",
+            twice.body
+        );
+    }
+    let utf16 = pay(&[("Content-Type", "application/json; charset=utf-16")]).await;
+    utf16.assert_problem(415, "unsupported_media_type");
+    assert!(detail(&utf16).contains("charset"), "{}", utf16.body);
+    let gzip = pay(&[("Content-Type", "application/json"), ("Content-Encoding", "gzip")]).await;
+    gzip.assert_problem(415, "unsupported_media_type");
+    assert!(detail(&gzip).contains("Content-Encoding"), "{}", gzip.body);
+    assert!(!detail(&gzip).contains("Content-Type"), "{}", gzip.body);
+    assert_nothing_changed(&app).await;
+    for charset in ["utf-8", "UTF-8", "utf8"] {
+        let ok = pay(&[("Content-Type", &format!("application/json; charset={charset}"))]).await;
+        assert_eq!(ok.status, 201, "{charset}: {}", ok.body);
+    }
+}
+
+/// A number's error speaks JSON, not the Rust type it was read into (`expected u32`).
+#[tokio::test]
+async fn a_wrong_number_is_refused_without_rust_type_names() {
+    let app = spawn_app().await;
+    let created = app
+        .post(
+            "/webhook-endpoints",
+            Some(&new_key()),
+            &json!({"url": "https://93.184.216.34/hook"}),
+        )
+        .await;
+    assert_eq!(created.status, 201, "{}", created.body);
+    let rotate = format!(
+        "/webhook-endpoints/{}/rotate-secret",
+        created.body["id"].as_str().unwrap()
+    );
+    let negative = app.post(&rotate, Some(&new_key()), &json!({"overlap_secs": -1})).await;
+    negative.assert_problem(400, "invalid_request");
+    let detail = negative.body["detail"].as_str().unwrap();
+    assert!(
+        detail.contains("`overlap_secs`") && detail.contains("a whole number, not negative"),
+        "{detail}"
+    );
+    let text = app
+        .post(&rotate, Some(&new_key()), &json!({"overlap_secs": "60"}))
+        .await;
+    text.assert_problem(400, "invalid_request");
+    for answer in [&negative, &text] {
+        let detail = answer.body["detail"].as_str().unwrap();
+        assert!(
+            !["u32", "i64", "u64"].iter().any(|rust| detail.contains(rust)),
+            "{detail}"
+        );
+    }
+}
+
 #[tokio::test]
 async fn a_missing_key_is_400_under_the_default_policy() {
     let app = spawn_app().await;

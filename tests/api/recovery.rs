@@ -571,3 +571,50 @@ async fn a_key_is_found_by_its_tenant_with_its_status_and_resource_and_by_no_one
     assert_eq!(theirs.body, never.body);
     app.get("/idempotency-keys/%00").await.assert_problem(404, "not_found");
 }
+
+/// A 404 of a webhook call names what it looked for, not payments or top-ups, and its
+/// replay (stored with the key) says the same; a refund's 404 names the payment.
+#[tokio::test]
+async fn a_404_names_what_its_call_looked_for_and_its_replay_says_the_same() {
+    let app = spawn_app().await;
+    let unknown = Uuid::now_v7();
+    let calls = [
+        (
+            format!("/webhook-endpoints/{unknown}/enable"),
+            "no such webhook endpoint",
+        ),
+        (
+            format!("/webhook-endpoints/{unknown}/recover"),
+            "no such webhook endpoint",
+        ),
+        (
+            format!("/webhook-endpoints/{unknown}/rotate-secret"),
+            "no such webhook endpoint",
+        ),
+        (
+            format!("/webhook-endpoints/{unknown}/events/{}/resend", Uuid::now_v7()),
+            "no such event",
+        ),
+        (format!("/payments/{unknown}/refund"), "no such payment"),
+    ];
+    for (path, says) in &calls {
+        let key = new_key();
+        let body = if path.ends_with("/recover") {
+            json!({"since": 0})
+        } else {
+            json!({})
+        };
+        for _ in 0..2 {
+            let answer = app.post(path, Some(&key), &body).await;
+            answer.assert_problem(404, "not_found");
+            let detail = answer.body["detail"].as_str().unwrap();
+            assert!(detail.contains(says), "{path}: {detail}");
+            if !path.starts_with("/payments") {
+                assert!(
+                    !detail.contains("payment") && !detail.contains("top-up"),
+                    "{path}: {detail}"
+                );
+            }
+        }
+    }
+}
