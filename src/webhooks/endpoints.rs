@@ -119,8 +119,9 @@ enum Secret<'a> {
 /// An outcome whose stored endpoint is shown, with its secret decrypted where the answer
 /// shows it: a replay shows the secret only if the replayed request made the endpoint's
 /// current one (`secret_from_key`; for an endpoint of before migrations/V22, a creation's
-/// replay while it was never rotated), so that every replica answers a replay alike and none
-/// shows a secret that request never showed.
+/// replay while it was never rotated) and the endpoint is not deleted, so that every replica
+/// answers a replay alike and none shows a secret that request never showed, or one of an
+/// endpoint that is gone.
 fn opened(
     tenant: TenantId,
     claim: &ClaimArgs,
@@ -139,7 +140,8 @@ fn opened(
                     }
                     (_, None) => false,
                 };
-                still_its.then_some(sealer)
+                // A deleted endpoint's secret signs nothing any more: no replay shows it.
+                (still_its && stored.deleted_at.is_none()).then_some(sealer)
             }
         };
         let secret = match sealer {

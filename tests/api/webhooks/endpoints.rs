@@ -86,6 +86,11 @@ async fn an_endpoint_is_created_once_listed_without_its_secret_and_deleted() {
     };
     assert_eq!(delete().await.unwrap().status(), 204);
     assert_eq!(delete().await.unwrap().status(), 404);
+    // The creation's replay still answers it, but a deleted endpoint's secret no more.
+    let gone = app.post("/webhook-endpoints", Some(&key), &body).await;
+    assert_eq!((gone.status, gone.replayed()), (201, true), "{}", gone.body);
+    assert_eq!(gone.body["id"], first.body["id"]);
+    assert_eq!(gone.body["secret"], serde_json::Value::Null, "{}", gone.body);
     assert_eq!(app.get("/webhook-endpoints").await.body.as_array().unwrap().len(), 1);
     app.get("/events/not-an-id").await.assert_problem(404, "not_found");
     app.get(&format!("/events/{}", Uuid::new_v4()))
