@@ -24,6 +24,8 @@ pub const LOOKUP_TIMEOUT: Duration = Duration::from_secs(2);
 pub enum Refused {
     #[error("`url` must be an absolute http or https URL with a host")]
     Malformed,
+    #[error("`url` must be at most {MAX_URL_BYTES} bytes long")]
+    TooLong,
     #[error("`url` must not carry a user name or password")]
     Credentials,
     #[error("`url` must not contain control characters (NUL, CR, LF, tab, ...) or begin or end with a space")]
@@ -36,10 +38,13 @@ pub enum Refused {
     LookupTimedOut,
 }
 
+/// The longest URL an endpoint may have (as sent, before parsing).
+pub const MAX_URL_BYTES: usize = 2048;
+
 /// Parses and checks the form of a URL (not yet its addresses).
 pub fn parse(raw: &str) -> Result<Url, Refused> {
-    if raw.len() > 2048 {
-        return Err(Refused::Malformed);
+    if raw.len() > MAX_URL_BYTES {
+        return Err(Refused::TooLong);
     }
     // A URL parser drops these silently (leading and trailing ones, tabs and newlines
     // anywhere): `x\r\nX-Evil: 1` was stored as `xX-Evil:%201`. Refused, not rewritten.
@@ -279,6 +284,9 @@ mod tests {
         assert_eq!(parse("mailto:a@b.c").unwrap_err(), Refused::Malformed);
         assert_eq!(parse("/relative").unwrap_err(), Refused::Malformed);
         assert_eq!(parse("https://u:p@example.com/").unwrap_err(), Refused::Credentials);
+        let longest = format!("https://example.com/{}", "a".repeat(MAX_URL_BYTES - 20));
+        assert!(parse(&longest).is_ok());
+        assert_eq!(parse(&format!("{longest}a")).unwrap_err(), Refused::TooLong);
         for rewritten in [
             "https://example.com/x\r\nX-Evil: 1",
             "https://example.com/x\0",
