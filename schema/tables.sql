@@ -497,6 +497,9 @@ CREATE TABLE public.tenants (
     api_key_hash bytea NOT NULL,
     missing_key_policy text DEFAULT 'reject'::text NOT NULL,
     created_at timestamp with time zone DEFAULT now() NOT NULL,
+    creation_fingerprint bytea,
+    creation_expires_at timestamp with time zone,
+    CONSTRAINT tenants_creation_key_check CHECK (((creation_fingerprint IS NULL) = (creation_expires_at IS NULL))),
     CONSTRAINT tenants_missing_key_policy_check CHECK ((missing_key_policy = ANY (ARRAY['reject'::text, 'allow'::text, 'fingerprint'::text]))),
     CONSTRAINT tenants_name_check CHECK ((((octet_length(name) >= 1) AND (octet_length(name) <= 200)) AND (name !~ '[[:cntrl:]]'::text)))
 );

@@ -2,6 +2,8 @@
 //! hashes: a fast hash is enough for a secret that cannot be guessed, and it lets a request
 //! find its tenant with one index lookup.
 
+use std::time::Duration;
+
 use rand::RngCore;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
@@ -9,6 +11,7 @@ use sqlx::PgConnection;
 
 use crate::db::{Db, DbError};
 use crate::domain::{AccountId, MissingKeyPolicy, OpeningBalance, TenantId};
+use crate::idempotency::fingerprint::Fingerprint;
 
 pub const API_KEY_PREFIX: &str = "opk_";
 
@@ -46,6 +49,37 @@ pub struct CreatedTenant {
     pub missing_key_policy: MissingKeyPolicy,
 }
 
+/// An admin's `Idempotency-Key` on a tenant's creation, with the request's fingerprint.
+pub struct CreationKey<'a> {
+    pub key: &'a str,
+    pub fingerprint: Fingerprint,
+    /// How long a retry with the key replays (`ONCEPAY_REPLAY_WINDOW_SECS`).
+    pub window: Duration,
+}
+
+/// What a creation with a key did.
+#[derive(Debug)]
+pub enum KeyedCreation {
+    New(CreatedTenant),
+    /// The key's tenant exists, made by a request with this fingerprint, in its window.
+    Replayed(TenantId),
+    /// The key made a tenant from another request (another body).
+    Reused,
+    /// The key made a tenant, and its replay window has passed.
+    Expired,
+}
+
+/// The id of the tenant an admin's creation key makes: SHA-256 of the key (in a namespace of
+/// its own) as a version 8 UUID. The tenants' primary key is then the key's claim.
+pub fn creation_id(key: &str) -> TenantId {
+    let digest = Sha256::new_with_prefix(b"oncepay admin tenant creation\n")
+        .chain_update(key.as_bytes())
+        .finalize();
+    let mut bytes = [0u8; 16];
+    bytes.copy_from_slice(&digest[..16]);
+    TenantId::from_uuid(uuid::Builder::from_custom_bytes(bytes).into_uuid())
+}
+
 #[derive(Clone, Debug, Serialize, utoipa::ToSchema)]
 pub struct TenantView {
     pub tenant_id: TenantId,
@@ -60,45 +94,121 @@ pub async fn create(
     policy: MissingKeyPolicy,
     main_balance: OpeningBalance,
 ) -> Result<CreatedTenant, DbError> {
-    let mut secret = [0u8; API_KEY_SECRET_BYTES];
-    rand::rngs::OsRng.fill_bytes(&mut secret);
-    let api_key = format!("{API_KEY_PREFIX}{}", hex::encode(secret));
+    let api_key = new_api_key();
     let tenant_id = TenantId::new_random();
     let api_key_hash = hash_api_key(&api_key);
     db.transaction(async |tx| {
-            sqlx::query!(
-                "INSERT INTO tenants (tenant_id, name, api_key_hash, missing_key_policy) VALUES ($1, $2, $3, $4)",
-                tenant_id.get(),
-                name,
-                &api_key_hash[..],
-                policy.as_str(),
-            )
-            .execute(&mut *tx)
-            .await?;
-            sqlx::query!(
-                "INSERT INTO api_keys (tenant_id, key_id, key_hash) VALUES ($1, $2, $3)",
-                tenant_id.get(),
-                uuid::Uuid::new_v4(),
-                &api_key_hash[..],
-            )
-            .execute(&mut *tx)
-            .await?;
-            sqlx::query!(
-                "INSERT INTO accounts (tenant_id, account_id, balance, opening_balance) VALUES ($1, $2::text, $3::bigint, $3::bigint)",
-                tenant_id.get(),
-                AccountId::MAIN,
-                main_balance.get(),
-            )
-            .execute(&mut *tx)
-            .await
-        })
+        sqlx::query!(
+            "INSERT INTO tenants (tenant_id, name, api_key_hash, missing_key_policy) VALUES ($1, $2, $3, $4)",
+            tenant_id.get(),
+            name,
+            &api_key_hash[..],
+            policy.as_str(),
+        )
+        .execute(&mut *tx)
         .await?;
+        insert_key_and_main(tx, tenant_id, &api_key_hash, main_balance).await
+    })
+    .await?;
     Ok(CreatedTenant {
         tenant_id,
         name: name.to_owned(),
         api_key,
         missing_key_policy: policy,
     })
+}
+
+/// Creates a tenant as [`create`] does, once per admin key: its id is the key's
+/// ([`creation_id`]), so a concurrent duplicate's insert waits for the first transaction on
+/// the tenants' primary key, then reads what the first stored.
+pub async fn create_keyed(
+    db: &Db,
+    name: &str,
+    policy: MissingKeyPolicy,
+    main_balance: OpeningBalance,
+    key: &CreationKey<'_>,
+) -> Result<KeyedCreation, DbError> {
+    let api_key = new_api_key();
+    let tenant_id = creation_id(key.key);
+    let api_key_hash = hash_api_key(&api_key);
+    let window_secs = key.window.as_secs_f64();
+    let made = db
+        .transaction(async |tx| {
+            let inserted = sqlx::query!(
+                "INSERT INTO tenants (tenant_id, name, api_key_hash, missing_key_policy,
+                                      creation_fingerprint, creation_expires_at)
+                 VALUES ($1, $2, $3, $4, $5, now() + make_interval(secs => $6))
+                 ON CONFLICT (tenant_id) DO NOTHING",
+                tenant_id.get(),
+                name,
+                &api_key_hash[..],
+                policy.as_str(),
+                &key.fingerprint[..],
+                window_secs,
+            )
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+            if inserted == 1 {
+                insert_key_and_main(tx, tenant_id, &api_key_hash, main_balance).await?;
+                return Ok(None);
+            }
+            let stored = sqlx::query!(
+                r#"SELECT creation_fingerprint, creation_expires_at < now() AS "expired!"
+                     FROM tenants WHERE tenant_id = $1"#,
+                tenant_id.get(),
+            )
+            .fetch_one(&mut *tx)
+            .await?;
+            Ok(Some(match stored.creation_fingerprint {
+                Some(fingerprint) if fingerprint != key.fingerprint => KeyedCreation::Reused,
+                Some(_) if stored.expired => KeyedCreation::Expired,
+                Some(_) => KeyedCreation::Replayed(tenant_id),
+                // A tenant of this id made without a key: no creation of this key's.
+                None => KeyedCreation::Reused,
+            }))
+        })
+        .await?;
+    Ok(made.unwrap_or_else(|| {
+        KeyedCreation::New(CreatedTenant {
+            tenant_id,
+            name: name.to_owned(),
+            api_key,
+            missing_key_policy: policy,
+        })
+    }))
+}
+
+fn new_api_key() -> String {
+    let mut secret = [0u8; API_KEY_SECRET_BYTES];
+    rand::rngs::OsRng.fill_bytes(&mut secret);
+    format!("{API_KEY_PREFIX}{}", hex::encode(secret))
+}
+
+/// The new tenant's first API key and its `main` account, in its creation's transaction.
+async fn insert_key_and_main(
+    tx: &mut PgConnection,
+    tenant_id: TenantId,
+    api_key_hash: &ApiKeyHash,
+    main_balance: OpeningBalance,
+) -> Result<(), sqlx::Error> {
+    sqlx::query!(
+        "INSERT INTO api_keys (tenant_id, key_id, key_hash) VALUES ($1, $2, $3)",
+        tenant_id.get(),
+        uuid::Uuid::new_v4(),
+        &api_key_hash[..],
+    )
+    .execute(&mut *tx)
+    .await?;
+    sqlx::query!(
+                "INSERT INTO accounts (tenant_id, account_id, balance, opening_balance) VALUES ($1, $2::text, $3::bigint, $3::bigint)",
+                tenant_id.get(),
+                AccountId::MAIN,
+                main_balance.get(),
+            )
+            .execute(&mut *tx)
+            .await?;
+    Ok(())
 }
 
 pub async fn set_policy(db: &Db, tenant_id: TenantId, policy: MissingKeyPolicy) -> Result<Option<TenantView>, DbError> {

@@ -1,19 +1,23 @@
 //! `POST /admin/tenants`, `PATCH /admin/tenants/{id}`, the tenant's API keys
 //! (`/admin/tenants/{id}/api-keys`), `POST /admin/purge`.
 
+use actix_web::http::StatusCode;
 use actix_web::{web, HttpRequest, HttpResponse};
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use utoipa::ToSchema;
 
 use super::intake::{parse_body, present, read_body, EmptyBody};
+use super::pipeline::{self, json_body, Replay};
 use super::schemas::{
-    AdminDisabled, BadRequest, BodyTooLarge, NotFound, Overloaded, RequestTimeout, Unauthorized, Unavailable,
-    UnsupportedMediaType,
+    AdminDisabled, BadRequest, BodyTooLarge, IdempotencyKeyHeader, KeyRefused, NotFound, Overloaded, RequestTimeout,
+    Unauthorized, Unavailable, UnsupportedMediaType,
 };
 use crate::domain::{MissingKeyPolicy, OpeningBalance, TenantId};
 use crate::error::ApiError;
+use crate::idempotency::{self, IdempotencyKey};
 use crate::state::AppState;
+use crate::tenants::KeyedCreation;
 use crate::{purge, tenants};
 
 pub fn configure(cfg: &mut web::ServiceConfig) {
@@ -142,8 +146,8 @@ pub struct TenantPatchIn {
     pub missing_key_policy: MissingKeyPolicy,
 }
 
-/// Admin bodies: the same size and type rules as tenant bodies, no idempotency key (a
-/// repeated tenant creation creates another tenant, as the operator asked).
+/// Admin bodies: the same size and type rules as tenant bodies, no idempotency key (the
+/// tenant's creation reads its own: `create_tenant`).
 async fn admin_body<T: DeserializeOwned>(
     req: &HttpRequest,
     payload: web::Payload,
@@ -166,16 +170,31 @@ async fn admin_no_body(req: &HttpRequest, payload: web::Payload, state: &AppStat
     parse_body::<NoParametersIn>(&bytes, EmptyBody::MeansEmptyObject).map(|_| ())
 }
 
+/// A tenant's creation as answered: `tenants::CreatedTenant`, whose API key a replay cannot show.
+#[derive(serde::Serialize, ToSchema)]
+pub struct TenantCreatedOut {
+    tenant_id: TenantId,
+    name: String,
+    /// `opk_...`, shown this once; `null` on the replay of a creation by its
+    /// `Idempotency-Key` (the key is stored only as its hash: if it was lost, create another
+    /// with `POST /admin/tenants/{tenant_id}/api-keys`).
+    api_key: Option<String>,
+    missing_key_policy: MissingKeyPolicy,
+}
+
 /// Creates a tenant with its `main` account; the answer is the only time its API key is shown.
+/// With an `Idempotency-Key`, once: a retry with the key answers the same tenant (201,
+/// `Idempotency-Replayed: true`) with `api_key: null`, never a second tenant or balance.
 #[utoipa::path(
     post, path = "/admin/tenants", tag = "admin", operation_id = "create_tenant",
-    request_body = TenantIn, security(("admin_token" = [])),
+    request_body = TenantIn, security(("admin_token" = [])), params(IdempotencyKeyHeader),
     responses(
-        (status = 201, description = "Created.", body = tenants::CreatedTenant),
+        (status = 201, description = "Created, or with an `Idempotency-Key` the key's tenant again (`Idempotency-Replayed: true`, `api_key` null).", body = TenantCreatedOut,
+         headers(("Idempotency-Replayed" = String, description = "`true` on a replay, `false` on a first answer; absent without a key"))),
         (status = 400, response = BadRequest), (status = 401, response = Unauthorized),
         (status = 403, response = AdminDisabled), (status = 408, response = RequestTimeout), (status = 413, response = BodyTooLarge),
-        (status = 415, response = UnsupportedMediaType), (status = 429, response = Overloaded),
-        (status = 503, response = Unavailable),
+        (status = 415, response = UnsupportedMediaType), (status = 422, response = KeyRefused),
+        (status = 429, response = Overloaded), (status = 503, response = Unavailable),
     )
 )]
 pub(super) async fn create_tenant(
@@ -183,7 +202,10 @@ pub(super) async fn create_tenant(
     payload: web::Payload,
     state: web::Data<AppState>,
 ) -> Result<HttpResponse, ApiError> {
-    let body: TenantIn = admin_body(&req, payload, &state).await?;
+    state.admin(&req)?;
+    let bytes = read_body(&req, payload, state.settings.max_body_bytes).await?;
+    let key = IdempotencyKey::from_headers(req.headers()).map_err(ApiError::InvalidIdempotencyKey)?;
+    let (value, body): (_, TenantIn) = parse_body(&bytes, EmptyBody::Refused)?;
     let name = body.name.as_str();
     // PostgreSQL refuses NUL in text (a 500 if it got there): no control character passes.
     if name.trim().is_empty() || name.len() > 200 || name.chars().any(char::is_control) {
@@ -193,8 +215,44 @@ pub(super) async fn create_tenant(
     }
     let policy = body.missing_key_policy.unwrap_or(MissingKeyPolicy::Reject);
     let main_balance = body.main_balance.unwrap_or_default();
-    let created = tenants::create(&state.db, name, policy, main_balance).await?;
-    Ok(HttpResponse::Created().json(created))
+    let Some(key) = key else {
+        let created = tenants::create(&state.db, name, policy, main_balance).await?;
+        return Ok(HttpResponse::Created().json(created));
+    };
+    let creation = tenants::CreationKey {
+        key: key.as_str(),
+        fingerprint: idempotency::fingerprint("POST", "/admin/tenants", &value),
+        window: state.settings.replay_window,
+    };
+    let (created, replay) = match tenants::create_keyed(&state.db, name, policy, main_balance, &creation).await? {
+        KeyedCreation::New(created) => (
+            TenantCreatedOut {
+                tenant_id: created.tenant_id,
+                name: created.name,
+                api_key: Some(created.api_key),
+                missing_key_policy: created.missing_key_policy,
+            },
+            Replay::New,
+        ),
+        // The same fingerprint: the same body, so the same name and policy.
+        KeyedCreation::Replayed(tenant_id) => (
+            TenantCreatedOut {
+                tenant_id,
+                name: name.to_owned(),
+                api_key: None,
+                missing_key_policy: policy,
+            },
+            Replay::Replayed,
+        ),
+        KeyedCreation::Reused => return Err(ApiError::KeyReused),
+        KeyedCreation::Expired => return Err(ApiError::KeyExpired),
+    };
+    Ok(pipeline::answer(
+        StatusCode::CREATED,
+        json_body(&created)?,
+        None,
+        replay,
+    ))
 }
 
 /// Changes a tenant's `missing_key_policy`; every replica applies it within one second.

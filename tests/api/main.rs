@@ -4,6 +4,7 @@
 // lints against both are for the service's code.
 #![allow(clippy::unwrap_used, clippy::print_stdout, clippy::print_stderr)]
 
+mod admin_tenants;
 mod api_keys;
 mod audit;
 mod batch;
