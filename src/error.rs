@@ -57,12 +57,14 @@ pub enum ApiError {
         replayed: bool,
         detail: &'static str,
     },
-    /// A top-up's stored decline, decided by the card processor (with its `decline_code`).
-    #[error("{}", .decline.detail())]
+    /// A top-up's stored decline, decided by the card processor (with its `decline_code`);
+    /// `detail` as `Declined`'s.
+    #[error("{detail}")]
     ProcessorDeclined {
         decline: Decline,
         decline_code: Option<String>,
         replayed: bool,
+        detail: &'static str,
     },
     #[error("top-ups need a card processor: the operator has not set ONCEPAY_PROCESSOR_URL")]
     ProcessorNotConfigured,

@@ -416,7 +416,7 @@ impl Spec {
         match (decline, self.operation) {
             (Decline::NotFound, Operation::Refund) => "nothing of this tenant's to act on: no such payment",
             (Decline::NotFound, Operation::RefundTopUp) => {
-                "nothing of this tenant's to act on: no such top-up, or one that failed (nothing was charged, so nothing is refunded)"
+                "nothing of this tenant's to act on: no such top-up, or a top-up that failed (nothing was charged, so nothing is refunded)"
             }
             (Decline::NotFound, Operation::RotateWebhookSecret | Operation::EnableWebhookEndpoint) => {
                 "nothing of this tenant's to act on: no such webhook endpoint (or it was deleted)"

@@ -27,7 +27,7 @@ use crate::domain::{time, AccountId, Amount, TenantId, TopUpId};
 use crate::error::ApiError;
 use crate::ledger::top_ups::NewTopUp;
 use crate::ledger::{self, TopUpRow};
-use crate::operation::Operation;
+use crate::operation::{Operation, Spec};
 use crate::state::{AppState, WorkerLists};
 use crate::top_ups::{Answer, TopUpError, TopUps};
 
@@ -184,7 +184,7 @@ pub(super) async fn create(
     .await
     .map_err(|e| ApiError::Internal(e.into()))?
     .map_err(edge)?;
-    respond(answer, keyed, |row| {
+    respond(spec, answer, keyed, |row| {
         let out = TopUpOut {
             id: TopUpId::from_uuid(row.top_up_id),
             account: row.account_id.0.clone(),
@@ -259,7 +259,7 @@ pub(super) async fn refund(
         Err(ApiError::InProgress) => return Err(in_progress_or_processing(&state, tenant.id, id).await),
         answer => answer?,
     };
-    respond(answer, keyed, |row| {
+    respond(spec, answer, keyed, |row| {
         let pending = row.refund_debited();
         let out = TopUpRefundOut {
             id: TopUpId::from_uuid(row.top_up_id),
@@ -380,6 +380,7 @@ pub(super) async fn list(
 type Rendered = (StatusCode, Bytes, Option<String>);
 
 fn respond(
+    spec: &Spec,
     answer: Answer,
     keyed: bool,
     render: impl FnOnce(&TopUpRow) -> Result<Rendered, ApiError>,
@@ -404,6 +405,7 @@ fn respond(
             decline,
             decline_code: row.and_then(|r| r.decline_code),
             replayed,
+            detail: spec.decline_detail(decline),
         }),
         Answer::KeyReused => Err(ApiError::KeyReused),
         Answer::KeyExpired => Err(ApiError::KeyExpired),

@@ -74,6 +74,8 @@ async fn every_check_constraint_and_domain_refuses_a_row_that_breaks_it() {
         ("tenant_id", "gen_random_uuid()"),
         ("name", "'shop'"),
         ("api_key_hash", "sha256(gen_random_uuid()::text::bytea)"),
+        ("creation_fingerprint", "NULL"),
+        ("creation_expires_at", "NULL"),
     ];
     let transfers = [
         ("tenant_id", tenant.as_str()),
@@ -188,6 +190,14 @@ async fn every_check_constraint_and_domain_refuses_a_row_that_breaks_it() {
         (
             "tenants_name_check",
             insert("tenants", &tenants, &[("name", "E'shop\\n'")]),
+        ),
+        (
+            "tenants_creation_key_check",
+            insert("tenants", &tenants, &[("creation_fingerprint", fp32)]),
+        ),
+        (
+            "tenants_creation_key_check",
+            insert("tenants", &tenants, &[("creation_expires_at", "now()")]),
         ),
         (
             "transfers_accounts_check",
