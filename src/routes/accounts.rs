@@ -7,7 +7,7 @@ use oncepay_protocol::routes;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
-use super::intake::present;
+use super::intake::{no_query, present};
 use super::lists::{self, ListOut};
 use super::pipeline::{corrupt, route, Endpoint};
 use super::schemas::{BadRequest, NotFound, Overloaded, Unauthorized, Unavailable};
@@ -142,6 +142,7 @@ impl Endpoint for CreateDeposit {
 )]
 pub(super) async fn show(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     let tenant = state.tenant(&req).await?;
+    no_query(&req)?;
     let id = path_account(&req)?;
     let mut conn = state.conn().await?;
     let balance = conn

@@ -7,7 +7,7 @@ use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use utoipa::ToSchema;
 
-use super::intake::{parse_body, present, read_body, EmptyBody};
+use super::intake::{no_query, parse_body, present, read_body, EmptyBody};
 use super::pipeline::{self, json_body, Replay};
 use super::schemas::{
     AdminDisabled, BadRequest, BodyTooLarge, IdempotencyKeyHeader, KeyRefused, NotFound, Overloaded, RequestTimeout,
@@ -77,13 +77,14 @@ pub(super) async fn create_api_key(
     params(("tenant_id" = TenantId, Path, description = "The tenant's id.")),
     responses(
         (status = 200, description = "The keys, oldest first.", body = [tenants::KeyView]),
-        (status = 401, response = Unauthorized), (status = 403, response = AdminDisabled),
+        (status = 400, response = BadRequest), (status = 401, response = Unauthorized), (status = 403, response = AdminDisabled),
         (status = 404, response = NotFound), (status = 429, response = Overloaded),
         (status = 503, response = Unavailable),
     )
 )]
 pub(super) async fn list_api_keys(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     state.admin(&req)?;
+    no_query(&req)?;
     let tenant = tenant_of(&req)?;
     let keys = tenants::list_keys(&state.db, tenant).await?.ok_or(ApiError::NotFound)?;
     Ok(HttpResponse::Ok().json(keys))
@@ -99,13 +100,14 @@ pub(super) async fn list_api_keys(req: HttpRequest, state: web::Data<AppState>) 
     ),
     responses(
         (status = 200, description = "The key, revoked.", body = tenants::KeyView),
-        (status = 401, response = Unauthorized), (status = 403, response = AdminDisabled),
+        (status = 400, response = BadRequest), (status = 401, response = Unauthorized), (status = 403, response = AdminDisabled),
         (status = 404, response = NotFound), (status = 429, response = Overloaded),
         (status = 503, response = Unavailable),
     )
 )]
 pub(super) async fn revoke_api_key(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     state.admin(&req)?;
+    no_query(&req)?;
     let tenant = tenant_of(&req)?;
     let key_id = req
         .match_info()
@@ -154,6 +156,7 @@ async fn admin_body<T: DeserializeOwned>(
     state: &AppState,
 ) -> Result<T, ApiError> {
     state.admin(req)?;
+    no_query(req)?;
     let bytes = read_body(req, payload, state.settings.max_body_bytes).await?;
     parse_body(&bytes, EmptyBody::Refused).map(|(_, body)| body)
 }
@@ -166,6 +169,7 @@ pub struct NoParametersIn {}
 
 async fn admin_no_body(req: &HttpRequest, payload: web::Payload, state: &AppState) -> Result<(), ApiError> {
     state.admin(req)?;
+    no_query(req)?;
     let bytes = read_body(req, payload, state.settings.max_body_bytes).await?;
     parse_body::<NoParametersIn>(&bytes, EmptyBody::MeansEmptyObject).map(|_| ())
 }
@@ -203,6 +207,7 @@ pub(super) async fn create_tenant(
     state: web::Data<AppState>,
 ) -> Result<HttpResponse, ApiError> {
     state.admin(&req)?;
+    no_query(&req)?;
     let bytes = read_body(&req, payload, state.settings.max_body_bytes).await?;
     let key = IdempotencyKey::from_headers(req.headers()).map_err(ApiError::InvalidIdempotencyKey)?;
     let (value, body): (_, TenantIn) = parse_body(&bytes, EmptyBody::Refused)?;

@@ -62,6 +62,22 @@ fn plain_types(detail: &str) -> String {
     }
 }
 
+/// A call that takes no query parameters refuses any (400), as the lists refuse the ones they
+/// do not know: a parameter the server ignored would be a request it did not do
+/// (`POST /payments?account=u2` charged `main`). Checked after authentication, with the body.
+pub fn no_query(req: &HttpRequest) -> Result<(), ApiError> {
+    let query = req.query_string();
+    if query.is_empty() {
+        return Ok(());
+    }
+    let first = query.split('&').next().unwrap_or_default();
+    let name = first.split('=').next().unwrap_or_default();
+    let name = percent_encoding::percent_decode_str(name).decode_utf8_lossy();
+    Err(ApiError::InvalidRequest(format!(
+        "the query string: `{name}` is not a parameter of this call, which takes none (a request's fields go in its JSON body)"
+    )))
+}
+
 /// For an optional field whose `null` is not documented: absent is `None` (with
 /// `#[serde(default)]`), present must be a value (serde alone reads `null` as `None`).
 pub fn present<'de, D, T>(deserializer: D) -> Result<Option<T>, D::Error>

@@ -8,7 +8,8 @@ use oncepay_protocol::routes;
 use serde::Serialize;
 use utoipa::ToSchema;
 
-use super::schemas::{NotFound, Overloaded, Unauthorized, Unavailable};
+use super::intake::no_query;
+use super::schemas::{BadRequest, NotFound, Overloaded, Unauthorized, Unavailable};
 use crate::domain::time;
 use crate::error::ApiError;
 use crate::ledger;
@@ -62,12 +63,13 @@ struct ResourceOut {
         another tenant's answers 404 like an unknown one.")),
     responses(
         (status = 200, description = "The key's row.", body = KeyOut),
-        (status = 401, response = Unauthorized), (status = 404, response = NotFound),
+        (status = 400, response = BadRequest), (status = 401, response = Unauthorized), (status = 404, response = NotFound),
         (status = 429, response = Overloaded), (status = 503, response = Unavailable),
     )
 )]
 pub(super) async fn show(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     let tenant = state.tenant(&req).await?;
+    no_query(&req)?;
     let raw = req.match_info().get("key").unwrap_or_default();
     let key = percent_encoding::percent_decode_str(raw)
         .decode_utf8()

@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 use uuid::Uuid;
 
-use super::intake::{present, EmptyBody};
+use super::intake::{no_query, present, EmptyBody};
 use super::lists::{self, Filter, ListItem, ListOut};
 use super::pipeline::{corrupt, route, Endpoint};
 use super::schemas::{BadRequest, NotFound, Overloaded, Unauthorized, Unavailable};
@@ -173,12 +173,13 @@ fn payment_id(req: &HttpRequest) -> Result<PaymentId, ApiError> {
     params(("id" = PaymentId, Path, description = "The payment's id; another tenant's answers 404.")),
     responses(
         (status = 200, description = "The payment.", body = PaymentStateOut),
-        (status = 401, response = Unauthorized), (status = 404, response = NotFound),
+        (status = 400, response = BadRequest), (status = 401, response = Unauthorized), (status = 404, response = NotFound),
         (status = 429, response = Overloaded), (status = 503, response = Unavailable),
     )
 )]
 pub(super) async fn show(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     let tenant = state.tenant(&req).await?;
+    no_query(&req)?;
     let id = payment_id(&req)?;
     let mut conn = state.conn().await?;
     let p = conn

@@ -14,7 +14,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use utoipa::ToSchema;
 
-use super::intake::{parse_body, read_body, EmptyBody};
+use super::intake::{no_query, parse_body, read_body, EmptyBody};
 use crate::db::DbError;
 use crate::domain::TenantId;
 use crate::error::{ApiError, REPLAYED_HEADER};
@@ -121,6 +121,7 @@ pub async fn intake<T: DeserializeOwned, S>(
     let key = IdempotencyKey::from_headers(req.headers()).map_err(ApiError::InvalidIdempotencyKey)?;
     let key = idempotency::key_or_policy(key, tenant.policy)?;
     let (body, input) = parse_body::<T>(&bytes, empty)?;
+    no_query(req)?;
     let (input, path) = shape(input).await?;
 
     let fingerprint = idempotency::fingerprint(spec.method, &path, &body);

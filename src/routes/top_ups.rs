@@ -16,7 +16,7 @@ use oncepay_protocol::routes;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
-use super::intake::EmptyBody;
+use super::intake::{no_query, EmptyBody};
 use super::lists::{self, Filter, ListOut};
 use super::pipeline::{self, intake, json_body, Intake, Replay};
 use super::schemas::{
@@ -298,12 +298,13 @@ async fn in_progress_or_processing(state: &AppState, tenant: TenantId, id: TopUp
     params(("id" = TopUpId, Path, description = "The top-up's id; another tenant's answers 404.")),
     responses(
         (status = 200, description = "The top-up.", body = TopUpStateOut),
-        (status = 401, response = Unauthorized), (status = 404, response = NotFound),
+        (status = 400, response = BadRequest), (status = 401, response = Unauthorized), (status = 404, response = NotFound),
         (status = 429, response = Overloaded), (status = 503, response = Unavailable),
     )
 )]
 pub(super) async fn show(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     let tenant = state.tenant(&req).await?;
+    no_query(&req)?;
     let id = TopUpId::parse(req.match_info().get("id").unwrap_or_default()).ok_or(ApiError::NotFound)?;
     let mut conn = state.conn().await?;
     let row = conn

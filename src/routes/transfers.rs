@@ -6,6 +6,7 @@ use oncepay_protocol::routes;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
+use super::intake::no_query;
 use super::lists::{self, Filter, ListOut};
 use super::pipeline::{route, Endpoint};
 use super::schemas::{BadRequest, NotFound, Overloaded, Unauthorized, Unavailable};
@@ -93,12 +94,13 @@ impl Endpoint for CreateTransfer {
     params(("id" = TransferId, Path, description = "The transfer's id; another tenant's answers 404.")),
     responses(
         (status = 200, description = "The transfer.", body = TransferStateOut),
-        (status = 401, response = Unauthorized), (status = 404, response = NotFound),
+        (status = 400, response = BadRequest), (status = 401, response = Unauthorized), (status = 404, response = NotFound),
         (status = 429, response = Overloaded), (status = 503, response = Unavailable),
     )
 )]
 pub(super) async fn show(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     let tenant = state.tenant(&req).await?;
+    no_query(&req)?;
     let id = req
         .match_info()
         .get("id")

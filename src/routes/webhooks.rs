@@ -8,9 +8,9 @@ use oncepay_protocol::routes;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
-use super::intake::EmptyBody;
+use super::intake::{no_query, EmptyBody};
 use super::pipeline::{route, Endpoint};
-use super::schemas::{NotFound, Overloaded, Unauthorized, Unavailable};
+use super::schemas::{BadRequest, NotFound, Overloaded, Unauthorized, Unavailable};
 use crate::domain::{time, EndpointId, EventId};
 use crate::error::ApiError;
 use crate::state::AppState;
@@ -271,11 +271,12 @@ pub struct EnableEndpointIn {}
     get, path = "/webhook-endpoints", tag = "webhooks", operation_id = "list_webhook_endpoints", security(("api_key" = [])),
     responses(
         (status = 200, description = "The endpoints, oldest first.", body = [WebhookEndpointListed]),
-        (status = 401, response = Unauthorized), (status = 429, response = Overloaded), (status = 503, response = Unavailable),
+        (status = 400, response = BadRequest), (status = 401, response = Unauthorized), (status = 429, response = Overloaded), (status = 503, response = Unavailable),
     )
 )]
 pub(super) async fn list(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     let tenant = state.tenant(&req).await?;
+    no_query(&req)?;
     let mut conn = state.conn().await?;
     let rows = conn.run(async |c| endpoints::list(c, tenant.id).await).await?;
     let listed: Vec<_> = rows
@@ -299,12 +300,13 @@ pub(super) async fn list(req: HttpRequest, state: web::Data<AppState>) -> Result
     params(("id" = EndpointId, Path, description = "The endpoint's id; another tenant's answers 404.")),
     responses(
         (status = 204, description = "Deleted."),
-        (status = 401, response = Unauthorized), (status = 404, response = NotFound),
+        (status = 400, response = BadRequest), (status = 401, response = Unauthorized), (status = 404, response = NotFound),
         (status = 429, response = Overloaded), (status = 503, response = Unavailable),
     )
 )]
 pub(super) async fn delete(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     let tenant = state.tenant(&req).await?;
+    no_query(&req)?;
     let id = req
         .match_info()
         .get("id")
@@ -324,12 +326,13 @@ pub(super) async fn delete(req: HttpRequest, state: web::Data<AppState>) -> Resu
     params(("id" = EventId, Path, description = "The event's id (its `webhook-id`); another tenant's answers 404.")),
     responses(
         (status = 200, description = "The event: `type`, `timestamp` and `data` as in the delivered body.", body = EventOut),
-        (status = 401, response = Unauthorized), (status = 404, response = NotFound),
+        (status = 400, response = BadRequest), (status = 401, response = Unauthorized), (status = 404, response = NotFound),
         (status = 429, response = Overloaded), (status = 503, response = Unavailable),
     )
 )]
 pub(super) async fn show_event(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     let tenant = state.tenant(&req).await?;
+    no_query(&req)?;
     let id = req
         .match_info()
         .get("id")

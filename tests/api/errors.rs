@@ -251,6 +251,59 @@ async fn a_wrong_number_is_refused_without_rust_type_names() {
     }
 }
 
+/// A call that takes no query parameters refuses any, after authentication: `POST
+/// /payments?account=u2` charged `main`, the parameter silently ignored.
+#[tokio::test]
+async fn a_query_parameter_on_a_call_that_takes_none_is_400_and_changes_nothing() {
+    let app = spawn_app().await;
+    app.open_account("u2", 1_000).await;
+    let paid = app.pay(Some(&new_key()), 1).await;
+    assert_eq!(paid.status, 201, "{}", paid.body);
+    let id = paid.body["id"].as_str().unwrap().to_owned();
+    let charged = app
+        .post("/payments?account=u2", Some(&new_key()), &json!({"amount": 5}))
+        .await;
+    charged.assert_problem(400, "invalid_request");
+    assert!(
+        charged.body["detail"].as_str().unwrap().contains("`account`"),
+        "{}",
+        charged.body
+    );
+    assert_eq!(
+        (app.balance("main").await, app.balance("u2").await),
+        (MAIN_BALANCE - 1, 1_000)
+    );
+    for path in [
+        format!("/payments/{id}?expand=account"),
+        "/accounts/main?x".to_owned(),
+        "/webhook-endpoints?limit=1".to_owned(),
+        format!("/idempotency-keys/{}?x=1", new_key()),
+    ] {
+        app.get(&path).await.assert_problem(400, "invalid_request");
+    }
+    let admin = app
+        .admin(
+            Method::GET,
+            &format!("/admin/tenants/{}/api-keys?all=1", app.tenant_id),
+            None,
+        )
+        .await;
+    admin.assert_problem(400, "invalid_request");
+    // Authentication first; the lists and the probes keep their parameters.
+    let stranger = Answer::from(app.client.get(app.url("/accounts/main?x")).send().await.unwrap()).await;
+    stranger.assert_problem(401, "unauthorized");
+    assert_eq!(app.get("/payments?limit=1").await.status, 200);
+    assert_eq!(
+        app.client
+            .get(app.url("/healthz?probe=1"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+}
+
 #[tokio::test]
 async fn a_missing_key_is_400_under_the_default_policy() {
     let app = spawn_app().await;
