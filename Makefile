@@ -20,7 +20,7 @@ export SQLX_OFFLINE ?= true
 BIN := target/release/oncepay
 CARGO_TEST := $(shell cargo nextest --version >/dev/null 2>&1 && echo "cargo nextest run --workspace --no-fail-fast" || echo "cargo test --workspace --no-fail-fast")
 
-.PHONY: help run lab tenant db-url build install db-up db-down db-port-test readme-test migrate psql purge audit audit-bench test test-pgbouncer chaos check client-deps-check sqlx-check sqlx-prepare schema schema-check bench bench-quick bench-analyze callgrind sql-callgrind bench-ab openapi schemathesis alerts-test ha bench-ha
+.PHONY: help run lab tenant db-url build install db-up db-down db-port-test readme-test migrate psql purge audit audit-bench test test-pgbouncer chaos check client-deps-check sqlx-check sqlx-prepare schema schema-check bench bench-quick bench-analyze callgrind sql-callgrind bench-ab bench-lists-ab openapi schemathesis alerts-test ha bench-ha
 
 help:
 	@echo "make run      local database if needed, migrate, demo tenant, serve on 127.0.0.1:8130"
@@ -39,6 +39,7 @@ help:
 	@echo "make bench-analyze   where PostgreSQL's CPU per payment goes (pg_stat_statements, auto_explain, perf)"
 	@echo "make callgrind       the server's instructions per new payment and per replay (valgrind)"
 	@echo "make bench-ab BASE_BIN=dir   this tree's server against another build, side by side in one run"
+	@echo "make bench-lists-ab BASE_BIN=dir  the list rows of make bench for both builds, side by side"
 	@echo "make sql-callgrind   PostgreSQL's instructions per new payment, replay and payment with a webhook endpoint, alone and in batches, this SQL vs an older one"
 	@echo "make ha       Patroni cluster (3 PostgreSQL 15, etcd, HAProxy), 3 oncepay, 5 faults under load, books verified (root)"
 	@echo "make bench-ha  the yardstick ratios on that cluster (0.5 ms between nodes) and through PgBouncer (root)"
@@ -269,6 +270,11 @@ sql-callgrind: db-up
 # rounds alternated: a change's before and after (scripts/bench-ab.sh).
 bench-ab: db-up
 	@scripts/bench-ab.sh
+
+# make bench's list page steps (issue 39's p99 rows) for this tree and another build, each
+# against pgbench's bare SELECT, side by side in one run (scripts/bench-lists-ab.sh).
+bench-lists-ab: db-up
+	@scripts/bench-lists-ab.sh
 
 # High availability (docs/ha.md): etcd, three PostgreSQL 15 nodes under Patroni with
 # strict synchronous replication, HAProxy to the leader, three oncepay instances, in network
