@@ -11,6 +11,12 @@ DECLARE
     v_due int;
 BEGIN
     IF c.outcome = 'created' THEN
+        -- The deliveries a record may hold, waited for, in the record's order.
+        PERFORM FROM webhook_deliveries w
+          WHERE w.tenant_id = p_tenant AND w.endpoint_id = p_endpoint AND w.state = 'pending'
+            AND w.created_at >= p_since
+          ORDER BY w.tenant_id, w.event_id, w.endpoint_id
+            FOR UPDATE OF w;
         SELECT e.* INTO ep FROM webhook_endpoints e
          WHERE e.tenant_id = p_tenant AND e.endpoint_id = p_endpoint AND e.deleted_at IS NULL
            FOR SHARE;
@@ -27,18 +33,14 @@ BEGIN
                                 WHERE a.tenant_id = d.tenant_id AND a.event_id = d.event_id
                                   AND a.endpoint_id = d.endpoint_id AND a.status BETWEEN 200 AND 299);
             GET DIAGNOSTICS v_reopened = ROW_COUNT;
-            -- By row address, the rows locked first: a delivery being recorded right now is not
-            -- waited for. One whose attempt is out (leased) has its schedule restarted under
-            -- that attempt: if it fails, the record sends it again at once (below).
+            -- One whose attempt is out (leased) has its schedule restarted under that attempt:
+            -- if it fails, the record sends it again at once (V33).
             UPDATE webhook_deliveries d
                SET next_attempt_at = CASE WHEN d.leased_until > now() THEN d.next_attempt_at ELSE now() END,
                    schedule_start = d.attempts
-             WHERE d.ctid = ANY (ARRAY(
-                       SELECT w.ctid FROM webhook_deliveries w
-                        WHERE w.tenant_id = p_tenant AND w.endpoint_id = p_endpoint AND w.state = 'pending'
-                          AND w.created_at >= p_since
-                          AND (w.next_attempt_at > now() OR w.leased_until > now())
-                          FOR UPDATE SKIP LOCKED));
+             WHERE d.tenant_id = p_tenant AND d.endpoint_id = p_endpoint AND d.state = 'pending'
+               AND d.created_at >= p_since
+               AND (d.next_attempt_at > now() OR d.leased_until > now());
             GET DIAGNOSTICS v_due = ROW_COUNT;
             INSERT INTO webhook_recoveries AS r (tenant_id, recovery_id, endpoint_id, since, deliveries,
                                                  idempotency_key, created_at)

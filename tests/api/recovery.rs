@@ -67,6 +67,145 @@ async fn a_recovery_while_an_events_last_attempt_is_out_delivers_it_once_that_at
     drop_database(&url).await;
 }
 
+/// Found by the probes of 2026-12-06 and left then: a recovery that came while a replica was
+/// *recording* an event's last failed attempt (the delivery's row locked for those few
+/// milliseconds) skipped it, answered `"deliveries": 0`, and the record then gave the event up
+/// for good. Here the record is held open on a connection of the test's own, in an outage
+/// already under way (the endpoint failing since a minute, its previous attempt just before),
+/// where recording a failure touches no endpoint row. The recovery now waits for that record
+/// and reopens what it gave up.
+#[tokio::test]
+async fn a_recovery_while_an_events_last_failure_is_being_recorded_delivers_it_again() {
+    // No deliverer runs here: the test claims and records the attempts itself, as one would.
+    let (app, url) = spawn_app_on_own_database("recover_recording").await;
+    let receiver = Receiver::start().await;
+    let endpoint = subscribe(&app, &receiver, None).await;
+    let since = unix_now() - 60;
+    pay(&app, 10).await;
+
+    let claim = || async {
+        sqlx::query_as::<_, (Uuid, Uuid, Uuid, i32)>(
+            "SELECT tenant_id, event_id, endpoint_id, attempt
+               FROM oncepay_webhook_claim_scheduled(10, 4, 60000, true, '{}'::uuid[], '{}'::int[], 10)",
+        )
+        .fetch_all(&app.pool)
+        .await
+        .unwrap()
+    };
+    let record = "SELECT count(*) FROM oncepay_webhook_record_results(
+        ARRAY[$1]::uuid[], ARRAY[$2]::uuid[], ARRAY[$3]::uuid[], ARRAY[$4]::int[],
+        ARRAY[now() - interval '10 milliseconds'], ARRAY[10], ARRAY[500]::smallint[], ARRAY[NULL]::text[],
+        ARRAY[NULL]::text[], 'test', ARRAY[$5]::text[], ARRAY[now()], 86400, 300)";
+    // The first attempt fails (a retry due at once): the endpoint is failing from now on.
+    let first = claim().await;
+    assert_eq!(first.len(), 1, "the event's one delivery: {first:?}");
+    let (tenant, event, endpoint_id, attempt) = first[0];
+    assert_eq!(attempt, 1);
+    sqlx::query(record)
+        .bind(tenant)
+        .bind(event)
+        .bind(endpoint_id)
+        .bind(attempt)
+        .bind("retry")
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    // The second attempt is the schedule's last; its record (given up) is held open.
+    let second = claim().await;
+    assert_eq!(second.len(), 1, "{second:?}");
+    assert_eq!(second[0].3, 2);
+    let mut recording = app.pool.begin().await.unwrap();
+    sqlx::query(record)
+        .bind(tenant)
+        .bind(event)
+        .bind(endpoint_id)
+        .bind(2)
+        .bind("given_up")
+        .execute(&mut *recording)
+        .await
+        .unwrap();
+
+    let recovery = tokio::spawn(recover_request(&app, &endpoint, new_key(), since));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    recording.commit().await.unwrap();
+    let answer = tokio::time::timeout(WAIT, recovery).await.unwrap().unwrap();
+    assert_eq!(answer.status(), 202);
+    let body: Value = answer.json().await.unwrap();
+    assert_eq!(
+        body["deliveries"], 1,
+        "the event whose last failure was being recorded: {body}"
+    );
+    let state: String = sqlx::query_scalar(
+        "SELECT state::text FROM webhook_deliveries WHERE tenant_id = $1 AND event_id = $2 AND endpoint_id = $3",
+    )
+    .bind(tenant)
+    .bind(event)
+    .bind(endpoint_id)
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(state, "pending", "reopened, to be delivered again");
+    drop(app);
+    drop_database(&url).await;
+}
+
+/// The one cycle the recovery's lock order leaves (migrations/V35): a call that locks the
+/// endpoint before its deliveries (here a disable, held open by the test) at the same moment.
+/// PostgreSQL's deadlock detector ends it; the recovery, which waited first, is the one
+/// rolled back, answers 503 (a transient failure), and its retry under the same key recovers.
+#[tokio::test]
+async fn a_recovery_meeting_a_disable_of_its_endpoint_in_a_lock_cycle_is_503_and_its_retry_recovers() {
+    let (app, url) = spawn_app_on_own_database("recover_cycle").await;
+    let receiver = Receiver::start().await;
+    let endpoint = subscribe(&app, &receiver, None).await;
+    let since = unix_now() - 60;
+    pay(&app, 10).await;
+    // Fan out (the event's delivery row, pending), claiming nothing.
+    sqlx::query(
+        "SELECT count(*) FROM oncepay_webhook_claim_scheduled(0, 4, 60000, true, '{}'::uuid[], '{}'::int[], 10)",
+    )
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    let endpoint_id: Uuid = endpoint.parse().unwrap();
+    let mut disabling = app.pool.begin().await.unwrap();
+    sqlx::query("UPDATE webhook_endpoints SET disabled_at = now(), disabled_reason = 'manual' WHERE endpoint_id = $1")
+        .bind(endpoint_id)
+        .execute(&mut *disabling)
+        .await
+        .unwrap();
+
+    let key = new_key();
+    let recovery = tokio::spawn(recover_request(&app, &endpoint, key.clone(), since));
+    // The recovery holds the pending delivery and waits for the endpoint; the disable now
+    // waits for the delivery.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    sqlx::query("UPDATE webhook_deliveries SET state = 'held', finished_at = now(), leased_until = NULL WHERE endpoint_id = $1 AND state = 'pending'")
+        .bind(endpoint_id)
+        .execute(&mut *disabling)
+        .await
+        .unwrap();
+    let answer = tokio::time::timeout(WAIT, recovery).await.unwrap().unwrap();
+    assert_eq!(answer.status(), 503, "{:?}", answer.text().await);
+    disabling.commit().await.unwrap();
+
+    let retried = recover_request(&app, &endpoint, key, since).await;
+    assert_eq!(retried.status(), 202);
+    assert_eq!(
+        retried
+            .headers()
+            .get("idempotency-replayed")
+            .map(|v| v.to_str().unwrap()),
+        Some("false"),
+        "run, not replayed"
+    );
+    let body: Value = retried.json().await.unwrap();
+    // The disable held the event's delivery; held events are enable's to send, not counted.
+    assert_eq!(body["deliveries"], 0, "{body}");
+    drop(app);
+    drop_database(&url).await;
+}
+
 /// A replica that delivers, with a retry schedule this short: a receiver down for a second
 /// outlasts all of it, as one down for three hours outlasts the default schedule. On a
 /// database of its own, so that it is the only deliverer: on the shared one every test's
@@ -90,6 +229,22 @@ async fn recover(app: &TestApp, endpoint: &str, since: i64) -> crate::support::h
         &json!({ "since": since }),
     )
     .await
+}
+
+/// The same call under `key`, owning what it needs: to be spawned beside a transaction the test
+/// holds open.
+fn recover_request(
+    app: &TestApp,
+    endpoint: &str,
+    key: String,
+    since: i64,
+) -> impl std::future::Future<Output = reqwest::Response> + Send + 'static {
+    let request = crate::support::helpers::client()
+        .post(format!("{}/webhook-endpoints/{endpoint}/recover", app.address))
+        .bearer_auth(&app.api_key)
+        .header("Idempotency-Key", key)
+        .json(&json!({ "since": since }));
+    async move { request.send().await.unwrap() }
 }
 
 /// Waits until the tenant has `n` deliveries in `state`.
