@@ -7,7 +7,8 @@
 //! `Response::with_body(408, ())` in `h1/dispatcher.rs`):
 //!
 //! - 400 for a head it cannot parse (bad request line, header, `Content-Length` or chunk
-//!   framing, `Content-Length` with `Transfer-Encoding`, ...),
+//!   framing, `Content-Length` with `Transfer-Encoding`, ...), and for a URL over 65,534
+//!   bytes (the `http` crate's limit on a URI; 414 would be the exact status),
 //! - 431 for a head over 128 KiB or 96 headers,
 //! - 408 for a head that does not arrive within the client request timeout.
 //!
@@ -307,7 +308,7 @@ const PROBLEMS: [Problem; 3] = [
         status: 400,
         code: ProblemCode::InvalidRequest.as_str(),
         title: "Invalid request",
-        detail: "the request is not valid HTTP/1.1 (request line, a header, Content-Length, Transfer-Encoding or chunk framing); nothing was processed",
+        detail: "the request could not be parsed: not valid HTTP/1.1 (request line, a header, Content-Length, Transfer-Encoding or chunk framing), or a URL (path and query) over 65,534 bytes; nothing was processed",
     },
     Problem {
         status: 408,

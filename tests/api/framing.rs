@@ -70,6 +70,31 @@ async fn malformed_framing_is_a_400_invalid_request_problem() {
     assert_eq!(app.payment_count().await, 0);
 }
 
+/// A URL longer than 65,534 bytes (the `http` crate's limit on a URI) cannot be parsed: its
+/// 400 says so, where it used to call a well-formed request not valid HTTP/1.1. One byte
+/// shorter, the same request reaches the routes (401 without a key).
+#[tokio::test]
+async fn a_url_over_65534_bytes_is_a_400_that_names_the_limit() {
+    let app = spawn_app().await;
+    let request = |uri_len: usize| {
+        let uri = format!("/payments?{}", "a".repeat(uri_len - "/payments?".len()));
+        format!("GET {uri} HTTP/1.1\r\nHost: x\r\n\r\n").into_bytes()
+    };
+    let answer = raw_http(&app, request(65_535), Duration::from_secs(5)).await;
+    let refused = problem(&answer, 400, "invalid_request");
+    assert!(
+        refused["detail"].as_str().unwrap().contains("65,534 bytes"),
+        "{refused}"
+    );
+    let answer = raw_http(&app, request(65_534), Duration::from_secs(5)).await;
+    assert!(
+        answer.starts_with("HTTP/1.1 401 "),
+        "{}",
+        &answer[..answer.len().min(300)]
+    );
+    still_serving(&app).await;
+}
+
 /// A head that stalls is answered when the client request timeout (5 s) runs out.
 #[tokio::test]
 async fn a_head_that_does_not_arrive_is_a_408_request_timeout_problem() {
