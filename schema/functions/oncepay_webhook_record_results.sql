@@ -11,7 +11,7 @@ $function$
 
 
 CREATE OR REPLACE FUNCTION public.oncepay_webhook_record_results(p_tenant uuid[], p_event uuid[], p_endpoint uuid[], p_attempt integer[], p_started_at timestamp with time zone[], p_latency_ms integer[], p_status smallint[], p_response_head text[], p_error text[], p_replica text, p_outcome text[], p_next_attempt_at timestamp with time zone[], p_disable_after_secs integer, p_pause_secs integer)
- RETURNS TABLE(tenant uuid, event_id uuid, endpoint_id uuid, applied boolean, disabled_for_failing boolean)
+ RETURNS TABLE(tenant uuid, event_id uuid, endpoint_id uuid, applied boolean, disabled_for_failing boolean, gave_up boolean)
  LANGUAGE plpgsql
 AS $function$
 #variable_conflict use_column
@@ -22,6 +22,7 @@ DECLARE
     v_failing_since timestamptz;
     v_previous timestamptz;
     v_live boolean;
+    v_gave_up boolean;
 BEGIN
     PERFORM set_config('synchronous_commit', 'off', true);
     INSERT INTO webhook_attempts (tenant_id, event_id, endpoint_id, attempt, started_at, latency_ms,
@@ -56,7 +57,7 @@ BEGIN
     SELECT delivered.tenant_id, delivered.event_id, delivered.endpoint_id,
            EXISTS (SELECT FROM settled s
                     WHERE s.event_id = delivered.event_id AND s.endpoint_id = delivered.endpoint_id),
-           false
+           false, false
       FROM delivered;
     IF 'delivered' = ANY (p_outcome) THEN
         -- A 2xx ends the endpoint's failing stretch (written only when there is one).
@@ -82,6 +83,7 @@ BEGIN
                    next_attempt_at = coalesce(p_next_attempt_at[i], now())
              WHERE d.tenant_id = p_tenant[i] AND d.event_id = p_event[i] AND d.endpoint_id = p_endpoint[i]
                AND (d.state = 'pending') IS TRUE AND d.attempts = p_attempt[i];
+            v_gave_up := false;
         ELSE
             -- schedule_start at or past this attempt: a recovery restarted the schedule while
             -- it was out, so its failure is the end of nothing: the delivery goes again now.
@@ -94,7 +96,8 @@ BEGIN
                    finished_at = CASE WHEN p_outcome[i] = 'given_up' AND d.schedule_start < p_attempt[i]
                                       THEN now() END
              WHERE d.tenant_id = p_tenant[i] AND d.event_id = p_event[i] AND d.endpoint_id = p_endpoint[i]
-               AND (d.state = 'pending') IS TRUE AND d.attempts = p_attempt[i];
+               AND (d.state = 'pending') IS TRUE AND d.attempts = p_attempt[i]
+            RETURNING d.state = 'given_up' INTO v_gave_up;
         END IF;
         v_current[i] := FOUND;
         tenant := p_tenant[i];
@@ -102,6 +105,7 @@ BEGIN
         endpoint_id := p_endpoint[i];
         applied := v_current[i];
         disabled_for_failing := false;
+        gave_up := coalesce(v_gave_up, false);
         RETURN NEXT;
     END LOOP;
     -- The endpoints' failures, one endpoint at a time in key order. A stale attempt's failure
@@ -146,6 +150,7 @@ BEGIN
                 endpoint_id := ep.endpoint_id;
                 applied := false;
                 disabled_for_failing := true;
+                gave_up := false;
                 RETURN NEXT;
             END IF;
         END IF;

@@ -570,8 +570,13 @@ impl Deliverer {
                     tracing::warn!(endpoint = %endpoint, tenant = %tenant, reason = "failing",
                         "webhook endpoint disabled");
                 }
-                for (e, applied) in ended.drain(..).zip(recorded.applied) {
-                    let outcome = e.result.outcome.as_str();
+                for ((e, applied), gave_up) in ended.drain(..).zip(recorded.applied).zip(recorded.gave_up) {
+                    // A give-up that a recovery voided while the attempt was out goes again
+                    // now: a retry.
+                    let outcome = match e.result.outcome {
+                        Outcome::GivenUp if applied == Some(true) && !gave_up => "retry",
+                        outcome => outcome.as_str(),
+                    };
                     self.counters.deliveries.with_label_values(&[outcome]).inc();
                     if applied == Some(true) && e.result.outcome == Outcome::Gone {
                         self.counters.endpoints_disabled.with_label_values(&["gone"]).inc();
@@ -726,6 +731,7 @@ pub async fn record_results(
         Ok(one) => {
             return Ok(Recorded {
                 applied: one.applied.into_iter().map(Some).collect(),
+                gave_up: one.gave_up,
                 disabled_for_failing: one.disabled_for_failing,
             })
         }
@@ -737,6 +743,7 @@ pub async fn record_results(
         Err(err) => return Err(err),
     }
     let mut applied = Vec::with_capacity(results.len());
+    let mut gave_up = Vec::with_capacity(results.len());
     for result in results {
         let alone = std::slice::from_ref(result);
         let one = match record_statement(db, replica, health, alone).await {
@@ -763,13 +770,16 @@ pub async fn record_results(
         };
         if let Some(one) = one {
             applied.push(one.applied.first().copied());
+            gave_up.push(one.gave_up.first().copied().unwrap_or(false));
             disabled_for_failing.extend(one.disabled_for_failing);
         } else {
             applied.push(None);
+            gave_up.push(false);
         }
     }
     Ok(Recorded {
         applied,
+        gave_up,
         disabled_for_failing,
     })
 }
@@ -797,14 +807,19 @@ impl Health {
 pub struct Recorded {
     /// Per result, whether it settled its delivery (`None`: it could not be recorded).
     pub applied: Vec<Option<bool>>,
+    /// Per result, whether its record gave the delivery up: not for a `given_up` attempt
+    /// whose schedule a recovery restarted while it was out (migrations/V33, V36), which goes
+    /// again at once.
+    pub gave_up: Vec<bool>,
     /// The endpoints (tenant, endpoint) disabled for failing by these results.
     pub disabled_for_failing: Vec<(Uuid, Uuid)>,
 }
 
-/// What one statement recorded: per result whether it settled its delivery, and the
-/// endpoints it disabled for failing.
+/// What one statement recorded: per result whether it settled its delivery and whether it
+/// gave it up, and the endpoints it disabled for failing.
 struct RecordedStatement {
     applied: Vec<bool>,
+    gave_up: Vec<bool>,
     disabled_for_failing: Vec<(Uuid, Uuid)>,
 }
 
@@ -845,7 +860,7 @@ async fn record_statement(
         .run(async |conn| {
             sqlx::query!(
                 r#"SELECT tenant AS "tenant!", event_id, endpoint_id AS "endpoint_id!", applied AS "applied!",
-                          disabled_for_failing AS "disabled_for_failing!"
+                          disabled_for_failing AS "disabled_for_failing!", gave_up AS "gave_up!"
                      FROM oncepay_webhook_record_results($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)"#,
                 &tenants,
                 &events,
@@ -866,13 +881,15 @@ async fn record_statement(
             .await
         })
         .await?;
+    let row_of = |r: &AttemptResult| {
+        rows.iter()
+            .find(|row| row.applied && row.event_id == Some(r.event) && row.endpoint_id == r.endpoint)
+    };
     Ok(RecordedStatement {
-        applied: results
+        applied: results.iter().map(|r| row_of(r).is_some()).collect(),
+        gave_up: results
             .iter()
-            .map(|r| {
-                rows.iter()
-                    .any(|row| row.applied && row.event_id == Some(r.event) && row.endpoint_id == r.endpoint)
-            })
+            .map(|r| row_of(r).is_some_and(|row| row.gave_up))
             .collect(),
         disabled_for_failing: rows
             .iter()

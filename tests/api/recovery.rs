@@ -12,7 +12,8 @@ use uuid::Uuid;
 use oncepay::domain::MissingKeyPolicy;
 
 use crate::support::helpers::{
-    drop_database, new_key, new_tenant, spawn_app, spawn_app_on_own_database, spawn_app_on_own_database_with, TestApp,
+    drop_database, metric_value, new_key, new_tenant, spawn_app, spawn_app_on_own_database,
+    spawn_app_on_own_database_with, TestApp,
 };
 use crate::support::webhook_receiver::{Receiver, Reply};
 use crate::webhooks::{delivering, pay, refund, subscribe, wait_until, WAIT};
@@ -20,7 +21,12 @@ use crate::webhooks::{delivering, pay, refund, subscribe, wait_until, WAIT};
 /// Found from outside: a recovery while an event's last attempt was out answered
 /// `"deliveries": 0` and left the event alone; the attempt then timed out, the event was given
 /// up and never delivered. Now the recovery restarts the delivery's schedule under the attempt
-/// out: its failure is not the end, the event goes again at once.
+/// out: its failure is not the end, the event goes again at once, and is delivered as the
+/// sender sees it (its delivery `delivered`, the third attempt a 204). That failed attempt is
+/// counted a retry, not a give-up (migrations/V36). The receiver's answers are judged by
+/// whether it is down, not by their order: it answers its held requests only after the
+/// sender gave up on them, so the third answer it writes is to the first attempt, long timed
+/// out (the test read that late 204 as the delivery until 2026-12-06 18:40).
 #[tokio::test]
 async fn a_recovery_while_an_events_last_attempt_is_out_delivers_it_once_that_attempt_fails() {
     let (app, url) = spawn_app_on_own_database_with("recover_attempt_out", |s| {
@@ -32,19 +38,23 @@ async fn a_recovery_while_an_events_last_attempt_is_out_delivers_it_once_that_at
     .await;
     let receiver = Receiver::start().await;
     let endpoint = subscribe(&app, &receiver, None).await;
-    // Both attempts of the schedule hang past the timeout (and would be refused after it).
+    // Down: both attempts of the schedule hang past the timeout and are refused after it.
+    let down = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
     receiver.set_delay(Duration::from_secs(3));
-    receiver.script(|m| {
-        if m.nth <= 2 {
-            Reply::Status(500)
-        } else {
-            Reply::Status(204)
+    receiver.script({
+        let down = down.clone();
+        move |_| {
+            if down.load(std::sync::atomic::Ordering::SeqCst) {
+                Reply::Status(500)
+            } else {
+                Reply::Status(204)
+            }
         }
     });
     let since = unix_now() - 60;
     pay(&app, 10).await;
     // The receiver holds each request 3 s, past the sender's second: two out at once is the
-    // second attempt out (a message is listed once answered).
+    // second attempt out.
     wait_until("the last attempt out", WAIT, || async { receiver.in_flight() >= 2 }).await;
 
     let recovered = recover(&app, &endpoint, since).await;
@@ -55,13 +65,40 @@ async fn a_recovery_while_an_events_last_attempt_is_out_delivers_it_once_that_at
         "the event whose attempt is out: {}",
         recovered.body
     );
+    // Back up: what arrives from now on is answered at once.
     receiver.set_delay(Duration::ZERO);
-    receiver.wait_for_acknowledged(1, Duration::from_secs(15)).await;
-    let nths: Vec<usize> = receiver.messages().iter().map(|m| m.nth).collect();
+    down.store(false, std::sync::atomic::Ordering::SeqCst);
+    wait_until("the event delivered, as its sender sees it", WAIT, || async {
+        sqlx::query_scalar::<_, String>("SELECT state FROM webhook_deliveries WHERE tenant_id = $1")
+            .bind(app.tenant_id)
+            .fetch_one(&app.pool)
+            .await
+            .unwrap()
+            == "delivered"
+    })
+    .await;
+    let attempts: Vec<(i32, Option<i16>)> =
+        sqlx::query_as("SELECT attempt, status FROM webhook_attempts WHERE tenant_id = $1 ORDER BY attempt")
+            .bind(app.tenant_id)
+            .fetch_all(&app.pool)
+            .await
+            .unwrap();
     assert_eq!(
-        nths,
-        [1, 2, 3],
-        "the two attempts of the schedule, then the recovered one"
+        attempts,
+        [(1, None), (2, None), (3, Some(204))],
+        "two timed out, the schedule's last included; the third delivered"
+    );
+    let exposition = app.metrics().await;
+    let count = |outcome: &str| {
+        metric_value(
+            &exposition,
+            &format!("oncepay_webhook_deliveries_total{{outcome=\"{outcome}\"}}"),
+        )
+    };
+    assert_eq!(
+        (count("retry"), count("given_up"), count("delivered")),
+        (2.0, 0.0, 1.0),
+        "the second attempt counted as the retry it was: {exposition}"
     );
     drop(app);
     drop_database(&url).await;
