@@ -7,10 +7,12 @@
 //! reads as its argument (`balance u1`, `get-payment ID`, `get-transfer ID`), like
 //! `account create ID`.
 //!
-//! Exit status: 0 success; 2 bad usage; 3 the server refused the request (a 4xx problem that
-//! a retry would not change) or the client refused the server's TLS certificate; 4 the outcome is unknown (no final answer within the attempts,
-//! the deadline or the budget, or `refund-top-up`'s 202 `refund_pending`): run the command again
-//! with the same `--key`; 5 the server's answer could not be read.
+//! Exit status: 0 success; 1 the answer could not be written to standard output (the operation
+//! was done: stderr names its key); 2 bad usage; 3 the server refused the request (a 4xx
+//! problem that a retry would not change) or the client refused the server's TLS certificate;
+//! 4 the outcome is unknown (no final answer within the attempts, the deadline or the budget,
+//! a success whose body could not be read, or `refund-top-up`'s 202 `refund_pending`): run the
+//! command again with the same `--key`; 5 the server's answer could not be read.
 
 // The answer and the notes on stdout and stderr are what these commands are for.
 #![allow(clippy::print_stdout, clippy::print_stderr)]
@@ -27,6 +29,7 @@ mod lists;
 
 use lists::{EventsCommand, ListArgs, PaymentsCommand, TopUpsCommand, TransfersCommand, WebhooksCommand};
 
+pub const EXIT_OUTPUT: i32 = 1;
 pub const EXIT_USAGE: i32 = 2;
 pub const EXIT_REFUSED: i32 = 3;
 pub const EXIT_OUTCOME_UNKNOWN: i32 = 4;
@@ -234,7 +237,14 @@ pub struct KeyArg {
 pub async fn run(command: ClientCommand) -> i32 {
     match execute(command).await {
         Ok(status) => status,
-        Err(Failed { error, key }) => fail(&error, key.as_ref()),
+        Err(Failed {
+            error: Failure::Client(error),
+            key,
+        }) => fail(&error, key.as_ref()),
+        Err(Failed {
+            error: Failure::Output(error),
+            key,
+        }) => output_failed(&error, key.as_ref()),
     }
 }
 
@@ -248,7 +258,7 @@ async fn refund_top_up(server: &ServerArgs, top_up: Uuid, key: &KeyArg) -> Resul
         .refund_top_up(top_up, &key)
         .await
         .map_err(|error| Failed {
-            error: Box::new(error),
+            error: Failure::Client(Box::new(error)),
             key: Some(key.clone()),
         })?;
     let pending = reply.status == 202;
@@ -262,17 +272,24 @@ async fn refund_top_up(server: &ServerArgs, top_up: Uuid, key: &KeyArg) -> Resul
     Ok(EXIT_OUTCOME_UNKNOWN)
 }
 
-/// A failure, with the key of the operation it left unfinished (the error boxed: every
-/// command's result carries it).
+/// A failure, with the key of the operation it concerns.
 struct Failed {
-    error: Box<ClientError>,
+    error: Failure,
     key: Option<IdempotencyKey>,
+}
+
+enum Failure {
+    /// The operation failed, or its outcome is unknown (boxed: every command's result
+    /// carries it).
+    Client(Box<ClientError>),
+    /// The answer was had, but standard output refused it (a full disk, not a reader gone).
+    Output(std::io::Error),
 }
 
 impl From<ClientError> for Failed {
     fn from(error: ClientError) -> Self {
         Self {
-            error: Box::new(error),
+            error: Failure::Client(Box::new(error)),
             key: None,
         }
     }
@@ -289,7 +306,7 @@ impl KeyArg {
 /// Prints the answer of a keyed operation; a failure carries the key to resume it with.
 fn print_keyed<T: Serialize>(reply: Result<Reply<T>, ClientError>, key: &IdempotencyKey) -> Result<(), Failed> {
     let reply = reply.map_err(|error| Failed {
-        error: Box::new(error),
+        error: Failure::Client(Box::new(error)),
         key: Some(key.clone()),
     })?;
     print(reply, Some(key))
@@ -401,9 +418,12 @@ fn note_retry(note: &RetryNote<'_>) {
         "oncepay: attempt {} failed ({}): {}; retrying in {} ms{}",
         note.attempt,
         note.error.code(),
-        chain(note.error),
+        printable(&chain(note.error)),
         note.wait.as_millis(),
-        if note.key.is_some() { " with the same key" } else { "" }
+        // Named: a run interrupted now is resumed with it.
+        note.key
+            .map(|key| format!(" with the same key {key}"))
+            .unwrap_or_default()
     );
 }
 
@@ -416,7 +436,10 @@ fn line_out(line: &str) -> Result<bool, Failed> {
     match writeln!(out, "{line}").and_then(|()| out.flush()) {
         Ok(()) => Ok(true),
         Err(err) if err.kind() == std::io::ErrorKind::BrokenPipe => Ok(false),
-        Err(err) => Err(ClientError::InvalidArgument(format!("cannot write to standard output: {err}")).into()),
+        Err(err) => Err(Failed {
+            error: Failure::Output(err),
+            key: None,
+        }),
     }
 }
 
@@ -425,7 +448,11 @@ fn print<T: Serialize>(reply: Reply<T>, key: Option<&IdempotencyKey>) -> Result<
         status: reply.status,
         source,
     })?;
-    if !line_out(&json)? {
+    let written = line_out(&json).map_err(|failed| Failed {
+        key: key.cloned(),
+        ..failed
+    })?;
+    if !written {
         return Ok(());
     }
     if reply.attempts > 1 {
@@ -441,13 +468,21 @@ fn fail(err: &ClientError, key: Option<&IdempotencyKey>) -> i32 {
     let status = err.status().map(|s| format!(" status={s}")).unwrap_or_default();
     // A problem's status and code are on the line already: its detail says the rest.
     let what = match err {
+        ClientError::Problem(problem) if problem.detail.is_empty() => "(the answer said nothing more)".to_owned(),
         ClientError::Problem(problem) => problem.detail.clone(),
         _ => chain(err),
     };
-    eprintln!("oncepay: error code={}{status}: {what}", err.code());
+    eprintln!(
+        "oncepay: error code={}{status}: {}",
+        printable(err.code()),
+        printable(&what)
+    );
     if let ClientError::Problem(problem) = err {
         if let Some(decline_code) = &problem.decline_code {
-            eprintln!("oncepay: decline_code={decline_code} (the card processor's own reason)");
+            eprintln!(
+                "oncepay: decline_code={} (the card processor's own reason)",
+                printable(decline_code)
+            );
         }
         if problem.replayed {
             eprintln!("oncepay: replayed: this failure was stored with the key on its first request");
@@ -464,6 +499,38 @@ fn fail(err: &ClientError, key: Option<&IdempotencyKey>) -> i32 {
         ClientError::InvalidResponse { .. } => EXIT_INVALID_RESPONSE,
         _ => EXIT_REFUSED,
     }
+}
+
+/// The answer was had but could not be written out: the operation was done, and its key is
+/// how to see it again.
+fn output_failed(err: &std::io::Error, key: Option<&IdempotencyKey>) -> i32 {
+    eprintln!("oncepay: the answer could not be written to standard output: {err}");
+    if let Some(key) = key {
+        eprintln!(
+            "oncepay: the operation was done with key {key}: `oncepay get-idempotency-key {key}` shows what it did, and the same command with --key {key} prints its answer again"
+        );
+    }
+    EXIT_OUTPUT
+}
+
+/// Text from the server (or from whatever answered in its place) as it may reach a terminal:
+/// control characters written `\u{..}`, so that an answer cannot move the cursor, retitle
+/// the window or start a line that looks like one of ours.
+fn printable(text: &str) -> std::borrow::Cow<'_, str> {
+    if !text.chars().any(char::is_control) {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    std::borrow::Cow::Owned(
+        text.chars()
+            .map(|c| {
+                if c.is_control() {
+                    c.escape_unicode().to_string()
+                } else {
+                    c.to_string()
+                }
+            })
+            .collect(),
+    )
 }
 
 /// The error and its causes, so that "connection refused" is not hidden behind reqwest's summary.

@@ -74,11 +74,14 @@ pub enum ClientError {
         #[source]
         source: reqwest::Error,
     },
-    /// The operation's deadline came before an answer; `last` is the last attempt's failure.
-    #[error("deadline of {deadline:?} exceeded after {attempts} attempt(s); last failure: {last}")]
+    /// The operation's deadline came before an answer, or would have before the next attempt:
+    /// `server_wait` is the server's `Retry-After` when that wait is what runs past it; `last`
+    /// is the last attempt's failure.
+    #[error("{}", deadline_text(*.deadline, *.attempts, *.server_wait, last))]
     DeadlineExceeded {
         deadline: Duration,
         attempts: u32,
+        server_wait: Option<Duration>,
         #[source]
         last: Box<ClientError>,
     },
@@ -90,7 +93,8 @@ pub enum ClientError {
         #[source]
         last: Box<ClientError>,
     },
-    /// A success answer whose body is not what docs/api.md promises.
+    /// A success answer whose body is not what docs/api.md promises (or none whole): the
+    /// operation was done, or a proxy answered for the server; its outcome is unknown.
     #[error("unexpected answer body (status {status}): {source}")]
     InvalidResponse {
         status: u16,
@@ -131,7 +135,18 @@ impl ClientError {
         match self {
             Self::Problem(problem) => crate::policy::retryable(problem.status, problem.known_code()),
             Self::Transport { .. } | Self::DeadlineExceeded { .. } | Self::BudgetExhausted { .. } => true,
-            Self::Tls { .. } | Self::InvalidResponse { .. } | Self::InvalidArgument(_) => false,
+            Self::InvalidResponse { status, .. } => (200..300).contains(status),
+            Self::Tls { .. } | Self::InvalidArgument(_) => false,
         }
+    }
+}
+
+/// [`ClientError::DeadlineExceeded`]'s words: "exceeded" only when the time did run out.
+fn deadline_text(deadline: Duration, attempts: u32, server_wait: Option<Duration>, last: &ClientError) -> String {
+    match server_wait {
+        Some(wait) => format!(
+            "the server asked to wait {wait:?} before the next attempt, past the deadline of {deadline:?}; stopped after {attempts} attempt(s); last failure: {last}"
+        ),
+        None => format!("deadline of {deadline:?} exceeded after {attempts} attempt(s); last failure: {last}"),
     }
 }

@@ -5,6 +5,7 @@
 //! | --- | --- | --- |
 //! | connect error, timeout, dropped connection | yes | the request may or may not have been processed: only the same key can tell |
 //! | 500, 502, 503, 504 | yes | a transient failure; the server commits nothing on a transient failure (docs/api.md, Idempotency, rule 8) |
+//! | 408 `request_timeout` | yes | the request did not arrive whole in time: nothing was processed |
 //! | 429 `overloaded` | yes, after `Retry-After` | the server sheds load |
 //! | 409 `request_in_progress` | yes, after `Retry-After` | the first request with this key is still running |
 //! | 400, 401, 402, 403, 404, 413, 415, 422, other 409s, anything else | no | the same request gets the same answer: the caller must change something |
@@ -20,21 +21,23 @@ use crate::protocol::ProblemCode;
 /// knows) is worth retrying.
 pub fn retryable(status: u16, code: Option<ProblemCode>) -> bool {
     match status {
-        500 | 502 | 503 | 504 | 429 => true,
+        500 | 502 | 503 | 504 | 429 | 408 => true,
         409 => code == Some(ProblemCode::RequestInProgress),
         _ => false,
     }
 }
 
-/// The wait a `Retry-After` header asks for: delay-seconds or an HTTP-date (RFC 9110
-/// 10.2.3), measured from `now`. An unreadable value is ignored (the backoff applies).
+/// The wait a `Retry-After` header asks for: delay-seconds or an HTTP-date in any of its three
+/// forms (RFC 9110 10.2.3 and 5.6.7: IMF-fixdate, and the obsolete RFC 850 and asctime ones a
+/// recipient must accept), measured from `now`. An unreadable value is ignored (the backoff
+/// applies).
 pub fn retry_after(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
     let value = headers.get(RETRY_AFTER)?.to_str().ok()?.trim();
     if let Ok(secs) = value.parse::<u64>() {
         return Some(Duration::from_secs(secs));
     }
-    let at = chrono::DateTime::parse_from_rfc2822(value).ok()?;
-    Some(SystemTime::from(at).duration_since(now).unwrap_or(Duration::ZERO))
+    let at = httpdate::parse_http_date(value).ok()?;
+    Some(at.duration_since(now).unwrap_or(Duration::ZERO))
 }
 
 #[cfg(test)]
@@ -44,7 +47,7 @@ mod tests {
 
     #[test]
     fn the_table_retries_transient_statuses_and_in_progress_only() {
-        for status in [500, 502, 503, 504, 429] {
+        for status in [500, 502, 503, 504, 429, 408] {
             assert!(retryable(status, None), "{status}");
         }
         assert!(retryable(409, Some(ProblemCode::RequestInProgress)));
@@ -55,6 +58,7 @@ mod tests {
             let expected = matches!(
                 code,
                 ProblemCode::RequestInProgress
+                    | ProblemCode::RequestTimeout
                     | ProblemCode::Overloaded
                     | ProblemCode::TemporarilyUnavailable
                     | ProblemCode::InternalError
@@ -81,6 +85,16 @@ mod tests {
             retry_after(&headers("Sun, 06 Nov 1994 08:49:00 GMT"), now),
             Some(Duration::ZERO),
             "a date in the past means now"
+        );
+        assert_eq!(
+            retry_after(&headers("Sunday, 06-Nov-94 08:49:40 GMT"), now),
+            Some(Duration::from_secs(3)),
+            "RFC 850's form"
+        );
+        assert_eq!(
+            retry_after(&headers("Sun Nov  6 08:49:40 1994"), now),
+            Some(Duration::from_secs(3)),
+            "asctime's form"
         );
         assert_eq!(retry_after(&headers("soon"), now), None);
         assert_eq!(retry_after(&HeaderMap::new(), now), None);

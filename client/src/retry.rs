@@ -51,15 +51,14 @@ impl Client {
             if !failed.retryable || attempt >= config.max_attempts {
                 return Err(last);
             }
-            // Never sooner than the server asked; the jitter spreads clients it asked alike.
-            let wait = config
-                .backoff
-                .delay(attempt)
-                .max(failed.retry_after.unwrap_or_default());
-            if Instant::now() + wait >= deadline {
+            let backoff = config.backoff.delay(attempt);
+            let wait = wait_before_retry(backoff, failed.retry_after);
+            // Compared, not added: a `Retry-After` of 2^64 - 1 seconds overflowed an `Instant`.
+            if wait >= deadline.saturating_duration_since(Instant::now()) {
                 return Err(ClientError::DeadlineExceeded {
                     deadline: config.deadline,
                     attempts: attempt,
+                    server_wait: failed.retry_after.filter(|asked| *asked >= backoff),
                     last: Box::new(last),
                 });
             }
@@ -117,6 +116,16 @@ impl Client {
     }
 }
 
+/// The wait before the next attempt: the backoff's (full jitter), or never sooner than the
+/// server's `Retry-After`, with up to a quarter of that wait again of the same jitter, so that
+/// clients the server asked alike do not come back in lockstep.
+pub(crate) fn wait_before_retry(backoff: Duration, retry_after: Option<Duration>) -> Duration {
+    match retry_after {
+        Some(asked) if asked >= backoff => asked.saturating_add(backoff.min(asked / 4)),
+        _ => backoff,
+    }
+}
+
 /// Reads a whole answer: a success's body as `T`, anything else as a problem, with whether
 /// the retry table retries it.
 pub(crate) fn read_answer<T: DeserializeOwned>(
@@ -131,8 +140,16 @@ pub(crate) fn read_answer<T: DeserializeOwned>(
         } else {
             body
         };
-        let value =
-            serde_json::from_slice(body).map_err(|source| (ClientError::InvalidResponse { status, source }, false))?;
+        // Not JSON at all, or cut short (a proxy's own page, a body a proxy truncated): the
+        // success may still be real, and a retry with the same key replays it whole. JSON of
+        // another shape would be answered the same again: final.
+        let value = serde_json::from_slice(body).map_err(|source| {
+            let retryable = matches!(
+                source.classify(),
+                serde_json::error::Category::Syntax | serde_json::error::Category::Eof
+            );
+            (ClientError::InvalidResponse { status, source }, retryable)
+        })?;
         return Ok(Reply {
             value,
             status,
@@ -162,5 +179,41 @@ fn transport(source: reqwest::Error) -> Failed {
         },
         retryable: true,
         retry_after: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_retry_after_is_never_shortened_and_gets_a_share_of_the_jitter() {
+        let asked = Duration::from_secs(1);
+        for backoff_ms in [0, 30, 100, 250, 999] {
+            let backoff = Duration::from_millis(backoff_ms);
+            let wait = wait_before_retry(backoff, Some(asked));
+            assert_eq!(wait, asked + backoff.min(asked / 4), "{backoff_ms} ms");
+        }
+        // Two clients drawing different jitter come back apart, not in lockstep.
+        assert_ne!(
+            wait_before_retry(Duration::from_millis(10), Some(asked)),
+            wait_before_retry(Duration::from_millis(90), Some(asked))
+        );
+        // A backoff longer than the server's wait is kept as it is.
+        let long = Duration::from_secs(3);
+        assert_eq!(wait_before_retry(long, Some(asked)), long);
+        assert_eq!(wait_before_retry(long, None), long);
+        // The largest header saturates instead of overflowing.
+        let huge = Duration::from_secs(u64::MAX);
+        assert_eq!(wait_before_retry(Duration::from_secs(5), Some(huge)), Duration::MAX);
+    }
+
+    #[test]
+    fn a_success_cut_short_or_not_json_is_retried_and_its_outcome_unknown() {
+        for body in [&br#"{"id":"9b2f4f6e-52c4"#[..], b"<html>portal</html>", b""] {
+            let (error, retryable) = read_answer::<serde_json::Value>(201, false, body).unwrap_err();
+            assert_eq!((error.code(), retryable), ("invalid_response", true), "{body:?}");
+            assert!(error.outcome_unknown());
+        }
     }
 }

@@ -178,11 +178,18 @@ async fn a_lost_answer_is_noted_on_stderr_and_the_retry_is_answered_by_a_replay(
         "{}",
         run.stderr
     );
-    assert!(run.stderr.contains("with the same key"), "{}", run.stderr);
     assert!(run.stderr.contains("replayed"), "{}", run.stderr);
     let seen = proxy.seen();
     assert_eq!(seen.len(), 2);
     assert_eq!(seen[0].key, seen[1].key);
+    // Named, so that a run interrupted during its wait can be resumed (found from outside:
+    // the note said "with the same key" and never which).
+    let key = seen[0].key.clone().expect("a keyed call");
+    assert!(
+        run.stderr.contains(&format!("with the same key {key}")),
+        "{}",
+        run.stderr
+    );
     assert_eq!(app.payment_count().await, 1);
 }
 
@@ -300,4 +307,201 @@ async fn a_bad_key_or_a_missing_url_is_a_usage_error() {
     assert!(bad_key.stderr.contains("code=invalid_argument"), "{}", bad_key.stderr);
     assert_eq!(no_url.status, 2, "stderr: {}", no_url.stderr);
     assert!(no_url.stderr.contains("--url"), "{}", no_url.stderr);
+}
+
+/// `pay ARGS...` through `proxy` with retries allowed, as the tests of the client's edges
+/// run it.
+fn pay_args<'a>(proxy: &'a FaultProxy, app: &'a TestApp, more: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec!["pay"];
+    args.extend(server_args(&proxy.url, app));
+    args.extend(["--amount", "100", "--timeout-ms", "2000"]);
+    args.extend(more);
+    args
+}
+
+/// Found from outside (2026-12-06): a lost answer, then a 503 whose `Retry-After` is
+/// 2^64 - 1 seconds, panicked the CLI (exit 101, "overflow when adding duration to instant")
+/// after the payment was made, and the key was never shown. Now the wait is compared with the
+/// time left, not added to the clock: exit 4, the server's wait named, the key to resume with.
+#[tokio::test]
+async fn a_retry_after_of_u64_max_seconds_ends_with_the_key_and_no_panic() {
+    let app = spawn_app().await;
+    let proxy = FaultProxy::start(&app.address, |incoming| match incoming.index {
+        0 => Action::DropAnswer,
+        1 => Action::Problem {
+            status: 503,
+            code: "temporarily_unavailable",
+            retry_after_secs: Some(u64::MAX),
+        },
+        _ => Action::Forward,
+    })
+    .await;
+
+    let run = oncepay(&pay_args(&proxy, &app, &[]), &[]).await;
+
+    assert_eq!(run.status, 4, "stderr: {}", run.stderr);
+    assert!(run.stderr.contains("the server asked to wait"), "{}", run.stderr);
+    let key = proxy.seen()[0].key.clone().unwrap();
+    assert!(run.stderr.contains(&format!("--key {key}")), "{}", run.stderr);
+    assert_eq!(app.payment_count().await, 1, "the first attempt paid");
+    let again = pay_args(&proxy, &app, &["--key", &key]);
+    let resumed = oncepay(&again, &[]).await;
+    assert_eq!(resumed.status, 0, "{}", resumed.stderr);
+    assert!(resumed.stderr.contains("replayed"), "{}", resumed.stderr);
+    assert_eq!(app.payment_count().await, 1);
+}
+
+/// Found from outside: a 201 cut short by a proxy (no `Content-Length`, half the body, then
+/// the close) ended the CLI with exit 5 and no key, though the payment was made. Now a
+/// success that cannot be read is retried with the same key, and the retry's replay is read.
+#[tokio::test]
+async fn a_success_cut_short_is_retried_and_answered_by_its_replay() {
+    let app = spawn_app().await;
+    let proxy = FaultProxy::start(&app.address, |incoming| {
+        if incoming.index == 0 {
+            Action::ForwardThenCutBody
+        } else {
+            Action::Forward
+        }
+    })
+    .await;
+
+    let run = oncepay(&pay_args(&proxy, &app, &[]), &[]).await;
+
+    assert_eq!(run.status, 0, "stderr: {}", run.stderr);
+    assert!(run.stderr.contains("(invalid_response)"), "{}", run.stderr);
+    assert!(run.stderr.contains("replayed"), "{}", run.stderr);
+    assert_eq!(run.json()["charged"], 100);
+    assert_eq!(app.payment_count().await, 1);
+}
+
+/// The same, when whatever answers in the server's place never gives JSON (a captive
+/// portal's 200): after the last attempt the outcome is unknown, exit 4 with the key.
+#[tokio::test]
+async fn a_success_that_is_never_json_ends_as_an_unknown_outcome_with_the_key() {
+    let app = spawn_app().await;
+    let proxy = FaultProxy::start(&app.address, |_| Action::PlainBody {
+        status: 200,
+        body: "<html>portal</html>",
+    })
+    .await;
+
+    let run = oncepay(&pay_args(&proxy, &app, &["--max-attempts", "2"]), &[]).await;
+
+    assert_eq!(run.status, 4, "stderr: {}", run.stderr);
+    let key = proxy.seen()[0].key.clone().unwrap();
+    assert!(run.stderr.contains(&format!("--key {key}")), "{}", run.stderr);
+    assert_eq!(proxy.seen().len(), 2);
+}
+
+/// Found from outside: the docs call 408 `request_timeout` retryable with the same key, the
+/// client called it refused (exit 3).
+#[tokio::test]
+async fn a_408_request_timeout_is_retried_with_the_same_key() {
+    let app = spawn_app().await;
+    let proxy = FaultProxy::start(&app.address, |incoming| {
+        if incoming.index == 0 {
+            Action::Problem {
+                status: 408,
+                code: "request_timeout",
+                retry_after_secs: None,
+            }
+        } else {
+            Action::Forward
+        }
+    })
+    .await;
+
+    let run = oncepay(&pay_args(&proxy, &app, &[]), &[]).await;
+
+    assert_eq!(run.status, 0, "stderr: {}", run.stderr);
+    let seen = proxy.seen();
+    assert_eq!((seen.len(), &seen[0].key), (2, &seen[1].key));
+    assert_eq!(app.payment_count().await, 1);
+}
+
+/// Found from outside: an error body's control characters reached the terminal as they were
+/// (an escape sequence retitled it and cleared the screen; a newline could forge a line of
+/// ours). They are written `\u{..}` now.
+#[tokio::test]
+async fn control_characters_of_an_error_answer_never_reach_the_terminal() {
+    let app = spawn_app().await;
+    let proxy = FaultProxy::start(&app.address, |_| Action::PlainBody {
+        status: 502,
+        body: "\u{1b}]0;pwned\u{7}\u{1b}[2J\noncepay: forged",
+    })
+    .await;
+
+    let run = oncepay(&pay_args(&proxy, &app, &["--max-attempts", "1"]), &[]).await;
+
+    assert_eq!(run.status, 4, "stderr: {}", run.stderr);
+    assert!(
+        !run.stderr.contains('\u{1b}') && !run.stderr.contains('\u{7}'),
+        "{:?}",
+        run.stderr
+    );
+    assert!(run.stderr.contains("\\u{1b}]0;pwned"), "{}", run.stderr);
+    assert!(
+        !run.stderr.lines().any(|l| l.starts_with("oncepay: forged")),
+        "{}",
+        run.stderr
+    );
+}
+
+/// Found from outside: with standard output unwritable (`> /dev/full`) the CLI exited 2, "bad
+/// usage", after the payment was made, and named no key. Now exit 1 and the key.
+#[tokio::test]
+async fn an_answer_standard_output_refuses_exits_1_and_names_the_key() {
+    let app = spawn_app().await;
+    let mut args = vec!["pay"];
+    args.extend(server_args(&app.address, &app));
+    args.extend(["--amount", "100"]);
+    let full = std::fs::OpenOptions::new().write(true).open("/dev/full").unwrap();
+    let output = tokio::time::timeout(
+        Duration::from_secs(60),
+        Command::new(env!("CARGO_BIN_EXE_oncepay"))
+            .args(&args)
+            .env_remove("DATABASE_URL")
+            .stdout(full)
+            .stderr(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap()
+            .wait_with_output(),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("could not be written to standard output"), "{stderr}");
+    let key: String = sqlx::query_scalar("SELECT idempotency_key FROM payments WHERE tenant_id = $1")
+        .bind(app.tenant_id)
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert!(stderr.contains(&format!("get-idempotency-key {key}")), "{stderr}");
+}
+
+/// Found from outside: `get-idempotency-key ..` asked for `GET /idempotency-keys` (a URL's
+/// path drops dot segments, percent-encoded ones too) and reported the key unknown (404).
+/// Now the client refuses, sending nothing, and says how to look it up.
+#[tokio::test]
+async fn the_keys_dot_and_dot_dot_are_not_looked_up_as_another_path() {
+    let app = spawn_app().await;
+    let proxy = FaultProxy::start(&app.address, |_| Action::Forward).await;
+    for key in [".", ".."] {
+        let mut args = vec!["get-idempotency-key", key];
+        args.extend(server_args(&proxy.url, &app));
+        let run = oncepay(&args, &[]).await;
+        assert_eq!(run.status, 2, "{}", run.stderr);
+        let encoded = key.replace('.', "%2E");
+        assert!(
+            run.stderr.contains(&format!("/idempotency-keys/{encoded}")),
+            "{}",
+            run.stderr
+        );
+    }
+    assert!(proxy.seen().is_empty(), "nothing sent");
 }

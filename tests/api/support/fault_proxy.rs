@@ -62,6 +62,14 @@ pub enum Action {
     },
     /// Answered by the named Stripe rule (`crate::stripe_rules`), never by the plan.
     Stripe(&'static str),
+    /// Forward, then pass on the server's head without its `Content-Length` and half of its
+    /// body, and close: a success cut short, framed by the close.
+    ForwardThenCutBody,
+    /// Answer without forwarding: `status` with this plain-text body.
+    PlainBody {
+        status: u16,
+        body: &'static str,
+    },
 }
 
 /// What the plan sees of a request.
@@ -265,6 +273,8 @@ async fn serve(mut client: TcpStream, shared: &Shared) -> std::io::Result<()> {
             retry_after_secs,
         } => Some(problem(*status, code, *retry_after_secs)),
         Action::PlainError { status } => Some(plain_error(*status)),
+        Action::PlainBody { status, body } => Some(plain_body(*status, body)),
+        Action::ForwardThenCutBody => forward(&shared.upstream, &request).await.ok().map(cut_body),
         Action::ForwardThenStatus(status) => {
             if let Ok(answer) = forward(&shared.upstream, &request).await {
                 // Seen by the rules (what localstripe made), then lost to the 5xx.
@@ -407,17 +417,27 @@ pub async fn forward(upstream: &str, request: &Request) -> std::io::Result<Vec<u
 /// its next request would meet a closed connection and be retried by the client's HTTP
 /// stack, not by the code under test.
 fn closing(answer: Vec<u8>) -> Vec<u8> {
+    reheaded(answer, &["connection:"], |body| body)
+}
+
+/// `answer` with the head lines starting with one of `dropped` (lowercase) taken out and
+/// `Connection: close` added, its body as `body` makes it.
+fn reheaded(answer: Vec<u8>, dropped: &[&str], body: impl FnOnce(&[u8]) -> &[u8]) -> Vec<u8> {
     let Some(end) = answer.windows(4).position(|w| w == b"\r\n\r\n") else {
         return answer;
     };
     let head = String::from_utf8_lossy(&answer[..end]).into_owned();
     let mut lines: Vec<&str> = head
         .split("\r\n")
-        .filter(|line| !line.to_ascii_lowercase().starts_with("connection:"))
+        .filter(|line| {
+            let line = line.to_ascii_lowercase();
+            !dropped.iter().any(|d| line.starts_with(d))
+        })
         .collect();
     lines.push("Connection: close");
     let mut closed = lines.join("\r\n").into_bytes();
-    closed.extend_from_slice(&answer[end..]);
+    closed.extend_from_slice(b"\r\n\r\n");
+    closed.extend_from_slice(body(&answer[end + 4..]));
     closed
 }
 
@@ -448,10 +468,20 @@ fn problem(status: u16, code: &str, retry_after_secs: Option<u64>) -> Vec<u8> {
 }
 
 fn plain_error(status: u16) -> Vec<u8> {
-    let body = "no healthy upstream";
+    plain_body(status, "no healthy upstream")
+}
+
+fn plain_body(status: u16, body: &str) -> Vec<u8> {
     format!(
         "HTTP/1.1 {status} Injected\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     )
     .into_bytes()
+}
+
+/// The answer's head without `Content-Length` (the close frames it) and half of its body.
+fn cut_body(answer: Vec<u8>) -> Vec<u8> {
+    reheaded(answer, &["connection:", "content-length:"], |body| {
+        &body[..body.len() / 2]
+    })
 }
