@@ -78,7 +78,7 @@ pub enum ApiError {
     KeyReused,
     #[error("this Idempotency-Key has passed its replay window; if you mean a new operation, send the request again with a new key")]
     KeyExpired,
-    #[error("a request with this Idempotency-Key is still being processed; retry after the Retry-After delay")]
+    #[error("a request with this Idempotency-Key (sent without one: the same request, under the tenant's `fingerprint` policy) is still being processed; retry after the Retry-After delay")]
     InProgress,
     /// A refund of a top-up that is still `processing`: nothing was claimed or stored, so a
     /// retry with the same key refunds it once it has succeeded.

@@ -7,6 +7,10 @@ use std::fmt;
 /// The longest key, in characters (bytes: every key character is ASCII).
 pub const KEY_MAX_LEN: usize = 255;
 
+/// The prefix of the keys a server derives for requests without one (policy `fingerprint`):
+/// reserved, so that no client's key can stand for another request's derived one.
+pub const DERIVED_KEY_PREFIX: &str = "fp:";
+
 /// Why a key or a header value is not a valid key.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum KeySyntaxError {
@@ -15,6 +19,8 @@ pub enum KeySyntaxError {
     InvalidCharacter,
     BadEscape,
     UnescapedQuote,
+    /// A key in the server's own namespace ([`DERIVED_KEY_PREFIX`]).
+    Reserved,
 }
 
 impl KeySyntaxError {
@@ -26,6 +32,9 @@ impl KeySyntaxError {
             Self::InvalidCharacter => "the key may only contain visible ASCII characters (0x21-0x7E), no spaces",
             Self::BadEscape => "a quoted key may only escape '\"' and '\\'",
             Self::UnescapedQuote => "a quoted key contains an unescaped '\"'",
+            Self::Reserved => {
+                "keys starting with `fp:` are the server's own, derived for requests sent without a key; choose another"
+            }
         }
     }
 }
@@ -53,13 +62,19 @@ pub fn validate_key(key: &[u8]) -> Result<(), KeySyntaxError> {
 }
 
 /// Reads the key a header value carries. Only a value that starts *and* ends with `"` is in
-/// the RFC 8941 string form; any other value is a plain key, quotes included.
+/// the RFC 8941 string form; any other value is a plain key, quotes included. A key in the
+/// server's namespace ([`DERIVED_KEY_PREFIX`]) is refused: sent with another body it took the
+/// derived key of that request for 24 hours (found from outside). [`validate_key`] still
+/// takes it, for looking a derived key up.
 pub fn parse_key_header(raw: &[u8]) -> Result<String, KeySyntaxError> {
     let key = match raw {
         [b'"', inner @ .., b'"'] => unquote(inner)?,
         _ => raw.to_vec(),
     };
     validate_key(&key)?;
+    if key.starts_with(DERIVED_KEY_PREFIX.as_bytes()) {
+        return Err(KeySyntaxError::Reserved);
+    }
     // Every byte is visible ASCII, so this cannot fail.
     String::from_utf8(key).map_err(|_| KeySyntaxError::InvalidCharacter)
 }
@@ -124,8 +139,15 @@ mod tests {
             (b"a\x01b", KeySyntaxError::InvalidCharacter),
             (b"a\x7fb", KeySyntaxError::InvalidCharacter),
             (&[b'k'; 256], KeySyntaxError::TooLong),
+            (b"fp:3a7c", KeySyntaxError::Reserved),
+            (b"\"fp:3a7c\"", KeySyntaxError::Reserved),
         ] {
             assert_eq!(parse(bad), Err(why), "{:?}", String::from_utf8_lossy(bad));
+        }
+        // A derived key is still a key to look up; only a client may not send one.
+        assert_eq!(validate_key(b"fp:3a7c"), Ok(()));
+        for near in ["FP:3a7c", "fp3a7c", "xfp:3a7c", "fp"] {
+            assert_eq!(parse(near.as_bytes()).as_deref(), Ok(near));
         }
     }
 
@@ -145,16 +167,19 @@ mod tests {
         #[test]
         fn visible_ascii_keys_round_trip(key in "[\\x21-\\x7e]{1,255}") {
             prop_assume!(!(key.len() >= 2 && key.starts_with('"') && key.ends_with('"')));
+            prop_assume!(!key.starts_with(DERIVED_KEY_PREFIX));
             prop_assert_eq!(parse(key.as_bytes()).unwrap(), key);
         }
 
         #[test]
         fn header_values_round_trip_every_valid_key(key in "[\\x21-\\x7e]{1,255}") {
+            prop_assume!(!key.starts_with(DERIVED_KEY_PREFIX));
             prop_assert_eq!(parse(key_header_value(&key).as_bytes()).unwrap(), key);
         }
 
         #[test]
         fn quoting_a_key_changes_nothing(key in "[\\x21-\\x7e]{1,200}") {
+            prop_assume!(!key.starts_with(DERIVED_KEY_PREFIX));
             let quoted = format!("\"{}\"", key.replace('\\', "\\\\").replace('"', "\\\""));
             prop_assert_eq!(parse(quoted.as_bytes()).unwrap(), key);
         }

@@ -12,7 +12,7 @@ mod key;
 pub mod routes;
 
 pub use codes::{ProblemCode, UnknownProblemCode};
-pub use key::{key_header_value, parse_key_header, validate_key, KeySyntaxError, KEY_MAX_LEN};
+pub use key::{key_header_value, parse_key_header, validate_key, KeySyntaxError, DERIVED_KEY_PREFIX, KEY_MAX_LEN};
 
 /// The request header that carries the key of a logical operation.
 pub const KEY_HEADER: &str = "Idempotency-Key";

@@ -59,8 +59,9 @@ pub use key::IdempotencyKey;
 
 use crate::domain::MissingKeyPolicy;
 
-/// Prefix of the keys the server derives for keyless requests under policy `fingerprint`.
-pub const DERIVED_KEY_PREFIX: &str = "fp:";
+/// Prefix of the keys the server derives for keyless requests under policy `fingerprint`
+/// (reserved: a client's key with it is refused, `oncepay_protocol::parse_key_header`).
+pub use oncepay_protocol::DERIVED_KEY_PREFIX;
 
 /// What the SQL function is asked to claim for one request.
 #[derive(Clone, Debug)]
