@@ -24,8 +24,9 @@
 //!   charge never credited), and every credited top-up (finished before the PaymentIntents
 //!   were read) must have its PaymentIntent succeeded.
 //!
-//! Warning only: keyless payments (policy `allow`) of the same tenant, account and amount
-//! within a few seconds. Without a key nothing tells a retry from a second purchase, so
+//! Warning only: payments without a client's key (keyless under policy `allow`, or with a
+//! key the server derived under `fingerprint`) of the same tenant, account and amount within
+//! a few seconds. Without a key nothing tells a retry from a second purchase, so
 //! these are suspicions for a human, not broken invariants. And every top-up (or refund)
 //! unfinished past `ONCEPAY_COMPLETER_AFTER_SECS`, with its age and its PaymentIntent's status
 //! at the processor: one may wait there legitimately (an action, a pending refund), so it is
@@ -384,7 +385,10 @@ async fn keyless_duplicates(conn: &mut PgConnection, o: &Options) -> Result<Find
                SELECT tenant_id, account_id, amount, payment_id, created_at,
                       lag(payment_id) OVER w AS earlier_id, lag(created_at) OVER w AS earlier_at
                  FROM payments
-                WHERE idempotency_key IS NULL AND ($1::uuid IS NULL OR tenant_id = $1)
+                -- No client's key: keyless (`allow`), or derived (`fingerprint`: a tenant switched
+                -- between the two, or one request spelled two ways, charges twice unseen else).
+                WHERE (idempotency_key IS NULL OR idempotency_key LIKE 'fp:%')
+                  AND ($1::uuid IS NULL OR tenant_id = $1)
                WINDOW w AS (PARTITION BY tenant_id, account_id, amount ORDER BY created_at, payment_id))
            SELECT tenant_id AS "tenant_id!", account_id AS "account_id!", amount AS "amount!",
                   payment_id AS "payment_id!", earlier_id AS "earlier_payment_id!",

@@ -349,7 +349,7 @@ impl fmt::Display for Report {
             &mut out,
             dups,
             &format!(
-                "suspected duplicates among keyless payments (same tenant, account, amount within {} s)",
+                "suspected duplicates among payments without a client's key (same tenant, account, amount within {} s)",
                 s.duplicate_window_secs
             ),
             "warning",

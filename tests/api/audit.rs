@@ -149,3 +149,47 @@ async fn keyless_repeats_are_warnings_that_do_not_fail_the_audit() {
     assert_eq!(duplicates["count"], 1, "{report:#}");
     assert_eq!(duplicates["samples"][0]["amount"], 100);
 }
+
+/// Found from outside (2026-12-06): a payment with a derived key (policy `fingerprint`) and a
+/// keyless one (`allow`) of the same account and amount, seconds apart, a tenant's policy
+/// switched between them, were not listed: the warning looked at keyless payments only. The
+/// same for one request spelled two ways under `fingerprint` (with and without its default
+/// `account`: two derived keys, two charges). A client's key still marks its own operation.
+#[tokio::test]
+async fn repeats_with_derived_keys_are_warned_of_too() {
+    let app = spawn_app_with(|_| {}).await;
+    app.set_policy("fingerprint").await;
+    assert_eq!(app.pay(None, 300).await.status, 201);
+    let spelled = app
+        .post(
+            "/payments",
+            None,
+            &serde_json::json!({ "amount": 400, "account": "main" }),
+        )
+        .await;
+    assert_eq!(spelled.status, 201, "{}", spelled.body);
+    assert_eq!(app.pay(None, 400).await.status, 201);
+    app.set_policy("allow").await;
+    // The tenant cache lives for under a second (contract: within one second on every replica).
+    tokio::time::sleep(oncepay::auth::TENANT_CACHE_TTL).await;
+    let keyless = app.pay(None, 300).await;
+    assert_eq!((keyless.status, keyless.replayed()), (201, false), "{}", keyless.body);
+    assert_eq!(
+        app.pay(Some(&crate::support::helpers::new_key()), 300).await.status,
+        201
+    );
+
+    let (code, report) = audit(&app, &[]).await;
+
+    assert_eq!(code, 0, "{report:#}");
+    let duplicates = &report["warnings"]["suspected_keyless_duplicates"];
+    assert_eq!(duplicates["count"], 2, "{report:#}");
+    let mut amounts: Vec<i64> = duplicates["samples"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["amount"].as_i64().unwrap())
+        .collect();
+    amounts.sort_unstable();
+    assert_eq!(amounts, [300, 400], "{report:#}");
+}
