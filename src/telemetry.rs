@@ -19,6 +19,11 @@ use crate::tenants::Tenant;
 #[derive(Clone, Copy, Debug)]
 pub struct RequestOutcome(pub &'static str);
 
+/// Marks a request processed without a key under policy `allow`, whatever its answer: a
+/// decline (402, 404, 409) was processed unprotected too, and is logged as such.
+#[derive(Clone, Copy, Debug)]
+pub struct Keyless;
+
 pub const REQUEST_ID_HEADER: &str = "x-request-id";
 
 /// actix-http's dispatcher logs every malformed request head at ERROR (`stream error: request
@@ -92,9 +97,12 @@ pub async fn request_log(
         if let Some(tenant) = &tenant {
             match outcome {
                 "replayed" => state.metrics.replays_by_tenant.with_label_values(&[tenant]).inc(),
-                "keyless" => state.metrics.keyless_by_tenant.with_label_values(&[tenant]).inc(),
                 "key_reused" => state.metrics.key_reused_by_tenant.with_label_values(&[tenant]).inc(),
                 _ => {}
+            }
+            // Any answer but a transient failure (nothing processed, the client retries).
+            if res.request().extensions().contains::<Keyless>() && status < 500 {
+                state.metrics.keyless_by_tenant.with_label_values(&[tenant]).inc();
             }
         }
     }

@@ -118,8 +118,10 @@ impl AccountId {
     }
 }
 
-/// How a tenant's keyless POSTs are treated (docs/api.md, Idempotency, rule 10).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
+/// How a tenant's keyless POSTs are treated (docs/api.md, Idempotency, rule 10). Read from
+/// JSON as one of its three strings only (serde's derive also took `{"allow": null}`, found
+/// from outside).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum MissingKeyPolicy {
     Reject,
@@ -143,6 +145,14 @@ impl MissingKeyPolicy {
             "fingerprint" => Ok(Self::Fingerprint),
             _ => Err("`missing_key_policy` must be one of \"reject\", \"allow\", \"fingerprint\"".to_owned()),
         }
+    }
+}
+
+impl<'de> Deserialize<'de> for MissingKeyPolicy {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let raw = String::deserialize(deserializer)
+            .map_err(|_| serde::de::Error::custom("must be one of \"reject\", \"allow\", \"fingerprint\""))?;
+        Self::parse(&raw).map_err(|_| serde::de::Error::custom("must be one of \"reject\", \"allow\", \"fingerprint\""))
     }
 }
 

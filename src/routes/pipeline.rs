@@ -128,6 +128,7 @@ pub async fn intake<T: DeserializeOwned, S>(
     let claim = idempotency::claim_for(key, tenant.policy, fingerprint, state.windows());
     if claim.is_none() {
         tracing::warn!(tenant = %tenant.id, path, "keyless request processed without idempotency protection (policy allow)");
+        actix_web::HttpMessage::extensions_mut(req).insert(crate::telemetry::Keyless);
     }
     let args = ClaimArgs::new(spec, path, claim.as_ref(), state.settings.inflight_wait);
     Ok(Intake {

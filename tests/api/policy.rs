@@ -14,8 +14,12 @@ async fn under_allow_keyless_requests_are_processed_without_protection() {
 
     let first = app.pay(None, 100).await;
     let second = app.pay(None, 100).await;
+    // A decline was processed unprotected too: counted as it is logged (found from outside:
+    // logged, not counted).
+    let declined = app.pay(None, MAIN_BALANCE + 1).await;
 
     assert_eq!((first.status, second.status), (201, 201));
+    declined.assert_problem(402, "insufficient_funds");
     assert!(first.header("idempotency-replayed").is_none());
     assert_eq!(
         app.balance("main").await,
@@ -28,7 +32,7 @@ async fn under_allow_keyless_requests_are_processed_without_protection() {
         metrics.contains(r#"oncepay_requests_total{outcome="keyless",route="/payments"} 2"#),
         "{metrics}"
     );
-    let by_tenant = format!(r#"oncepay_keyless_requests_total{{tenant="{}"}} 2"#, app.tenant_id);
+    let by_tenant = format!(r#"oncepay_keyless_requests_total{{tenant="{}"}} 3"#, app.tenant_id);
     assert!(metrics.contains(&by_tenant), "{metrics}");
 }
 
@@ -74,6 +78,29 @@ async fn patching_an_unknown_tenant_or_with_a_bad_policy_is_refused() {
         )
         .await;
     bad.assert_problem(400, "invalid_request");
+    // Found from outside: serde's derive took the map form `{"allow": null}` (200, policy
+    // set) and spoke of "unit" and "map". Only the three strings, in their words.
+    for form in [json!({ "allow": null }), json!(null), json!(["allow"])] {
+        let refused = app
+            .admin(
+                Method::PATCH,
+                &format!("/admin/tenants/{}", app.tenant_id),
+                Some(&json!({ "missing_key_policy": form })),
+            )
+            .await;
+        refused.assert_problem(400, "invalid_request");
+        let detail = refused.body["detail"].as_str().unwrap();
+        assert!(
+            detail.contains(r#"must be one of "reject", "allow", "fingerprint""#),
+            "{form}: {detail}"
+        );
+    }
+    let policy: String = sqlx::query_scalar("SELECT missing_key_policy FROM tenants WHERE tenant_id = $1")
+        .bind(app.tenant_id)
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(policy, "reject", "unchanged");
 }
 
 #[tokio::test]
@@ -157,4 +184,50 @@ async fn after_the_window_concurrent_keyless_requests_over_three_instances_renew
         "exactly one replica processed it"
     );
     assert_eq!(apps[0].balance("main").await, MAIN_BALANCE - 200);
+}
+
+/// Found from outside (2026-12-06): a client's key `fp:<H>` sent with another body took the
+/// derived key of the keyless request whose fingerprint is H; that request was then refused
+/// 422 `idempotency_key_reused`, about a key it never sent, for the client key's 24 hours
+/// (and after them it rewrote the client's row). Keys starting with `fp:` are the server's:
+/// a client's is refused 400, and takes nothing. A derived key can still be looked up.
+#[tokio::test]
+async fn a_client_key_in_the_derived_keys_namespace_is_refused_and_takes_nothing() {
+    let app = spawn_app().await;
+    app.set_policy("fingerprint").await;
+    let body = json!({ "amount": 905 });
+    let derived = format!(
+        "fp:{}",
+        hex::encode(oncepay::idempotency::fingerprint("POST", "/payments", &body))
+    );
+
+    let squat = app.post("/payments", Some(&derived), &json!({ "amount": 906 })).await;
+    let keyless = app.pay(None, 905).await;
+
+    assert_eq!(
+        (squat.status, squat.code()),
+        (400, "invalid_idempotency_key"),
+        "{}",
+        squat.body
+    );
+    assert!(
+        squat.body["detail"].as_str().unwrap().contains("`fp:`"),
+        "{}",
+        squat.body
+    );
+    assert_eq!(keyless.status, 201, "{}", keyless.body);
+    assert!(!keyless.replayed());
+    assert_eq!(
+        app.balance("main").await,
+        MAIN_BALANCE - 905,
+        "the squat charged nothing"
+    );
+    let stored: String = sqlx::query_scalar("SELECT key FROM idempotency_keys WHERE tenant_id = $1")
+        .bind(app.tenant_id)
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(stored, derived, "the key the squat aimed at is the one derived");
+    let looked_up = app.get(&format!("/idempotency-keys/{derived}")).await;
+    assert_eq!(looked_up.status, 200, "{}", looked_up.body);
 }
