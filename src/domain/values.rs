@@ -118,9 +118,9 @@ impl AccountId {
     }
 }
 
-/// How a tenant's keyless POSTs are treated (docs/api.md, Idempotency, rule 10). Read from
-/// JSON as one of its three strings only (serde's derive also took `{"allow": null}`, found
-/// from outside).
+/// How a tenant's keyless POSTs are treated (docs/api.md, Idempotency, rule 10).
+// Read from JSON as one of its three strings only (serde's derive also took `{"allow": null}`,
+// found from outside): `Deserialize` below.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum MissingKeyPolicy {
