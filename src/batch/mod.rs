@@ -151,6 +151,8 @@ struct Job<E: Batched> {
     /// What it locks or claims: made once, as the dispatcher may look at a held-back item
     /// many times.
     holds: Holds,
+    /// When it was queued: what it waited in the process comes off its wait on the key's row.
+    queued_at: Instant,
 }
 
 impl<E: Batched> Job<E> {
@@ -216,6 +218,7 @@ impl<E: Batched> Batcher<E> {
             taken: Arc::clone(&taken),
             duplicate: Arc::clone(&duplicate),
             account_busy: Arc::clone(&account_busy),
+            queued_at: Instant::now(),
         };
         self.queue.try_send(job).map_err(|err| match err {
             mpsc::error::TrySendError::Full(_) => DbError::Saturated,
@@ -619,6 +622,9 @@ impl Out {
 /// Runs a batch and answers its items; gives the statement's latency and size when it ran
 /// (a failed one too: a statement timeout is the slowest answer there is).
 async fn execute<E: Batched>(db: &Db, mut batch: Vec<Job<E>>, counters: &Counters) -> Option<(Duration, usize)> {
+    for job in &mut batch {
+        job.claim.spend_inflight_wait(job.queued_at.elapsed());
+    }
     if batch.len() == 1 {
         let job = batch.pop().expect("one job");
         let started = Instant::now();
@@ -796,6 +802,7 @@ mod tests {
             duplicate: Arc::new(AtomicBool::new(false)),
             account_busy: Arc::new(AtomicBool::new(false)),
             holds,
+            queued_at: Instant::now(),
         }
     }
 

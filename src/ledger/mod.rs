@@ -65,6 +65,16 @@ impl ClaimArgs {
         had
     }
 
+    /// Takes `spent` (what the item already waited in this process, held back behind a
+    /// duplicate of its key or queued for a slot) off the wait for its key's original, so that
+    /// a duplicate answers 409 within `ONCEPAY_INFLIGHT_WAIT_MS` of its arrival however it
+    /// waited (found from outside: held back 4.5 s, then a full 5 s on the key's row).
+    pub fn spend_inflight_wait(&mut self, spent: std::time::Duration) {
+        if self.inflight_wait_ms > 0 {
+            self.inflight_wait_ms = self.inflight_wait_ms.saturating_sub(millis(spent)).max(1);
+        }
+    }
+
     /// Restores a wait given by [`ClaimArgs::cap_inflight_wait`].
     pub fn restore_inflight_wait(&mut self, had: i32) {
         self.inflight_wait_ms = had;

@@ -917,3 +917,51 @@ async fn a_database_that_stalls_lowers_the_limit_on_statements_in_flight_and_no_
     );
     crate::support::helpers::drop_database(&url).await;
 }
+
+/// Found from outside (2026-12-06, /work/notes/probe-money-2026-12-06.md): the original of a
+/// key held up on one instance (its account's row locked), duplicates on another: the first
+/// waited its `ONCEPAY_INFLIGHT_WAIT_MS` on the key's row and answered 409; the next, held back
+/// in that instance's batcher behind it, then waited a full `ONCEPAY_INFLIGHT_WAIT_MS` on the
+/// row again (9.0-9.5 s against the documented 5). What an item waited in the process now
+/// comes off its wait on the row: every duplicate answers 409 within the wait of its arrival.
+#[tokio::test]
+async fn a_duplicate_held_back_behind_another_answers_within_the_in_flight_wait() {
+    let wait = Duration::from_secs(1);
+    let apps = TestApp::builder()
+        .settings(move |s| s.inflight_wait = wait)
+        .spawn_instances(2)
+        .await;
+    let (original_on, duplicates_on) = (&apps[0], &apps[1]);
+    let key = new_key();
+    let lock = lock_account_at(&direct_url(&original_on.state), original_on.tenant_id, "main").await;
+    let original = tokio::spawn({
+        let (app, key) = (original_on.clone(), key.clone());
+        async move { app.pay(Some(&key), 10).await }
+    });
+    // The original holds its key (claimed, its debit waiting on the row).
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut duplicates = Vec::new();
+    for _ in 0..3 {
+        let (app, key) = (duplicates_on.clone(), key.clone());
+        duplicates.push(tokio::spawn(async move {
+            let sent = Instant::now();
+            let answer = app.pay(Some(&key), 10).await;
+            (answer, sent.elapsed())
+        }));
+        tokio::time::sleep(Duration::from_millis(150)).await;
+    }
+    let mut waited = Vec::new();
+    for duplicate in duplicates {
+        let (answer, elapsed) = duplicate.await.unwrap();
+        answer.assert_problem(409, "request_in_progress");
+        waited.push(elapsed);
+    }
+    drop(lock);
+    assert_eq!(original.await.unwrap().status, 201);
+    // The wait, and a loaded host's margin; before: about twice the wait for the second and
+    // third.
+    assert!(
+        waited.iter().all(|w| *w < wait + Duration::from_millis(600)),
+        "duplicates answered after {waited:?} (in-flight wait {wait:?})"
+    );
+}
