@@ -823,6 +823,17 @@ async fn a_database_that_stalls_lowers_the_limit_on_statements_in_flight_and_no_
         s.db_acquire_timeout = Duration::from_secs(15);
     })
     .await;
+    // Four payers for as long as the stalls take (30 s more when the limit sits at its floor:
+    // 16,000 payments of 1 once spent the main balance of 10,000, and 6,000 were declined 402
+    // in a CI run through PgBouncer): enough to pay them all.
+    let funded = app
+        .post(
+            "/accounts/main/deposits",
+            Some(&new_key()),
+            &json!({ "amount": 1_000_000_000_000_i64 }),
+        )
+        .await;
+    assert_eq!(funded.status, 201, "{}", funded.body);
     let gauge = "oncepay_db_batches_in_flight_limit";
     let downs = "oncepay_db_batches_in_flight_limit_changes_total{direction=\"down\"}";
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
