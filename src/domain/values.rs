@@ -69,11 +69,19 @@ impl Visitor<'_> for MinorUnits {
         self.visit_i64(i64::try_from(n).unwrap_or(i64::MAX))
     }
 
-    fn visit_f64<E: de::Error>(self, _: f64) -> Result<i64, E> {
-        Err(E::custom(format!(
-            "must be an integer in minor units (no fraction or exponent), between {} and {MAX_AMOUNT}",
-            self.min
-        )))
+    /// The parser hands over as a float, besides numbers with a fraction or an exponent, the
+    /// integers no `i64` holds (2^64 and beyond) and `-0`: those are told what is wrong with
+    /// their value, which holds however they were written.
+    fn visit_f64<E: de::Error>(self, n: f64) -> Result<i64, E> {
+        let min = self.min;
+        let detail = if n == 0.0 && n.is_sign_negative() {
+            format!("must be between {min} and {MAX_AMOUNT}, written without a sign, fraction or exponent (not -0)")
+        } else if n.is_finite() && n.fract() == 0.0 && !(min as f64..=MAX_AMOUNT as f64).contains(&n) {
+            format!("must be between {min} and {MAX_AMOUNT}")
+        } else {
+            format!("must be an integer in minor units (no fraction or exponent), between {min} and {MAX_AMOUNT}")
+        };
+        Err(E::custom(detail))
     }
 }
 
@@ -200,6 +208,37 @@ mod tests {
         assert!(Amount::deserialize(&float).is_err());
         assert!(Amount::deserialize(&exponent).is_err());
         assert_eq!(OpeningBalance::deserialize(&json!(0)).unwrap().get(), 0);
+    }
+
+    /// `-0` and integers past `u64` reach the visitor as floats; what they are told must be
+    /// about their value, not a fraction or an exponent they were not written with.
+    #[test]
+    fn integers_read_as_floats_are_told_what_is_wrong_with_them() {
+        let detail = |text: &str| {
+            let value: Value = serde_json::from_str(text).unwrap();
+            Amount::deserialize(&value).unwrap_err().to_string()
+        };
+        assert_eq!(
+            detail("18446744073709551616"),
+            format!("must be between 1 and {MAX_AMOUNT}")
+        );
+        assert_eq!(
+            detail("-18446744073709551616"),
+            format!("must be between 1 and {MAX_AMOUNT}")
+        );
+        assert!(detail("-0").contains("not -0"), "{}", detail("-0"));
+        let opening: Value = serde_json::from_str("-0").unwrap();
+        assert!(OpeningBalance::deserialize(&opening)
+            .unwrap_err()
+            .to_string()
+            .contains("not -0"));
+        for spelled in ["100.0", "1e2", "1.5", "-0.5"] {
+            assert!(
+                detail(spelled).contains("no fraction or exponent"),
+                "{spelled}: {}",
+                detail(spelled)
+            );
+        }
     }
 
     proptest! {
