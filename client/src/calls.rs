@@ -154,7 +154,7 @@ impl Client {
         let body = serde_json::to_vec(body).map_err(|e| ClientError::InvalidArgument(e.to_string()))?;
         Ok(Call {
             method: Method::POST,
-            url: self.endpoint(path),
+            url: self.endpoint(path)?,
             body: Some(body),
             key: Some(key),
         })
@@ -162,26 +162,46 @@ impl Client {
 
     /// GETs are idempotent by design: retried by the same table, with no key.
     async fn get<T: DeserializeOwned>(&self, path: &[&str]) -> Result<Reply<T>, ClientError> {
-        self.execute(self.get_call(path)).await
+        self.execute(self.get_call(path)?).await
     }
 
-    pub(crate) fn get_call(&self, path: &[&str]) -> Call<'static> {
-        Call {
+    pub(crate) fn get_call(&self, path: &[&str]) -> Result<Call<'static>, ClientError> {
+        Ok(Call {
             method: Method::GET,
-            url: self.endpoint(path),
+            url: self.endpoint(path)?,
             body: None,
             key: None,
-        }
+        })
     }
 
     /// The base URL with `segments` appended, each percent-encoded: an account id with a
-    /// `/` stays one segment, and the server answers it 400 `invalid_request`.
-    pub(crate) fn endpoint(&self, segments: &[&str]) -> Url {
+    /// `/` stays one segment, and the server answers it 400 `invalid_request`. A segment `.`
+    /// or `..` (a valid account id or key) cannot travel in a URL, which takes it, and its
+    /// percent-encoded forms, for a dot segment and drops it (or the one before it): the call
+    /// would reach another path, so it is refused here, nothing sent (`InvalidArgument`).
+    pub(crate) fn endpoint(&self, segments: &[&str]) -> Result<Url, ClientError> {
+        if let Some(dots) = segments.iter().find(|s| matches!(**s, "." | "..")) {
+            let written = segments
+                .iter()
+                .map(|s| {
+                    if s == dots {
+                        dots.replace('.', "%2E")
+                    } else {
+                        (*s).to_owned()
+                    }
+                })
+                .collect::<Vec<_>>()
+                .join("/");
+            return Err(ClientError::InvalidArgument(format!(
+                "`{dots}` cannot be sent in a URL's path, which takes it for a dot segment and drops it; \
+                 ask for `/{written}` with curl, which sends it as written"
+            )));
+        }
         let mut url = self.inner.base.clone();
         url.path_segments_mut()
             .expect("the builder accepts only base URLs")
             .pop_if_empty()
             .extend(segments);
-        url
+        Ok(url)
     }
 }

@@ -44,18 +44,10 @@ pub struct KeyResource {
 
 impl Client {
     /// The key's row: 404 `not_found` for a key the tenant never used (or another tenant's).
-    /// The keys `.` and `..` are valid but cannot be looked up here: a URL's path takes them
-    /// (and their percent-encoded forms) for dot segments and drops them, so the request would
-    /// ask for `GET /idempotency-keys` instead (`InvalidArgument`, nothing sent).
+    /// The keys `.` and `..` are valid but cannot be looked up here (`InvalidArgument`, nothing
+    /// sent: see `Client::endpoint`).
     pub async fn idempotency_key(&self, key: &IdempotencyKey) -> Result<Reply<KeyInfo>, ClientError> {
-        if matches!(key.as_str(), "." | "..") {
-            return Err(ClientError::InvalidArgument(format!(
-                "the key `{key}` cannot be looked up through a URL, which takes it for a dot segment and drops it; \
-                 ask for `/idempotency-keys/{}` with curl, which sends it as written",
-                key.as_str().replace('.', "%2E")
-            )));
-        }
         let path = routes::GET_IDEMPOTENCY_KEY.segments(key.as_str());
-        self.execute(self.get_call(&path)).await
+        self.execute(self.get_call(&path)?).await
     }
 }

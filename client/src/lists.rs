@@ -234,7 +234,7 @@ impl<T: DeserializeOwned + Listed + Send + 'static> ListRequest<T> {
     /// The page these parameters name.
     pub async fn page(&self) -> Result<Reply<List<T>>, ClientError> {
         let segments: Vec<&str> = self.segments.iter().map(String::as_str).collect();
-        let mut call = self.client.get_call(&segments);
+        let mut call = self.client.get_call(&segments)?;
         call.url
             .query_pairs_mut()
             .extend_pairs(self.params.query())

@@ -84,7 +84,7 @@ impl Client {
 
     /// The top-up's current state.
     pub async fn get_top_up(&self, id: Uuid) -> Result<Reply<TopUpState>, ClientError> {
-        self.execute(self.get_call(&routes::GET_TOP_UP.segments(&id.to_string())))
+        self.execute(self.get_call(&routes::GET_TOP_UP.segments(&id.to_string()))?)
             .await
     }
 

@@ -53,7 +53,7 @@ impl Client {
 
     /// A transfer, as it was made.
     pub async fn get_transfer(&self, id: Uuid) -> Result<Reply<TransferState>, ClientError> {
-        self.execute(self.get_transfer_call(id)).await
+        self.execute(self.get_transfer_call(id)?).await
     }
 
     fn transfer_call<'k>(
@@ -67,7 +67,7 @@ impl Client {
         self.post_call(&routes::CREATE_TRANSFER.segments(""), &body, key)
     }
 
-    fn get_transfer_call(&self, id: Uuid) -> Call<'static> {
+    fn get_transfer_call(&self, id: Uuid) -> Result<Call<'static>, ClientError> {
         self.get_call(&routes::GET_TRANSFER.segments(&id.to_string()))
     }
 }
@@ -123,7 +123,7 @@ mod tests {
     #[test]
     fn get_transfer_reads_the_transfer_by_its_id_without_a_key() {
         let id = Uuid::parse_str("9b2f4f6e-52c4-4c3a-a0f5-0e4d2f5b8a11").unwrap();
-        let request = build(&client().get_transfer_call(id));
+        let request = build(&client().get_transfer_call(id).unwrap());
 
         assert_eq!(request.method(), reqwest::Method::GET);
         assert_eq!(

@@ -252,7 +252,7 @@ impl crate::Client {
     /// The tenant's endpoints.
     pub async fn webhook_endpoints(&self) -> Result<crate::Reply<Vec<ListedEndpoint>>, crate::ClientError> {
         let path = crate::protocol::routes::LIST_WEBHOOK_ENDPOINTS.segments("");
-        self.execute(self.get_call(&path)).await
+        self.execute(self.get_call(&path)?).await
     }
 
     /// Deletes an endpoint (204). Retried after a lost answer, the retry may find it deleted
@@ -261,7 +261,7 @@ impl crate::Client {
         let id = id.to_string();
         let call = crate::retry::Call {
             method: reqwest::Method::DELETE,
-            url: self.endpoint(&crate::protocol::routes::DELETE_WEBHOOK_ENDPOINT.segments(&id)),
+            url: self.endpoint(&crate::protocol::routes::DELETE_WEBHOOK_ENDPOINT.segments(&id))?,
             body: None,
             key: None,
         };
@@ -309,7 +309,7 @@ impl crate::Client {
     pub async fn event(&self, id: uuid::Uuid) -> Result<crate::Reply<Event>, crate::ClientError> {
         let id = id.to_string();
         let path = crate::protocol::routes::GET_EVENT.segments(&id);
-        self.execute(self.get_call(&path)).await
+        self.execute(self.get_call(&path)?).await
     }
 
     /// Registers an endpoint for the tenant's events (`events`: `None` for every type).

@@ -486,22 +486,32 @@ async fn an_answer_standard_output_refuses_exits_1_and_names_the_key() {
 
 /// Found from outside: `get-idempotency-key ..` asked for `GET /idempotency-keys` (a URL's
 /// path drops dot segments, percent-encoded ones too) and reported the key unknown (404).
-/// Now the client refuses, sending nothing, and says how to look it up.
+/// The accounts `.` and `..` are valid ids too, and reached other paths the same way:
+/// `balance .` asked for `GET /accounts`, `deposit --account ..` posted to `/deposits`. Now
+/// the client refuses any such segment, sending nothing, and says how to ask for it.
 #[tokio::test]
-async fn the_keys_dot_and_dot_dot_are_not_looked_up_as_another_path() {
+async fn the_ids_dot_and_dot_dot_are_not_sent_to_another_path() {
     let app = spawn_app().await;
     let proxy = FaultProxy::start(&app.address, |_| Action::Forward).await;
-    for key in [".", ".."] {
-        let mut args = vec!["get-idempotency-key", key];
-        args.extend(server_args(&proxy.url, &app));
-        let run = oncepay(&args, &[]).await;
-        assert_eq!(run.status, 2, "{}", run.stderr);
-        let encoded = key.replace('.', "%2E");
-        assert!(
-            run.stderr.contains(&format!("/idempotency-keys/{encoded}")),
-            "{}",
-            run.stderr
-        );
+    for dots in [".", ".."] {
+        let encoded = dots.replace('.', "%2E");
+        for (args, path) in [
+            (
+                vec!["get-idempotency-key", dots],
+                format!("/idempotency-keys/{encoded}"),
+            ),
+            (vec!["balance", dots], format!("/accounts/{encoded}")),
+            (
+                vec!["deposit", "--amount", "1", "--account", dots, "--key", "k-dots"],
+                format!("/accounts/{encoded}/deposits"),
+            ),
+        ] {
+            let mut args = args;
+            args.extend(server_args(&proxy.url, &app));
+            let run = oncepay(&args, &[]).await;
+            assert_eq!(run.status, 2, "{args:?}: {}", run.stderr);
+            assert!(run.stderr.contains(&path), "{args:?}: {}", run.stderr);
+        }
     }
-    assert!(proxy.seen().is_empty(), "nothing sent");
+    assert!(proxy.seen().is_empty(), "nothing sent: {:?}", proxy.seen());
 }
