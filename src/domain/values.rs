@@ -138,6 +138,9 @@ pub enum MissingKeyPolicy {
 }
 
 impl MissingKeyPolicy {
+    /// What a value that is none of the three is told.
+    const ONE_OF: &'static str = "must be one of \"reject\", \"allow\", \"fingerprint\"";
+
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Reject => "reject",
@@ -151,16 +154,15 @@ impl MissingKeyPolicy {
             "reject" => Ok(Self::Reject),
             "allow" => Ok(Self::Allow),
             "fingerprint" => Ok(Self::Fingerprint),
-            _ => Err("`missing_key_policy` must be one of \"reject\", \"allow\", \"fingerprint\"".to_owned()),
+            _ => Err(format!("`missing_key_policy` {}", Self::ONE_OF)),
         }
     }
 }
 
 impl<'de> Deserialize<'de> for MissingKeyPolicy {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        let raw = String::deserialize(deserializer)
-            .map_err(|_| serde::de::Error::custom("must be one of \"reject\", \"allow\", \"fingerprint\""))?;
-        Self::parse(&raw).map_err(|_| serde::de::Error::custom("must be one of \"reject\", \"allow\", \"fingerprint\""))
+        let raw = String::deserialize(deserializer).map_err(|_| de::Error::custom(Self::ONE_OF))?;
+        Self::parse(&raw).map_err(|_| de::Error::custom(Self::ONE_OF))
     }
 }
 
