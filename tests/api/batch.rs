@@ -796,36 +796,38 @@ async fn beside_another_paying_tenant_a_tenant_has_at_most_its_share_in_statemen
 }
 
 /// The limit on statements in flight follows the database (src/batch/limit.rs): while four
-/// clients pay, the database stalls up to four times for 300 ms (the accounts table locked by
-/// the test, as a competing workload would hold it), and each stall's statements, at many
-/// times their least latency, lower the limit (counted: the limit climbs back within a few
-/// statements once the stall ends, quicker than the gauge can be sampled); every payment
-/// still succeeds. On a database of its own: the lock stalls every payment on it.
+/// clients pay, the database stalls for 300 ms (the accounts table locked by the test, as a
+/// competing workload would hold it), and the stall's statements, at many times their least
+/// latency, lower the limit (counted: the limit climbs back within a few statements once the
+/// stall ends, quicker than the gauge can be sampled); every payment still succeeds. On a
+/// database of its own: the lock stalls every payment on it.
 ///
-/// Each stall is judged on its own and only from a limit that can fall (above its floor of
-/// two, in a round that has not lowered it already): on a host the whole suite loads, the
-/// limit may sit at its floor for a while (a slow host reads as queueing until its baseline is
-/// learned again), where no stall can lower it; then fewer stalls are judged, at least two,
-/// each but one of them lowering the limit. The queue's wait is long here so
-/// that a starved test host cannot turn a stalled payment into the designed 429 `overloaded`
-/// (tested on its own above): what is tested is that a stall costs no payment.
+/// Each stall is judged on a replica of its own, started for it at a limit of six, and only
+/// from a limit that can fall (above its floor of two, in a round that has not lowered it
+/// already). One replica for all the stalls was judged from wherever the limit was left: on a
+/// host the whole suite loads, its own slow moments brought the limit to its floor, and four
+/// payers, two statements of two, never wait for a slot, so nothing raised it again (seen on
+/// a local run beside two other workloads: "the limit stayed at 2 for 30 s", one stall judged;
+/// and earlier in CI). Four stalls are judged (of six tries at most), each but one lowering
+/// the limit. The queue's wait is long here so that a starved test host cannot turn a stalled
+/// payment into the designed 429 `overloaded` (tested on its own above): what is tested is
+/// that a stall costs no payment.
 #[tokio::test]
 async fn a_database_that_stalls_lowers_the_limit_on_statements_in_flight_and_no_payment_fails() {
     let (app, url) = crate::support::helpers::spawn_app_on_own_database_with("adaptive_limit", |s| {
         s.db_batches_in_flight = None;
         // Well above the floor (two statements), where a stall has a statement to take away:
         // on a two-core host beside the other tests, 24 payers (and even 8) brought it to the
-        // floor by their own queueing and left it no room to rise again. Four payers cannot
-        // be judged a queue (more than `limit::BETA` statements queued): only the stalls,
-        // and a loaded host's own slow moments, lower it.
-        s.db_batches_initial = 8;
-        s.db_pool_size = 10;
+        // floor by their own queueing. Four payers cannot be judged a queue (more than
+        // `limit::BETA` statements queued): only the stalls, and a loaded host's own slow
+        // moments, lower it.
+        s.db_batches_initial = 6;
+        s.db_pool_size = 6;
         s.db_acquire_timeout = Duration::from_secs(15);
     })
     .await;
-    // Four payers for as long as the stalls take (30 s more when the limit sits at its floor:
-    // 16,000 payments of 1 once spent the main balance of 10,000, and 6,000 were declined 402
-    // in a CI run through PgBouncer): enough to pay them all.
+    // 4,000 payments of 1 a payer at most: more than the main balance of 10,000 (6,000 were
+    // once declined 402 in a CI run through PgBouncer).
     let funded = app
         .post(
             "/accounts/main/deposits",
@@ -836,78 +838,91 @@ async fn a_database_that_stalls_lowers_the_limit_on_statements_in_flight_and_no_
     assert_eq!(funded.status, 201, "{}", funded.body);
     let gauge = "oncepay_db_batches_in_flight_limit";
     let downs = "oncepay_db_batches_in_flight_limit_changes_total{direction=\"down\"}";
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let payers: Vec<JoinHandle<Vec<u16>>> = (0..4)
-        .map(|_| {
-            let (app, stop) = (app.clone(), stop.clone());
-            tokio::spawn(async move {
-                let mut statuses = Vec::new();
-                for _ in 0..4_000 {
-                    if stop.load(std::sync::atomic::Ordering::Relaxed) {
-                        break;
-                    }
-                    statuses.push(app.pay(Some(&new_key()), 1).await.status);
-                }
-                statuses
-            })
-        })
-        .collect();
     let mut locker = PgConnection::connect(&url).await.unwrap();
-    // (limit before the stall, whether the stall lowered it) per stall.
+    // (limit before the stall, whether the stall lowered it) per stall judged.
     let mut stalls = Vec::new();
-    'stalls: for _ in 0..4 {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let (before, downs_before) = loop {
-            // Above the floor (two statements), where a stall has a statement to take away,
-            // and in a round that has not lowered the limit already: a round lowers it once
-            // at most, and on a loaded host (the whole suite beside it) its own jitter may
-            // have just done so, leaving the stall's statements nothing to count (seen: two
-            // of four stalls "not lowered").
-            let exposition = app.metrics().await;
+    let mut statuses: Vec<u16> = Vec::new();
+    let mut replica = Some(app.clone());
+    for _ in 0..6 {
+        if stalls.len() == 4 {
+            break;
+        }
+        let server = match replica.take() {
+            Some(first) => first,
+            None => {
+                let settings = app.state.settings.clone();
+                TestApp::builder()
+                    .settings(|s| *s = settings)
+                    .tenant_of(&app)
+                    .spawn()
+                    .await
+            }
+        };
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let payers: Vec<JoinHandle<Vec<u16>>> = (0..4)
+            .map(|_| {
+                let (server, stop) = (server.clone(), stop.clone());
+                tokio::spawn(async move {
+                    let mut statuses = Vec::new();
+                    for _ in 0..4_000 {
+                        if stop.load(std::sync::atomic::Ordering::Relaxed) {
+                            break;
+                        }
+                        statuses.push(server.pay(Some(&new_key()), 1).await.status);
+                    }
+                    statuses
+                })
+            })
+            .collect();
+        // Above the floor, and in a round that has not lowered the limit already: a round
+        // lowers it once at most, and on a loaded host its own jitter may have just done so,
+        // leaving the stall's statements nothing to count (seen: two of four stalls "not
+        // lowered"). A replica whose limit the host keeps at its floor for 10 s is not judged.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let ready = loop {
+            let exposition = server.metrics().await;
             let (limit, downs_then) = (metric_value(&exposition, gauge), metric_value(&exposition, downs));
             tokio::time::sleep(Duration::from_millis(100)).await;
-            if limit >= 3.0 && metric_value(&app.metrics().await, downs) == downs_then {
-                break (limit, downs_then);
-            }
-            // At its floor on a host the whole suite loads, four payers may never show the
-            // rule room to climb (their statements read as queued against a baseline learned
-            // while it was quieter: seen, the limit at 2 for 30 s after two stalls that both
-            // lowered it): the stalls judged so far are what there is to judge.
-            if Instant::now() >= deadline {
-                println!("the limit stayed at {limit} (or kept falling) for 30 s: no more stalls");
-                break 'stalls;
-            }
-        };
-        sqlx::query("BEGIN").execute(&mut locker).await.unwrap();
-        sqlx::query("LOCK TABLE accounts IN EXCLUSIVE MODE")
-            .execute(&mut locker)
-            .await
-            .unwrap();
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        sqlx::query("COMMIT").execute(&mut locker).await.unwrap();
-        // The stalled statements come back at once; allow a loaded host a second to count.
-        let deadline = Instant::now() + Duration::from_secs(1);
-        let lowered = loop {
-            if metric_value(&app.metrics().await, downs) > downs_before {
-                break true;
+            if limit >= 3.0 && metric_value(&server.metrics().await, downs) == downs_then {
+                break Some((limit, downs_then));
             }
             if Instant::now() >= deadline {
-                break false;
+                println!("a replica's limit stayed at {limit} (or kept falling) for 10 s: not judged");
+                break None;
             }
-            tokio::time::sleep(Duration::from_millis(20)).await;
         };
-        stalls.push((before, lowered));
+        if let Some((before, downs_before)) = ready {
+            sqlx::query("BEGIN").execute(&mut locker).await.unwrap();
+            sqlx::query("LOCK TABLE accounts IN EXCLUSIVE MODE")
+                .execute(&mut locker)
+                .await
+                .unwrap();
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            sqlx::query("COMMIT").execute(&mut locker).await.unwrap();
+            // The stalled statements come back at once; allow a loaded host a second to count.
+            let deadline = Instant::now() + Duration::from_secs(1);
+            let lowered = loop {
+                if metric_value(&server.metrics().await, downs) > downs_before {
+                    break true;
+                }
+                if Instant::now() >= deadline {
+                    break false;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            };
+            stalls.push((before, lowered));
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        statuses.extend(join_all(payers).await.into_iter().flat_map(Result::unwrap));
     }
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    let statuses: Vec<u16> = join_all(payers).await.into_iter().flat_map(Result::unwrap).collect();
     println!(
         "stalls (limit before, lowered): {stalls:?}; {} payments",
         statuses.len()
     );
-    // Every stall judged but one at most lowered the limit, and at least two did.
+    // Four stalls judged, every one but one at most lowering the limit.
     let lowered = stalls.iter().filter(|(_, lowered)| *lowered).count();
     assert!(
-        lowered >= 2 && lowered + 1 >= stalls.len(),
+        stalls.len() == 4 && lowered >= 3,
         "of {} stalls judged {lowered} lowered the limit: {stalls:?}",
         stalls.len()
     );
