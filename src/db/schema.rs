@@ -38,13 +38,62 @@ pub async fn migrate(database_url: &str) -> anyhow::Result<usize> {
         .bind(MIGRATION_LOCK)
         .execute(&mut migrator.0)
         .await?;
-    let report = embedded::migrations::runner().run_async(&mut migrator).await;
+    let report = match ahead_of_this_build(&mut migrator.0).await {
+        Ok(None) => embedded::migrations::runner()
+            .run_async(&mut migrator)
+            .await
+            .map(|report| report.applied_migrations().len())
+            .context("migration failed"),
+        Ok(Some(at)) => {
+            tracing::info!(
+                schema = at,
+                build = expected_schema_version(),
+                "the schema is ahead of this build, which finds every one of its migrations applied: nothing to apply"
+            );
+            Ok(0)
+        }
+        Err(err) => Err(err),
+    };
     sqlx::query("SELECT pg_advisory_unlock($1)")
         .bind(MIGRATION_LOCK)
         .execute(&mut migrator.0)
         .await?;
     migrator.0.close().await?;
-    Ok(report.context("migration failed")?.applied_migrations().len())
+    report
+}
+
+/// The schema's version, if a later build has migrated it past this one's newest migration
+/// and every migration of this build is applied as this build has it; `Err` if the schema is
+/// ahead but one of them is not. During a rollout (docs/operations.md) a replica of the
+/// previous version restarts on the expanded schema, and a start-up that runs `oncepay migrate`
+/// before `serve` must not stop it there: refinery refuses a history with versions it does not
+/// know ("missing from the filesystem").
+async fn ahead_of_this_build(conn: &mut PgConnection) -> anyhow::Result<Option<i32>> {
+    let applied: Vec<(i32, String)> = match sqlx::query_as("SELECT version, checksum FROM refinery_schema_history")
+        .fetch_all(&mut *conn)
+        .await
+    {
+        Ok(rows) => rows,
+        Err(err) if sqlstate(&err).as_deref() == Some("42P01") => return Ok(None), // never migrated
+        Err(err) => return Err(err).context("cannot read refinery_schema_history"),
+    };
+    let at = applied.iter().map(|(version, _)| *version).max();
+    let build = expected_schema_version();
+    let Some(at) = at.filter(|at| *at > build) else {
+        return Ok(None);
+    };
+    for migration in embedded::migrations::runner().get_migrations() {
+        let version = migration.version() as i32;
+        match applied.iter().find(|(v, _)| *v == version) {
+            Some((_, checksum)) if *checksum == migration.checksum().to_string() => {}
+            found => anyhow::bail!(
+                "the schema is at version {at}, ahead of this build ({build}), but this build's migration V{version} {}: \
+                 the database and this build diverge",
+                if found.is_some() { "was applied with other contents" } else { "was never applied" }
+            ),
+        }
+    }
+    Ok(Some(at))
 }
 
 /// refinery's driver over a sqlx connection (refinery's own PostgreSQL drivers bring a

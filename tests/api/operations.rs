@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use reqwest::Method;
 use serde_json::json;
+use sqlx::Connection;
 use uuid::Uuid;
 
 use crate::support::helpers::{
@@ -23,6 +24,44 @@ async fn migrating_twice_and_from_two_processes_at_once_is_safe() {
         "each migration applied exactly once between the two"
     );
     assert_eq!(oncepay::db::migrate(&url).await.unwrap(), 0);
+    drop_database(&url).await;
+}
+
+/// Found from outside (a rollout probe): a build's `oncepay migrate` on a schema a later build
+/// had migrated failed ("migration V34 ... is missing from the filesystem", exit 1), so a
+/// replica of the previous version whose start-up runs `migrate` before `serve` could neither
+/// restart during the rollout nor be rolled back to. Now it applies nothing and succeeds when
+/// every migration it has is applied as it has it, and refuses, naming it, when one is not.
+#[tokio::test]
+async fn migrate_on_a_schema_a_later_build_migrated_applies_nothing_and_succeeds() {
+    let url = empty_database("ahead").await;
+    oncepay::db::migrate(&url).await.unwrap();
+    let later = oncepay::db::expected_schema_version() + 1;
+    let mut conn = sqlx::PgConnection::connect(&url).await.unwrap();
+    sqlx::query(
+        "INSERT INTO refinery_schema_history (version, name, applied_on, checksum)
+         VALUES ($1, 'a_later_build', '2026-12-06T21:00:00Z', '1')",
+    )
+    .bind(later)
+    .execute(&mut conn)
+    .await
+    .unwrap();
+
+    assert_eq!(oncepay::db::migrate(&url).await.unwrap(), 0, "nothing to apply");
+    let served = TestApp::builder()
+        .settings(|s| s.database_url = url.clone())
+        .try_spawn()
+        .await;
+    assert!(served.is_ok(), "serve starts on it too: {:?}", served.err());
+
+    // One of this build's migrations applied with other contents: refused, named.
+    sqlx::query("UPDATE refinery_schema_history SET checksum = '1' WHERE version = 1")
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    let refused = format!("{:#}", oncepay::db::migrate(&url).await.unwrap_err());
+    assert!(refused.contains("V1 was applied with other contents"), "{refused}");
+    drop(conn);
     drop_database(&url).await;
 }
 
