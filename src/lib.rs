@@ -38,3 +38,16 @@ pub mod throttle;
 pub mod tls;
 pub mod top_ups;
 pub mod webhooks;
+
+/// The commit this build was made from (build.rs: `ONCEPAY_BUILD_COMMIT`, git's `HEAD`, or
+/// `unknown`): every build's package version is the same, and during a rollout replicas of
+/// two builds serve together.
+pub const BUILD_COMMIT: &str = env!("ONCEPAY_BUILD_COMMIT");
+
+/// What `oncepay --version` prints after the name: `0.1.0 (commit 0123456789ab)`.
+pub const VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (commit ",
+    env!("ONCEPAY_BUILD_COMMIT"),
+    ")"
+);

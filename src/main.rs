@@ -20,7 +20,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 /// oncepay: a payment API whose retried requests never charge twice.
 #[derive(Parser)]
-#[command(version, about)]
+#[command(version = oncepay::VERSION, about)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -161,7 +161,7 @@ async fn run(command: ServerCommand) -> anyhow::Result<()> {
     match command {
         ServerCommand::Serve => {
             let app = Application::build(settings.clone())?;
-            tracing::info!(bind = %settings.bind, port = app.port(), https = settings.tls_cert.is_some(), "oncepay serving");
+            tracing::info!(bind = %settings.bind, port = app.port(), https = settings.tls_cert.is_some(), version = oncepay::VERSION, "oncepay serving");
             app.run_until_stopped().await?;
         }
         ServerCommand::Migrate => {

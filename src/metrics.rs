@@ -127,6 +127,18 @@ impl Metrics {
             ],
             &["route"],
         );
+        series
+            .int_gauges(
+                "oncepay_build_info",
+                "This process's build (1): its version, the commit it was built from, the newest migration it embeds",
+                &["version", "commit", "schema"],
+            )
+            .with_label_values(&[
+                env!("CARGO_PKG_VERSION"),
+                crate::BUILD_COMMIT,
+                &crate::db::expected_schema_version().to_string(),
+            ])
+            .set(1);
         let replays_by_tenant = series.counters("oncepay_replays_total", "Replayed answers by tenant", &["tenant"]);
         let keyless_by_tenant = series.counters(
             "oncepay_keyless_requests_total",

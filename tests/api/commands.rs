@@ -36,6 +36,36 @@ pub async fn oncepay(args: &[&str], database_url: &str) -> Run {
     }
 }
 
+/// Found from outside (a rollout probe): every build said `oncepay 0.1.0`, so replicas of two
+/// builds serving together could not be told apart. The commit the build came from is in
+/// `--version` and in `oncepay_build_info` (with the newest migration the build embeds).
+#[tokio::test]
+async fn a_build_names_its_commit_in_its_version_and_its_metrics() {
+    assert!(!oncepay::BUILD_COMMIT.is_empty());
+    let version = oncepay(&["--version"], "postgres://unused").await;
+    assert_eq!(version.status, 0, "{}", version.stderr);
+    assert_eq!(
+        version.stdout.trim(),
+        format!(
+            "oncepay {} (commit {})",
+            env!("CARGO_PKG_VERSION"),
+            oncepay::BUILD_COMMIT
+        )
+    );
+    let app = crate::support::helpers::spawn_app().await;
+    let series = format!(
+        "oncepay_build_info{{commit=\"{}\",schema=\"{}\",version=\"{}\"}}",
+        oncepay::BUILD_COMMIT,
+        oncepay::db::expected_schema_version(),
+        env!("CARGO_PKG_VERSION")
+    );
+    assert_eq!(
+        crate::support::helpers::metric_value(&app.metrics().await, &series),
+        1.0,
+        "{series}"
+    );
+}
+
 #[tokio::test]
 async fn serve_on_a_schema_that_is_behind_exits_with_one_line_naming_migrate() {
     let url = empty_database("servebehind").await;
