@@ -54,13 +54,24 @@ BEGIN
 
         -- Another replica claiming for this endpoint holds its row: skip it this time.
         SELECT e.tenant_id, e.endpoint_id, e.url, e.secret_encrypted,
-               CASE WHEN e.previous_secret_expires_at > now() THEN e.previous_secret_encrypted END AS previous
+               CASE WHEN e.previous_secret_expires_at > now() THEN e.previous_secret_encrypted END AS previous,
+               e.disabled_at, e.deleted_at
           INTO ep
           FROM webhook_endpoints e
          WHERE e.tenant_id = v_tenant AND e.endpoint_id = v_endpoint
-           AND e.disabled_at IS NULL AND e.deleted_at IS NULL
            FOR NO KEY UPDATE SKIP LOCKED;
         CONTINUE WHEN NOT FOUND;
+        IF ep.disabled_at IS NOT NULL OR ep.deleted_at IS NOT NULL THEN
+            -- Pending deliveries of a disabled or deleted endpoint: fanned out by a transaction
+            -- that saw it enabled while the disable (or delete) committed, whose UPDATE of the
+            -- pending rows could not see them. Left, they waited for ever (V37). Held or
+            -- cancelled now, as the disable would have left them; its row lock is ours.
+            UPDATE webhook_deliveries d
+               SET state = CASE WHEN ep.deleted_at IS NOT NULL THEN 'cancelled' ELSE 'held' END,
+                   finished_at = now(), leased_until = NULL
+             WHERE d.tenant_id = v_tenant AND d.endpoint_id = v_endpoint AND d.state = 'pending';
+            CONTINUE;
+        END IF;
 
         SELECT count(*) INTO v_in_flight FROM webhook_deliveries d
          WHERE d.tenant_id = v_tenant AND d.endpoint_id = v_endpoint

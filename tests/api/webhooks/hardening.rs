@@ -904,3 +904,83 @@ async fn a_replayed_creation_answers_alike_on_every_replica_and_never_with_a_lat
         );
     }
 }
+
+/// Found from outside (a 45-minute soak, two replicas): an event fanned out 13 ms before its
+/// endpoint was disabled left its delivery `pending` with no attempt for ever, and
+/// `oncepay_webhook_oldest_pending_seconds` grew a second a second. The fan-out's snapshot saw
+/// the endpoint enabled, and the disable's UPDATE of the pending deliveries could not see the
+/// fan-out's row before it committed. Reproduced here with the fan-out held open on a
+/// connection of the test while one endpoint is deleted (the API) and another disabled (as
+/// the deliverer disables a failing one); a deliverer then leaves the first delivery
+/// cancelled and the second held (V37), and nothing reaches the receiver.
+#[tokio::test]
+async fn a_delivery_fanned_out_while_its_endpoint_is_deleted_or_disabled_does_not_stay_pending() {
+    let (app, url) = crate::support::helpers::spawn_app_on_own_database("fan_out_race").await;
+    let receiver = Receiver::start().await;
+    let deleted = subscribe(&app, &receiver, None).await;
+    let disabled = subscribe(&app, &receiver, None).await;
+    pay(&app, 1).await;
+
+    let mut fanning = sqlx::PgConnection::connect(&url).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut fanning).await.unwrap();
+    let fanned: Option<i32> = sqlx::query_scalar("SELECT oncepay_webhook_fan_out(1000)")
+        .fetch_one(&mut fanning)
+        .await
+        .unwrap();
+    assert_eq!(fanned, Some(1), "the payment's event fanned out, uncommitted");
+    let gone = app
+        .client
+        .delete(app.url(&format!("/webhook-endpoints/{deleted}")))
+        .bearer_auth(&app.api_key)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(gone.status(), 204);
+    let mut disabler = sqlx::PgConnection::connect(&url).await.unwrap();
+    let done: bool = sqlx::query_scalar("SELECT oncepay_webhook_disable($1, $2, 'failing')")
+        .bind(app.tenant_id)
+        .bind(Uuid::parse_str(&disabled).unwrap())
+        .fetch_one(&mut disabler)
+        .await
+        .unwrap();
+    assert!(done);
+    sqlx::query("COMMIT").execute(&mut fanning).await.unwrap();
+
+    let state = |endpoint: String| {
+        let url = url.clone();
+        async move {
+            let mut conn = sqlx::PgConnection::connect(&url).await.unwrap();
+            sqlx::query_scalar::<_, String>("SELECT state FROM webhook_deliveries WHERE endpoint_id = $1")
+                .bind(Uuid::parse_str(&endpoint).unwrap())
+                .fetch_one(&mut conn)
+                .await
+                .unwrap()
+        }
+    };
+    assert_eq!(state(deleted.clone()).await, "pending", "the race, as the soak left it");
+    assert_eq!(
+        state(disabled.clone()).await,
+        "pending",
+        "the race, as the soak left it"
+    );
+
+    let settings = app.state.settings.clone();
+    let _deliverer = TestApp::builder()
+        .settings(|s| {
+            *s = settings;
+            delivering(s);
+        })
+        .tenant_of(&app)
+        .spawn()
+        .await;
+    wait_until("the deleted endpoint's delivery cancelled", WAIT, || async {
+        state(deleted.clone()).await == "cancelled"
+    })
+    .await;
+    wait_until("the disabled endpoint's delivery held", WAIT, || async {
+        state(disabled.clone()).await == "held"
+    })
+    .await;
+    assert!(receiver.messages().is_empty(), "nothing delivered to either");
+    crate::support::helpers::drop_database(&url).await;
+}
