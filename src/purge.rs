@@ -98,6 +98,21 @@ pub async fn declaring(db: Db, retention: Duration) {
 /// Logged when it is longer than `own`: the purger was started with a shorter retention than
 /// a server of this database keeps keys for.
 pub async fn key_retention(db: &Db, own: Duration) -> Result<Duration, DbError> {
+    let declared = declared_retention(db).await?.unwrap_or_default();
+    if declared > own {
+        tracing::warn!(
+            own_secs = own.as_secs(),
+            kept_secs = declared.as_secs(),
+            "this purge's ONCEPAY_RETENTION_SECS is shorter than a server of this database keeps keys for: \
+             keys are purged at the longer one, so that none past its replay window is processed again"
+        );
+    }
+    Ok(own.max(declared))
+}
+
+/// The longest key retention a server of this database declared that is still in force
+/// ([`declare_retention`]); `None` when none is. Every purge keeps keys at least this long.
+pub async fn declared_retention(db: &Db) -> Result<Option<Duration>, DbError> {
     let declared: Option<i64> = db
         .run(async |c| {
             sqlx::query_scalar!(
@@ -108,16 +123,7 @@ pub async fn key_retention(db: &Db, own: Duration) -> Result<Duration, DbError> 
             .await
         })
         .await?;
-    let declared = Duration::from_secs(declared.map_or(0, |secs| secs.max(0).unsigned_abs()));
-    if declared > own {
-        tracing::warn!(
-            own_secs = own.as_secs(),
-            kept_secs = declared.as_secs(),
-            "this purge's ONCEPAY_RETENTION_SECS is shorter than a server of this database keeps keys for: \
-             keys are purged at the longer one, so that none past its replay window is processed again"
-        );
-    }
-    Ok(own.max(declared))
+    Ok(declared.map(|secs| Duration::from_secs(secs.max(0).unsigned_abs())))
 }
 
 /// Deletes every key row whose `created_at` is older than the key retention ([`key_retention`]:

@@ -193,3 +193,40 @@ async fn repeats_with_derived_keys_are_warned_of_too() {
     amounts.sort_unstable();
     assert_eq!(amounts, [300, 400], "{report:#}");
 }
+
+/// Found from outside (a soak whose servers kept keys 300 s): `oncepay audit` run with only
+/// `DATABASE_URL` (a cron host, a laptop) expected key rows for its own default retention of
+/// seven days and called every keyed payment the purge had rightly stripped "BROKEN"
+/// (182,350 on a sound database, exit 3). The servers declare their retention in the
+/// database (V32); the audit now expects key rows only for as long as they keep them.
+#[tokio::test]
+async fn the_audit_expects_key_rows_only_for_the_retention_the_servers_declared() {
+    let (app, url) = crate::support::helpers::spawn_app_on_own_database_with("audit_retention", |s| {
+        s.replay_window = Duration::from_secs(1);
+        s.retention = Duration::from_secs(2);
+    })
+    .await;
+    let key = new_key();
+    assert_eq!(app.pay(Some(&key), 100).await.status, 201);
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    // What the servers' purge does past their retention of 2 s.
+    sqlx::query("DELETE FROM idempotency_keys WHERE tenant_id = $1 AND key = $2")
+        .bind(app.tenant_id)
+        .bind(&key)
+        .execute(&app.pool)
+        .await
+        .unwrap();
+
+    let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_oncepay"))
+        .args(["audit", "--json"])
+        .env("DATABASE_URL", &url)
+        .env_remove("ONCEPAY_RETENTION_SECS")
+        .output()
+        .await
+        .expect("oncepay audit runs");
+    let report: Value = serde_json::from_slice(&output.stdout)
+        .unwrap_or_else(|_| panic!("no JSON report: {}", String::from_utf8_lossy(&output.stderr)));
+    assert_eq!(output.status.code(), Some(0), "{report:#}");
+    assert_eq!(count(&report, "invariants", "missing_keys"), 0);
+    crate::support::helpers::drop_database(&url).await;
+}
