@@ -298,6 +298,10 @@ impl Metrics {
                 "oncepay_webhook_endpoints_disabled",
                 "Webhook endpoints disabled now (410 Gone, or failing for ONCEPAY_WEBHOOK_DISABLE_AFTER_SECS), not deleted",
             ),
+            held: series.int_gauge(
+                "oncepay_webhook_held_deliveries",
+                "Webhook deliveries kept for disabled endpoints until they are enabled (every replica's, counted up to 100,000)",
+            ),
         };
         // Every label value exported from the start (at 0), so that alerts and dashboards see
         // the series before the first event.

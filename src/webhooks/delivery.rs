@@ -90,7 +90,14 @@ pub struct Counters {
     pub oldest_pending: Gauge,
     /// `oncepay_webhook_endpoints_disabled`: endpoints disabled now (not deleted).
     pub disabled_now: IntGauge,
+    /// `oncepay_webhook_held_deliveries`: deliveries kept for disabled endpoints until they
+    /// are enabled, counted up to [`HELD_COUNTED_UP_TO`].
+    pub held: IntGauge,
 }
+
+/// The most held deliveries the gauge counts (each refresh reads them from an index): a
+/// backlog past it reads as this many.
+pub const HELD_COUNTED_UP_TO: i64 = 100_000;
 
 /// One claimed delivery.
 #[derive(Debug)]
@@ -631,8 +638,11 @@ impl Deliverer {
                                   count(*) FILTER (WHERE w.created_at <= now() - interval '1 hour') AS "old!",
                                   coalesce(extract(epoch FROM now() - min(w.created_at))::float8, 0) AS "oldest!",
                                   (SELECT count(*) FROM webhook_endpoints e
-                                    WHERE e.disabled_at IS NOT NULL AND e.deleted_at IS NULL) AS "disabled!"
-                             FROM waiting w"#
+                                    WHERE e.disabled_at IS NOT NULL AND e.deleted_at IS NULL) AS "disabled!",
+                                  (SELECT count(*) FROM (SELECT FROM webhook_deliveries d WHERE d.state = 'held'
+                                                          LIMIT $1) held) AS "held!"
+                             FROM waiting w"#,
+                        HELD_COUNTED_UP_TO
                     )
                     .fetch_one(c)
                     .await
@@ -645,6 +655,7 @@ impl Deliverer {
                     self.counters.pending.with_label_values(&["gt_1h"]).set(r.old);
                     self.counters.oldest_pending.set(r.oldest);
                     self.counters.disabled_now.set(r.disabled);
+                    self.counters.held.set(r.held);
                 }
                 Err(err) => tracing::debug!(error = %err, "webhook gauges not refreshed"),
             }

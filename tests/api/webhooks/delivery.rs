@@ -238,16 +238,24 @@ async fn gone_disables_the_endpoint_and_a_spent_schedule_gives_up_the_message_al
     };
     assert_eq!(status_of(&gone_id), Some(json!("disabled")), "{listed}");
     assert_eq!(status_of(&failing_id), Some(json!("enabled")), "{listed}");
-    // The gauge of disabled endpoints is read from the database, refreshed every 5 s.
+    // The gauges of disabled endpoints and of the deliveries held for them (the 410's own)
+    // are read from the database, refreshed every 5 s.
+    let gauges = || async {
+        let exposition = app.metrics().await;
+        (
+            metric_value(&exposition, "oncepay_webhook_endpoints_disabled"),
+            metric_value(&exposition, "oncepay_webhook_held_deliveries"),
+        )
+    };
     let deadline = Instant::now() + Duration::from_secs(15);
     loop {
-        let disabled = metric_value(&app.metrics().await, "oncepay_webhook_endpoints_disabled");
-        if disabled >= 1.0 {
+        let (disabled, held) = gauges().await;
+        if disabled >= 1.0 && held >= 1.0 {
             break;
         }
         assert!(
             Instant::now() < deadline,
-            "oncepay_webhook_endpoints_disabled = {disabled}"
+            "oncepay_webhook_endpoints_disabled = {disabled}, oncepay_webhook_held_deliveries = {held}"
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
@@ -258,6 +266,12 @@ async fn gone_disables_the_endpoint_and_a_spent_schedule_gives_up_the_message_al
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(gone.messages().len(), sent_to_gone);
     assert!(failing.messages().len() > sent_to_failing);
+    // Its delivery to the disabled endpoint is held, and counted.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while gauges().await.1 < 2.0 {
+        assert!(Instant::now() < deadline, "held deliveries: {:?}", gauges().await);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     drop(app);
     drop_database(&url).await;
 }
