@@ -189,21 +189,7 @@ async fn run(command: ServerCommand) -> anyhow::Result<()> {
         } => {
             let db = db::Db::new(&settings)?;
             db::check_schema(&db).await?;
-            // The key rows the audit expects are those no purge may have deleted yet: the
-            // servers declare how long they keep them (migrations/V32), and an audit run
-            // from a host without their ONCEPAY_RETENTION_SECS called every payment past a
-            // shorter declared retention "BROKEN" (a soak: 182,350 on a sound database).
-            let retention = match oncepay::purge::declared_retention(&db).await? {
-                Some(declared) if declared < settings.retention => {
-                    tracing::info!(
-                        own_secs = settings.retention.as_secs(),
-                        declared_secs = declared.as_secs(),
-                        "the servers keep keys for less than this ONCEPAY_RETENTION_SECS: the audit expects key rows for the servers' retention"
-                    );
-                    declared
-                }
-                _ => settings.retention,
-            };
+            let retention = oncepay::purge::audited_retention(&db, settings.retention).await?;
             let options = audit::Options {
                 tenant_id: tenant,
                 retention,

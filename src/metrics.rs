@@ -300,7 +300,10 @@ impl Metrics {
             ),
             held: series.int_gauge(
                 "oncepay_webhook_held_deliveries",
-                "Webhook deliveries kept for disabled endpoints until they are enabled (every replica's, counted up to 100,000)",
+                &format!(
+                    "Webhook deliveries kept for disabled endpoints until they are enabled (every replica's, counted up to {})",
+                    crate::webhooks::delivery::HELD_COUNTED_UP_TO
+                ),
             ),
         };
         // Every label value exported from the start (at 0), so that alerts and dashboards see

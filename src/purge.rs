@@ -110,6 +110,25 @@ pub async fn key_retention(db: &Db, own: Duration) -> Result<Duration, DbError> 
     Ok(own.max(declared))
 }
 
+/// The retention `oncepay audit` expects key rows for: `own`, or the servers' declared one
+/// when it is shorter (logged). No purge deletes a key younger than the declared one, but a
+/// purge at it deletes older keys, whatever the auditing host's own setting: an audit run
+/// without the servers' ONCEPAY_RETENTION_SECS called every payment past it "BROKEN" (a soak:
+/// 182,350 on a sound database).
+pub async fn audited_retention(db: &Db, own: Duration) -> Result<Duration, DbError> {
+    Ok(match declared_retention(db).await? {
+        Some(declared) if declared < own => {
+            tracing::info!(
+                own_secs = own.as_secs(),
+                declared_secs = declared.as_secs(),
+                "the servers keep keys for less than this ONCEPAY_RETENTION_SECS: the audit expects key rows for the servers' retention"
+            );
+            declared
+        }
+        _ => own,
+    })
+}
+
 /// The longest key retention a server of this database declared that is still in force
 /// ([`declare_retention`]); `None` when none is. Every purge keeps keys at least this long.
 pub async fn declared_retention(db: &Db) -> Result<Option<Duration>, DbError> {
