@@ -12,10 +12,10 @@
 //!
 //! A payment waits for a slot at most `ONCEPAY_DB_ACQUIRE_TIMEOUT_MS`, as a request waits
 //! for a pooled connection, and is then refused (429) without having run (titled `Account
-//! busy` when it was held back behind a payment of its account still out); one held back as a
-//! duplicate of a payment still running (below) waits as a duplicate does, up to
-//! `ONCEPAY_INFLIGHT_WAIT_MS`, then answers 409 `request_in_progress`. One already in a
-//! batch is always answered with what its batch did.
+//! busy` when a payment of its account was still out, whether or not the dispatcher had read
+//! it); one held back as a duplicate of a payment still running (below) waits as a duplicate
+//! does, up to `ONCEPAY_INFLIGHT_WAIT_MS`, then answers 409 `request_in_progress`. One
+//! already in a batch is always answered with what its batch did.
 //!
 //! The rules that keep the promise, and why:
 //! - **The key row and the debit commit in one transaction** (the batch's), so the retry
@@ -166,10 +166,11 @@ impl<E: Batched> Job<E> {
 pub struct Batcher<E: Batched> {
     queue: mpsc::Sender<Job<E>>,
     queue_wait: Duration,
-    /// The keys of the statements out, which the dispatcher keeps: a waiter whose key is
-    /// among them when its queue wait ends is a duplicate, even one the dispatcher has not
-    /// read yet (while every slot is out it reads nothing).
-    keys_out: KeysOut,
+    /// The keys and accounts of the statements out, which the dispatcher keeps: a waiter
+    /// whose key is among them when its queue wait ends is a duplicate, and one whose account
+    /// is was refused because its account is busy, even if the dispatcher has not read it
+    /// (while every slot is out it reads nothing).
+    held_out: HeldOut,
     /// Every slot is out, which the dispatcher keeps.
     full: Arc<AtomicBool>,
 }
@@ -180,13 +181,13 @@ impl<E: Batched> Batcher<E> {
     pub fn start(db: Db, limits: Limits, counters: Counters) -> Self {
         let (queue, jobs) = mpsc::channel(limits.queue.max(1));
         let out = Out::default();
-        let keys_out = Arc::clone(&out.keys);
+        let held_out = Arc::clone(&out.held);
         let full = Arc::clone(&out.full);
         tokio::spawn(Dispatcher::new(db, jobs, limits, counters, out).run());
         Self {
             queue,
             queue_wait: limits.queue_wait,
-            keys_out,
+            held_out,
             full,
         }
     }
@@ -208,7 +209,7 @@ impl<E: Batched> Batcher<E> {
             account: (tenant, effect.lock_order().to_owned()),
             key: claim.key().map(|k| (tenant, k.to_owned())),
         };
-        let key = holds.key.clone();
+        let (key, account) = (holds.key.clone(), holds.account.clone());
         let job = Job {
             tenant,
             holds,
@@ -232,7 +233,8 @@ impl<E: Batched> Batcher<E> {
         }
         // A duplicate of an item still out (held back for it, or not read yet because every
         // slot is out) waits as long as it would have waited on the key's row.
-        let duplicate = duplicate.load(Ordering::Acquire) || key.is_some_and(|k| keys(&self.keys_out).contains(&k));
+        let duplicate =
+            duplicate.load(Ordering::Acquire) || key.is_some_and(|k| held(&self.held_out).keys.contains(&k));
         if duplicate {
             if let Ok(result) = tokio::time::timeout(inflight_wait.saturating_sub(self.queue_wait), &mut answer).await {
                 return result.unwrap_or_else(|_| crashed());
@@ -242,7 +244,7 @@ impl<E: Batched> Batcher<E> {
             // Still queued or held back: refused, and the dispatcher will skip it.
             return Err(if duplicate {
                 DbError::InProgress
-            } else if account_busy.load(Ordering::Acquire) {
+            } else if account_busy.load(Ordering::Acquire) || held(&self.held_out).accounts.contains(&account) {
                 DbError::AccountBusy
             } else {
                 DbError::Saturated
@@ -549,21 +551,27 @@ struct Batch<E: Batched> {
 /// set suffices: a batch with several items on one account inserts and removes it once.
 #[derive(Default)]
 struct Out {
-    accounts: HashSet<(TenantId, String)>,
     /// Shared with the [`Batcher`]'s waiters, who only read it.
-    keys: KeysOut,
+    held: HeldOut,
     /// Every slot is out (statements in flight at the limit); shared with the [`Batcher`],
     /// which only reads it.
     full: Arc<AtomicBool>,
     items: HashMap<TenantId, usize>,
 }
 
-type KeysOut = Arc<Mutex<HashSet<(TenantId, String)>>>;
+type HeldOut = Arc<Mutex<Held>>;
 
-/// The set behind `keys` (a panic while it was held left it whole: each change is one insert
-/// or remove).
-fn keys(keys: &KeysOut) -> std::sync::MutexGuard<'_, HashSet<(TenantId, String)>> {
-    keys.lock().unwrap_or_else(PoisonError::into_inner)
+/// The keys and accounts the statements out hold.
+#[derive(Default)]
+struct Held {
+    keys: HashSet<(TenantId, String)>,
+    accounts: HashSet<(TenantId, String)>,
+}
+
+/// The sets behind `held` (a panic while they were locked left them whole: each change is
+/// one insert or remove).
+fn held(held: &HeldOut) -> std::sync::MutexGuard<'_, Held> {
+    held.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// Why an item cannot go now.
@@ -579,9 +587,10 @@ enum Blocked {
 
 impl Out {
     fn blocks(&self, holds: &Holds) -> Option<Blocked> {
-        if holds.key.as_ref().is_some_and(|k| keys(&self.keys).contains(k)) {
+        let held = held(&self.held);
+        if holds.key.as_ref().is_some_and(|k| held.keys.contains(k)) {
             Some(Blocked::Key)
-        } else if self.accounts.contains(&holds.account) {
+        } else if held.accounts.contains(&holds.account) {
             Some(Blocked::Account)
         } else {
             None
@@ -599,9 +608,10 @@ impl Out {
 
     fn insert(&mut self, holds: &Holds) {
         *self.items.entry(holds.account.0).or_default() += 1;
-        self.accounts.insert(holds.account.clone());
+        let mut held = held(&self.held);
+        held.accounts.insert(holds.account.clone());
         if let Some(key) = &holds.key {
-            keys(&self.keys).insert(key.clone());
+            held.keys.insert(key.clone());
         }
     }
 
@@ -612,9 +622,10 @@ impl Out {
                 self.items.remove(&holds.account.0);
             }
         }
-        self.accounts.remove(&holds.account);
+        let mut held = held(&self.held);
+        held.accounts.remove(&holds.account);
         if let Some(key) = &holds.key {
-            keys(&self.keys).remove(key);
+            held.keys.remove(key);
         }
     }
 }

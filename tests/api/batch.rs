@@ -563,6 +563,35 @@ async fn a_payment_behind_a_busy_account_is_refused_as_the_account_busy_not_the_
     assert_eq!(app.balance("blocker").await, 999, "the refused payment charged nothing");
 }
 
+/// Found from outside: with every slot out the dispatcher reads no payment, so one behind
+/// its account's payment stuck on a row lock (a session holding it) was refused as the
+/// service full ("Overloaded") unless a free slot had let the dispatcher see it. Its waiter
+/// now looks at the accounts out itself; a payment of another account still reads as full.
+#[tokio::test]
+async fn a_payment_behind_its_busy_account_is_told_so_even_when_no_slot_let_it_be_read() {
+    let app = spawn_app_with(|s| {
+        s.db_batches_in_flight = Some(1);
+        s.db_acquire_timeout = Duration::from_millis(300);
+    })
+    .await;
+    app.open_account("blocker", 1_000).await;
+    let (mut lock, first) = hold_slot(&app, &new_key(), "blocker").await;
+
+    let (behind, other) = tokio::join!(
+        pay_on(&app, &new_key(), "blocker", 1),
+        pay_on(&app, &new_key(), "main", 1)
+    );
+    behind.assert_problem(429, "overloaded");
+    assert_eq!(behind.body["title"], "Account busy", "{}", behind.body);
+    other.assert_problem(429, "overloaded");
+    assert_eq!(other.body["title"], "Overloaded", "{}", other.body);
+
+    sqlx::query("COMMIT").execute(&mut lock).await.unwrap();
+    assert_eq!(first.await.unwrap().status, 201);
+    assert_eq!(app.balance("blocker").await, 999, "the refused payment charged nothing");
+    assert_eq!(app.balance("main").await, MAIN_BALANCE, "nor the other");
+}
+
 /// Found from outside: with the adaptive limit at one statement (where stalls had brought
 /// it), one payment stuck on a row lock held every tenant's payments until they were refused
 /// (429), the pool idle. The limit's floor is two (`batch::limit::FLOOR`).
