@@ -31,7 +31,9 @@ pub use timestamptz::{Timestamptz, WireTimes};
 
 use pool::{acquire, acquire_unlogged, pool, Pool};
 
-/// Application name of the service's connections (visible in `pg_stat_activity`).
+/// Application name of the service's connections (visible in `pg_stat_activity`) unless
+/// `DATABASE_URL` names one: an operator tells replicas apart by giving each its own
+/// (`?application_name=oncepay-eu-2`), as with any libpq client.
 pub const APPLICATION_NAME: &str = "oncepay";
 
 /// How long a transaction may sit idle (a stalled process must not hold row locks).
@@ -58,9 +60,13 @@ const ANSWER_MARGIN: Duration = Duration::from_secs(5);
 /// application name, and no statement is cached: the settings travel in each call's
 /// `BEGIN` instead (see [`Conn::run`]).
 fn connect_options(settings: &Settings, extra: &[(&str, &str)]) -> anyhow::Result<PgConnectOptions> {
-    let options = PgConnectOptions::from_str(&settings.database_url)
-        .context("DATABASE_URL is not a valid PostgreSQL URL")?
-        .application_name(APPLICATION_NAME);
+    let options =
+        PgConnectOptions::from_str(&settings.database_url).context("DATABASE_URL is not a valid PostgreSQL URL")?;
+    let options = if options.get_application_name().is_some() {
+        options
+    } else {
+        options.application_name(APPLICATION_NAME)
+    };
     Ok(match settings.db_pooler {
         Pooler::None => options
             .options([

@@ -9,7 +9,8 @@ use sqlx::postgres::PgConnectOptions;
 use sqlx::{Connection, Executor, PgConnection};
 
 use crate::support::helpers::{
-    database_url, drop_database, metric_value, new_key, spawn_app_on_own_database, through_pooler,
+    database_url, drop_database, metric_value, new_key, spawn_app_on_own_database, spawn_app_on_own_database_with,
+    through_pooler,
 };
 
 async fn backend_pid(db: &Db) -> i32 {
@@ -61,6 +62,49 @@ async fn a_connection_cut_while_idle_is_replaced_before_a_request_uses_it() {
         );
     }
     app.state.db.close().await;
+    drop_database(&url).await;
+}
+
+/// Replicas of one database are told apart in `pg_stat_activity` by the `application_name`
+/// of their `DATABASE_URL`, as any libpq client's are (found from outside: every replica's
+/// sessions were named `oncepay`, whatever the URL said); without one they are `oncepay`.
+#[tokio::test]
+async fn the_application_name_of_database_url_names_the_servers_sessions() {
+    let (named, url) = spawn_app_on_own_database_with("appname", |s| {
+        s.database_url.push_str("?application_name=oncepay-replica-7");
+    })
+    .await;
+    let unnamed = crate::support::helpers::TestApp::builder()
+        .settings(|s| {
+            s.database_url = named
+                .state
+                .settings
+                .database_url
+                .replace("?application_name=oncepay-replica-7", "")
+        })
+        .spawn()
+        .await;
+    for app in [&named, &unnamed] {
+        assert_eq!(app.pay(Some(&new_key()), 1).await.status, 201);
+    }
+    let name = url.rsplit('/').next().unwrap().to_owned();
+    let mut admin = PgConnection::connect(&database_url()).await.unwrap();
+    let names: Vec<String> = sqlx::query_scalar(
+        "SELECT DISTINCT application_name FROM pg_stat_activity WHERE datname = $1 AND application_name LIKE 'oncepay%'
+          ORDER BY 1",
+    )
+    .bind(&name)
+    .fetch_all(&mut admin)
+    .await
+    .unwrap();
+    // Through PgBouncer a server session carries the name of whichever client used it last.
+    if !through_pooler() {
+        assert_eq!(names, ["oncepay", "oncepay-replica-7"], "one name per server");
+    }
+    for app in [named, unnamed] {
+        app.state.db.close().await;
+        app.state.lists.close().await;
+    }
     drop_database(&url).await;
 }
 
