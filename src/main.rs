@@ -161,7 +161,7 @@ async fn run(command: ServerCommand) -> anyhow::Result<()> {
     match command {
         ServerCommand::Serve => {
             let app = Application::build(settings.clone())?;
-            tracing::info!(bind = %settings.bind, port = app.port(), https = settings.tls_cert.is_some(), version = oncepay::VERSION, "oncepay serving");
+            tracing::info!(bind = %settings.bind, port = app.port(), https = settings.tls_cert.is_some(), version = oncepay::VERSION, "oncepay listening; ready once the database is reached and its schema checked");
             app.run_until_stopped().await?;
         }
         ServerCommand::Migrate => {

@@ -220,11 +220,14 @@ async fn the_serve_command_outlives_a_database_that_is_down_logs_each_attempt_an
         while let Some(line) = lines.next_line().await.unwrap() {
             let log: serde_json::Value = serde_json::from_str(&line).unwrap_or_default();
             logs.push(log.clone());
-            if log["message"] == "oncepay serving" {
+            if log["message"]
+                .as_str()
+                .is_some_and(|m| m.starts_with("oncepay listening"))
+            {
                 return log["port"].as_u64().unwrap();
             }
         }
-        panic!("serve exited before serving: {logs:?}");
+        panic!("serve exited before listening: {logs:?}");
     })
     .await
     .expect("serve binds within 30 s");

@@ -711,11 +711,14 @@ impl ServerProcess {
                 let Ok(log) = serde_json::from_str::<Value>(&line) else {
                     continue;
                 };
-                if log["message"] == "oncepay serving" {
+                if log["message"]
+                    .as_str()
+                    .is_some_and(|m| m.starts_with("oncepay listening"))
+                {
                     return log["port"].as_u64().unwrap();
                 }
             }
-            panic!("the oncepay process exited before serving");
+            panic!("the oncepay process exited before listening");
         })
         .await
         .expect("the oncepay process serves within 30 s");
