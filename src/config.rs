@@ -626,6 +626,8 @@ const KNOWN_VARIABLES: &[&str] = &[
     "ONCEPAY_ADMIN_TOKEN",
     "ONCEPAY_API_KEY",
     "ONCEPAY_BIND",
+    // Read by build.rs; cargo sets it when it runs the tests, an image may keep it as ENV.
+    "ONCEPAY_BUILD_COMMIT",
     "ONCEPAY_CA_CERT",
     "ONCEPAY_COMPLETER_AFTER_SECS",
     "ONCEPAY_CURRENCY",
@@ -944,6 +946,7 @@ mod tests {
             &config[..config.find("const KNOWN_VARIABLES").unwrap()],
             include_str!("startup.rs"),
             include_str!("tls.rs"),
+            include_str!("../build.rs"),
             include_str!("../client/src/lib.rs"),
             include_str!("../client/src/cli.rs"),
         ];
