@@ -320,3 +320,57 @@ async fn serve_logs_one_json_line_per_request_without_keys_or_bodies() {
     assert!(!logs.contains(&app.api_key), "an API key was logged");
     assert!(!logs.contains("\"amount\""), "a body was logged");
 }
+
+/// Found from outside: behind a transaction-mode pooler a statement carries its argument in
+/// its text (hexadecimal JSON of the batch), and sqlx's own statement lines, a slow one at
+/// `warn`, wrote it to the log: tenant, key, account and amount of every payment of the batch.
+/// None of sqlx's statement lines are written in that mode, at any level.
+#[tokio::test]
+async fn behind_a_pooler_a_slow_statement_logs_no_payment_of_its_batch() {
+    let app = crate::support::helpers::spawn_app().await;
+    let account = "acct-never-logged";
+    app.open_account(account, 100).await;
+    let port = free_port();
+    let (mut server, logs) = serve_logged(&[
+        ("DATABASE_URL", crate::support::helpers::database_url()),
+        ("ONCEPAY_DB_POOLER", "transaction".to_owned()),
+        ("ONCEPAY_BIND", format!("127.0.0.1:{port}")),
+        ("ONCEPAY_METRICS_BIND", "127.0.0.1:0".to_owned()),
+        ("ONCEPAY_LOG_FORMAT", "json".to_owned()),
+        ("RUST_LOG", "info,sqlx=trace".to_owned()),
+        ("ONCEPAY_WEBHOOK_CONCURRENCY", "0".to_owned()),
+    ]);
+    wait_until_ready(&app.client, port).await;
+    // The payment waits on its account's row for longer than sqlx's slow-statement second.
+    let lock =
+        crate::concurrency::lock_account_at(&crate::support::helpers::database_url(), app.tenant_id, account).await;
+    let release = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(1_500)).await;
+        let mut lock = lock;
+        sqlx::query("COMMIT").execute(&mut lock).await.unwrap();
+    });
+    let sent_at = Instant::now();
+    let paid = app
+        .client
+        .post(format!("http://127.0.0.1:{port}/payments"))
+        .bearer_auth(&app.api_key)
+        .header("Idempotency-Key", "key-never-logged")
+        .json(&serde_json::json!({ "amount": 77, "account": account }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(paid.status().as_u16(), 201);
+    assert!(
+        sent_at.elapsed() > Duration::from_secs(1),
+        "its statement was a slow one"
+    );
+    release.await.unwrap();
+    let logs = stop_logged(&mut server, logs).await;
+    for secret in [account, "key-never-logged"] {
+        assert!(!logs.contains(secret), "{secret} was logged: {logs}");
+        assert!(
+            !logs.contains(&hex::encode(secret)),
+            "{secret} was logged in hexadecimal: {logs}"
+        );
+    }
+}
