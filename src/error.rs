@@ -99,6 +99,12 @@ pub enum ApiError {
     /// `serve` has not reached its database yet (start-up): nothing was looked at or run.
     #[error("the service is starting and has not reached its database yet; nothing was processed: retry after the Retry-After delay")]
     Starting,
+    /// `serve` got SIGTERM or SIGINT and is finishing its requests: `/readyz` sends the
+    /// balancer elsewhere.
+    #[error(
+        "the service is stopping: it finishes the requests it has and takes no new ones; retry at another replica"
+    )]
+    Stopping,
     #[error("internal error")]
     Internal(#[source] anyhow::Error),
 }
@@ -125,7 +131,7 @@ impl ApiError {
             Self::KeyExpired => ProblemCode::IdempotencyKeyExpired,
             Self::InProgress | Self::TopUpProcessing | Self::DeliveryAttemptOut => ProblemCode::RequestInProgress,
             Self::Overloaded | Self::AccountBusy => ProblemCode::Overloaded,
-            Self::Unavailable | Self::Starting => ProblemCode::TemporarilyUnavailable,
+            Self::Unavailable | Self::Starting | Self::Stopping => ProblemCode::TemporarilyUnavailable,
             Self::Internal(_) => ProblemCode::InternalError,
         }
     }
@@ -154,7 +160,7 @@ impl ApiError {
             Self::DeliveryAttemptOut => "Delivery attempt in progress",
             Self::Overloaded => "Overloaded",
             Self::AccountBusy => "Account busy",
-            Self::Unavailable | Self::Starting => "Temporarily unavailable",
+            Self::Unavailable | Self::Starting | Self::Stopping => "Temporarily unavailable",
             Self::Internal(_) => "Internal error",
         }
     }
@@ -178,7 +184,9 @@ impl ApiError {
             Self::KeyReused => "key_reused",
             Self::KeyExpired => "expired",
             Self::InProgress | Self::TopUpProcessing | Self::DeliveryAttemptOut => "in_progress",
-            Self::Overloaded | Self::AccountBusy | Self::Unavailable | Self::Starting => "transient_error",
+            Self::Overloaded | Self::AccountBusy | Self::Unavailable | Self::Starting | Self::Stopping => {
+                "transient_error"
+            }
             Self::NotFound | Self::AccountNotFound => "not_found",
             Self::Internal(_) => "internal_error",
             Self::BodyTooLarge { .. }
@@ -199,6 +207,7 @@ impl ApiError {
             | Self::AccountBusy
             | Self::Unavailable
             | Self::Starting
+            | Self::Stopping
             | Self::ProcessorUnknown => Some(RETRY_AFTER_SECS),
             // A top-up ends when the completer or a cardholder's action ends it: seconds to
             // minutes, not the one second a request in flight takes.

@@ -53,7 +53,6 @@ use connections::{Gate, IdleClose};
 const CLIENT_REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 const CLIENT_DISCONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 const KEEP_ALIVE: Duration = Duration::from_secs(30);
-const SHUTDOWN_TIMEOUT_SECS: u64 = 10;
 /// A connection whose client stops reading is closed once a write has made no progress for
 /// this long ([`StallTimeout`]): the dispatcher's timeouts do not apply while it writes.
 pub const WRITE_STALL_TIMEOUT: Duration = Duration::from_secs(30);
@@ -70,6 +69,8 @@ pub struct Limits {
     /// Open connections from one peer IP address (`ONCEPAY_MAX_CONNECTIONS_PER_PEER`); more
     /// are refused at accept. 0: no cap.
     pub max_connections_per_peer: usize,
+    /// How long a graceful stop waits for the requests in flight (rounded up to seconds).
+    pub drain: Duration,
 }
 
 impl Limits {
@@ -111,7 +112,7 @@ where
     Ok(builder
         .workers(limits.workers)
         .max_concurrent_connections(limits.per_worker())
-        .shutdown_timeout(SHUTDOWN_TIMEOUT_SECS)
+        .shutdown_timeout(limits.drain.as_secs() + u64::from(limits.drain.subsec_nanos() > 0))
         .listen("oncepay", listener, move || {
             let shutdown = shutdown.clone();
             let tls = tls.clone();

@@ -343,7 +343,7 @@ impl Metrics {
         let ready = series.int_gauge(
             "oncepay_ready",
             "1 when the database answered the scrape's probe (as /readyz), else 0 (also while serve \
-             has not reached it since it started)",
+             has not reached it since it started, and once it got SIGTERM)",
         );
         let oldest_key_age = series.gauge(
             "oncepay_idempotency_key_oldest_age_seconds",
@@ -402,8 +402,8 @@ impl Metrics {
 
     /// The text exposition, with the pools' and the database's gauges read at scrape time
     /// (`db` the main pool, `lists` the list pools' added up). Before `serve` has reached the
-    /// database (`started` false) nothing is asked of it: the scrape answers at once, with
-    /// `oncepay_ready` 0.
+    /// database, and once it got SIGTERM (`started` false), nothing is asked of it: the scrape
+    /// answers at once, with `oncepay_ready` 0.
     pub async fn render(&self, db: &Db, lists: PoolStatus, retention: Duration, started: bool) -> String {
         if started {
             self.probe_database(db).await;

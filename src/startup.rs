@@ -60,6 +60,7 @@ impl Application {
             workers: settings.workers,
             max_connections: settings.max_connections,
             max_connections_per_peer: settings.max_connections_per_peer,
+            drain: settings.drain(),
         };
         let replays = ReplayCache::new(settings.replay_cache_entries);
         let metrics = Metrics::new();
@@ -183,13 +184,16 @@ impl Application {
         let operations_task = tokio::spawn(self.operations);
         let api = self.server.handle();
         let mut api_task = tokio::spawn(self.server);
+        // actix-server stops the API listener on the signal; this tells the rest.
+        let stopping = Stopping::default();
+        let watcher = tokio::spawn(stopping.clone().on_signal(self.state.clone().into_inner()));
         let mut workers = Workers::default();
         let outcome = tokio::select! {
             // Stopped (a signal) before the database was reached: nothing else started.
             joined = &mut api_task => served(joined),
             checked = db::wait_for_schema(&self.state.db) => match checked {
                 Ok(()) => {
-                    workers = start_workers(&self.state, self.deliverer);
+                    workers = start_workers(&self.state, self.deliverer, &stopping);
                     self.state.metrics.record_database_reached();
                     self.state.ready.set();
                     served((&mut api_task).await)
@@ -202,9 +206,10 @@ impl Application {
                 }
             },
         };
+        watcher.abort();
         operations.stop(true).await;
         let _ = operations_task.await;
-        workers.stop().await;
+        workers.stop(&stopping).await;
         self.state.db.close().await;
         self.state.lists.close().await;
         outcome
@@ -227,7 +232,8 @@ struct Workers {
     /// Stopped where they stand: a purge batch or a completer's drive cut short is a
     /// transaction rolled back or a lease that runs out, taken up again by the next.
     aborted: Vec<AbortHandle>,
-    /// The deliverer, told to stop and given the time to record its attempts in flight.
+    /// The deliverer, told to stop (at the signal, while the requests drain, or at the end)
+    /// and given the time to record its attempts in flight.
     deliverer: Option<(CancellationToken, JoinHandle<()>)>,
     /// The longest a graceful stop waits for the deliverer: its attempts' bound (the
     /// attempt timeout and the head's read) and [`DELIVERER_RECORD_GRACE`] to record them.
@@ -235,7 +241,7 @@ struct Workers {
 }
 
 impl Workers {
-    async fn stop(self) {
+    async fn stop(self, stopping: &Stopping) {
         for worker in self.aborted {
             worker.abort();
         }
@@ -244,8 +250,10 @@ impl Workers {
             // The attempts end by their own bound; the recording may meet a database that
             // does not answer (each try waits up to the statement timeout and a margin): past
             // the grace the attempts are left to their leases, and sent again once those run
-            // out, with the same webhook-id, rather than holding the process.
-            if tokio::time::timeout(self.deliverer_drain, &mut deliverer)
+            // out, with the same webhook-id, rather than holding the process. The grace
+            // counts from the signal, when the deliverer was told to stop.
+            let since = stopping.since().unwrap_or_else(tokio::time::Instant::now);
+            if tokio::time::timeout_at(since + self.deliverer_drain, &mut deliverer)
                 .await
                 .is_err()
             {
@@ -264,7 +272,7 @@ const DELIVERER_RECORD_GRACE: std::time::Duration = std::time::Duration::from_se
 
 /// Starts the background work that needs the database: the purge schedule, the top-up
 /// completer, the webhook deliverer.
-fn start_workers(state: &web::Data<AppState>, deliverer: Option<Arc<Deliverer>>) -> Workers {
+fn start_workers(state: &web::Data<AppState>, deliverer: Option<Arc<Deliverer>>, stopping: &Stopping) -> Workers {
     let mut workers = Vec::new();
     // The keys this server makes are kept its retention, whoever purges them.
     let declared = tokio::spawn(purge::declaring(state.db.clone(), state.settings.retention));
@@ -287,12 +295,45 @@ fn start_workers(state: &web::Data<AppState>, deliverer: Option<Arc<Deliverer>>)
         workers.push(tokio::spawn(completer::run(top_ups, after, counters)).abort_handle());
     }
     let deliverer = deliverer.map(|deliverer| {
-        let stop = CancellationToken::new();
+        let stop = stopping.token.child_token();
         (stop.clone(), tokio::spawn(deliverer.run(stop)))
     });
     Workers {
         aborted: workers,
         deliverer,
         deliverer_drain: state.settings.webhooks.timeout + crate::webhooks::HEAD_READ + DELIVERER_RECORD_GRACE,
+    }
+}
+
+/// SIGTERM or SIGINT: the moment it came, and a token cancelled then. actix-server stops the
+/// API listener and drains its requests by itself; from that moment `/readyz` is 503 on the
+/// operations listener too (a balancer probing there stopped sending before, found from
+/// outside: it saw 200 for the whole drain), and the webhook deliverer claims nothing more
+/// and finishes its attempts while the requests drain, not after.
+#[derive(Clone, Default)]
+struct Stopping {
+    token: CancellationToken,
+    at: Arc<std::sync::OnceLock<tokio::time::Instant>>,
+}
+
+impl Stopping {
+    async fn on_signal(self, state: Arc<AppState>) {
+        use tokio::signal::unix::{signal, SignalKind};
+        let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+            tracing::warn!("cannot watch SIGTERM and SIGINT: /readyz stays 200 while the requests drain");
+            return;
+        };
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+        let _ = self.at.set(tokio::time::Instant::now());
+        state.ready.stop();
+        self.token.cancel();
+        tracing::info!("oncepay stopping: finishing the requests in flight, /readyz 503");
+    }
+
+    fn since(&self) -> Option<tokio::time::Instant> {
+        self.at.get().copied()
     }
 }

@@ -56,19 +56,32 @@ pub struct AppState {
 /// the list handlers take as an argument.
 pub struct WorkerLists(pub Db);
 
-/// Whether `serve` has reached its database and checked the schema (`db::wait_for_schema`).
-/// It starts false and is set once; it never goes back (a database lost later is the
-/// calls' 503s and `/readyz`'s business, as before).
+/// Whether `serve` has reached its database and checked the schema (`db::wait_for_schema`),
+/// and whether it is stopping. Each starts false and is set once; neither goes back (a
+/// database lost later is the calls' 503s and `/readyz`'s business, as before).
 #[derive(Debug, Default)]
-pub struct Readiness(AtomicBool);
+pub struct Readiness {
+    reached: AtomicBool,
+    stopping: AtomicBool,
+}
 
 impl Readiness {
     pub fn is_set(&self) -> bool {
-        self.0.load(Ordering::Acquire)
+        self.reached.load(Ordering::Acquire)
     }
 
     pub fn set(&self) {
-        self.0.store(true, Ordering::Release);
+        self.reached.store(true, Ordering::Release);
+    }
+
+    /// SIGTERM or SIGINT came: the process drains its requests and `/readyz` is 503 on both
+    /// listeners, while the operations listener still answers.
+    pub fn stop(&self) {
+        self.stopping.store(true, Ordering::Release);
+    }
+
+    pub fn is_stopping(&self) -> bool {
+        self.stopping.load(Ordering::Acquire)
     }
 }
 

@@ -363,6 +363,7 @@ mod tests {
             workers: 1,
             max_connections,
             max_connections_per_peer,
+            drain: std::time::Duration::ZERO,
         };
         Gate::new(&limits, counters.clone())
     }

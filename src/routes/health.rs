@@ -40,7 +40,8 @@ const WRITABLE: &str = "SELECT NOT pg_is_in_recovery() AND current_setting('tran
 /// Readiness: 200 when a writable primary answers, else 503. A database that answers but is
 /// a standby or read-only (as during a failover) is not ready, and the connection that
 /// reached it is dropped, so the next one (through a proxy) finds the new primary. Before
-/// `serve` has reached its database and checked the schema it is 503 without a query.
+/// `serve` has reached its database and checked the schema it is 503 without a query, and
+/// from SIGTERM or SIGINT on, while the process drains its requests, 503 as well.
 #[utoipa::path(get, path = "/readyz", tag = "operations", operation_id = "readyz",
     responses(
         (status = 200, description = "Ready.", body = StatusOut),
@@ -48,6 +49,9 @@ const WRITABLE: &str = "SELECT NOT pg_is_in_recovery() AND current_setting('tran
     ))]
 pub(super) async fn readyz(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     state.check_ready()?;
+    if state.ready.is_stopping() {
+        return Err(ApiError::Stopping);
+    }
     let mut conn = state.conn().await.map_err(|_| ApiError::Unavailable)?;
     let writable = conn
         .run(async |c| sqlx::query_scalar::<_, bool>(WRITABLE).fetch_one(c).await)
@@ -71,7 +75,7 @@ pub(super) async fn metrics(state: web::Data<AppState>) -> HttpResponse {
                     &state.db,
                     state.lists.status(),
                     state.settings.retention,
-                    state.is_ready(),
+                    state.is_ready() && !state.ready.is_stopping(),
                 )
                 .await,
         )

@@ -425,3 +425,74 @@ async fn a_database_outage_is_logged_once_an_interval_not_once_a_request() {
         "the line the request wrote carries its id: {logs}"
     );
 }
+
+/// Found from outside: on SIGTERM the API listener closed at once while the operations
+/// listener's `/readyz`, where probes are told to point, said 200 until the process left; and a
+/// payment waiting on its account's row when the 10 s drain ended was cut unanswered, then
+/// committed after the process had gone. Now `/readyz` is 503 on both listeners from the
+/// signal on, and the drain lasts as long as a payment can (acquire timeout + statement
+/// timeout + 1 s): the payment, held 11 s, is answered with what it did.
+#[tokio::test]
+async fn on_sigterm_readyz_turns_503_and_a_payment_held_past_ten_seconds_gets_its_answer() {
+    use crate::commands::{free_port, serve_logged, sigterm, stop_logged, wait_until_ready};
+    let app = crate::support::helpers::spawn_app().await;
+    app.open_account("held", 100).await;
+    let (port, ops) = (free_port(), free_port());
+    let (mut server, logs) = serve_logged(&[
+        ("DATABASE_URL", database_url()),
+        ("ONCEPAY_BIND", format!("127.0.0.1:{port}")),
+        ("ONCEPAY_METRICS_BIND", format!("127.0.0.1:{ops}")),
+        ("ONCEPAY_WEBHOOK_CONCURRENCY", "0".to_owned()),
+    ]);
+    wait_until_ready(&app.client, port).await;
+    let lock = crate::concurrency::lock_account_at(&database_url(), app.tenant_id, "held").await;
+    let key = new_key();
+    let payment = tokio::spawn({
+        let (client, api_key, key) = (app.client.clone(), app.api_key.clone(), key.clone());
+        async move {
+            client
+                .post(format!("http://127.0.0.1:{port}/payments"))
+                .bearer_auth(api_key)
+                .header("Idempotency-Key", key)
+                .json(&json!({ "amount": 5, "account": "held" }))
+                .send()
+                .await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let signalled = std::time::Instant::now();
+    sigterm(&server);
+
+    let readyz = format!("http://127.0.0.1:{ops}/readyz");
+    let mut answers = Vec::new();
+    for _ in 0..10 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        answers.push(app.client.get(&readyz).send().await.map(|r| r.status().as_u16()).ok());
+    }
+    assert!(
+        answers.iter().skip(2).all(|a| *a == Some(503)),
+        "the operations listener's /readyz from 300 ms after SIGTERM: {answers:?}"
+    );
+
+    tokio::time::sleep(Duration::from_secs(11).saturating_sub(signalled.elapsed())).await;
+    let mut lock = lock;
+    sqlx::query("COMMIT").execute(&mut lock).await.unwrap();
+    let answered = payment.await.unwrap();
+    let status = answered.as_ref().map(|r| r.status().as_u16());
+    let stopped = tokio::time::timeout(Duration::from_secs(15), server.wait()).await;
+    let logs = if stopped.is_ok() {
+        logs.await.unwrap()
+    } else {
+        stop_logged(&mut server, logs).await
+    };
+    assert!(
+        matches!(status, Ok(201)),
+        "the payment held 11 s into the drain is answered: {status:?}\n{logs}"
+    );
+    assert!(
+        stopped.is_ok(),
+        "the process stops once its requests are answered:\n{logs}"
+    );
+    assert!(logs.contains("oncepay stopping"), "{logs}");
+    assert_eq!(app.balance("held").await, 95, "charged once");
+}
