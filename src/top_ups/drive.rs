@@ -242,14 +242,20 @@ impl Drive<'_> {
                     .await
             }
             "canceled" => {
-                let waited = self.row.processor_status.clone();
+                // What it waited for names the failure only once oncepay's action timeout has
+                // passed (oncepay cancels then, and a look after a lost answer to its cancel
+                // finds it so); before, someone else canceled it (found from outside: the
+                // Dashboard's cancel was told as the cardholder's missing authentication).
+                let waited = self
+                    .row
+                    .processor_status
+                    .clone()
+                    .filter(|_| Utc::now() >= self.action_deadline());
                 self.fail(failure::canceled(&intent, waited.as_deref()), Some("canceled"))
                     .await
             }
             status @ ("requires_action" | "requires_capture") => {
-                let deadline = self.row.created_at
-                    + chrono::Duration::from_std(self.top_ups.clocks.action_timeout).unwrap_or(chrono::Duration::MAX);
-                let left = (deadline - Utc::now()).num_seconds();
+                let left = (self.action_deadline() - Utc::now()).num_seconds();
                 if left > 0 {
                     let secs = self.top_ups.next_check_secs(self.row.checks).min(left_secs(left));
                     return self.wait(status, secs).await;
@@ -265,6 +271,12 @@ impl Drive<'_> {
             }
             other => Err(Stop::Unknown(format!("PaymentIntent {} is {other}", intent.id))),
         }
+    }
+
+    /// When oncepay cancels a PaymentIntent still waiting for the cardholder or a capture.
+    fn action_deadline(&self) -> chrono::DateTime<Utc> {
+        self.row.created_at
+            + chrono::Duration::from_std(self.top_ups.clocks.action_timeout).unwrap_or(chrono::Duration::MAX)
     }
 
     /// The action timeout has passed: cancel the PaymentIntent, then record the failure.

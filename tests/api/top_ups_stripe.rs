@@ -222,6 +222,41 @@ async fn an_unexpected_refusal_is_a_stored_failure_with_the_processors_code_not_
     assert_eq!(invalid.body["decline_code"], "resource_missing");
 }
 
+/// Found from outside: a PaymentIntent waiting for 3-D Secure and canceled by someone else
+/// (the Dashboard, another system of the merchant) long before oncepay's action timeout was
+/// stored as `authentication_required`, the failure of oncepay's own cancel at that timeout.
+#[tokio::test]
+async fn a_payment_intent_canceled_by_someone_else_fails_as_canceled_not_as_unauthenticated() {
+    let Rig {
+        stripe,
+        proxy: _proxy,
+        app,
+    } = rig(
+        |_: &Incoming| Action::Forward,
+        |s| s.completer_after = Duration::from_secs(1),
+    )
+    .await;
+    let card = stripe.card(AUTHENTICATION_REQUIRED).await;
+    let key = new_key();
+    app.top_up(&key, "main", AMOUNT, &card)
+        .await
+        .assert_problem(503, "temporarily_unavailable");
+    let (id, _) = app.top_up_of_key(&key).await.unwrap();
+    let waiting = app.get(&format!("/top-ups/{id}")).await.body;
+    assert_eq!(waiting["processor_status"], "requires_action", "{waiting}");
+    let intent = waiting["processor_payment_id"].as_str().unwrap().to_owned();
+    assert_eq!(stripe.cancel_behind_the_back(&intent).await["status"], "canceled");
+
+    let answer = app.top_up(&key, "main", AMOUNT, &card).await;
+    answer.assert_problem(402, "card_declined");
+    assert_eq!(answer.body["decline_code"], "canceled", "{}", answer.body);
+    let failed = app.get(&format!("/top-ups/{id}")).await.body;
+    assert_eq!(failed["status"], "failed", "{failed}");
+    assert_eq!(failed["failure_code"], "canceled", "{failed}");
+    assert_eq!(app.balance("main").await, MAIN_BALANCE, "nothing credited");
+    assert_eq!(audit(&app, &stripe).await["clean"], true);
+}
+
 #[tokio::test]
 async fn a_payment_intent_that_requires_an_action_is_canceled_after_the_action_timeout() {
     let Rig { stripe, proxy, app } = rig(

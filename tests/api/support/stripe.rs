@@ -236,6 +236,11 @@ impl Localstripe {
         self.post(&format!("/v1/payment_intents/{id}/confirm"), &[]).await
     }
 
+    /// Cancels a PaymentIntent as the Dashboard or another system of the merchant would.
+    pub async fn cancel_behind_the_back(&self, intent: &str) -> Value {
+        self.post(&format!("/v1/payment_intents/{intent}/cancel"), &[]).await
+    }
+
     /// A PaymentIntent made and confirmed behind oncepay's back, naming `top_up`.
     pub async fn charge_behind_the_back(&self, top_up: &str, amount: i64) -> String {
         let confirmed = self.intent_naming(top_up, amount, "pm_card_visa", true).await;
