@@ -258,28 +258,32 @@ pub async fn next_key(
 }
 
 /// The PaymentIntent waits (`requires_action`, `requires_capture`, `processing`): its status
-/// and the next look in `next_check_secs` are recorded, and the lease given back.
+/// and the next look in `next_check_secs` are recorded, and the lease given back. A look
+/// not `counted` (a client's retry) leaves the count of looks as it is and never moves the
+/// next look later (migrations/V38).
 pub async fn wait(
     conn: &mut PgConnection,
     row: &TopUpRow,
     owner: Uuid,
     processor_status: Option<&str>,
     next_check_secs: i32,
+    counted: bool,
 ) -> Result<TopUpRow, sqlx::Error> {
     sqlx::query_scalar!(
-        r#"SELECT r AS "r!: TopUpRow" FROM oncepay_top_up_wait($1, $2, $3, $4, $5) r"#,
+        r#"SELECT r AS "r!: TopUpRow" FROM oncepay_top_up_wait($1, $2, $3, $4, $5, $6) r"#,
         row.tenant_id,
         row.top_up_id,
         owner,
         processor_status,
         next_check_secs,
+        counted,
     )
     .fetch_one(conn)
     .await
 }
 
 /// The refund waits at the processor (`pending`): the refund, its status and the next look
-/// are recorded, and the lease given back.
+/// are recorded, and the lease given back; `counted` as for [`wait`].
 pub async fn refund_wait(
     conn: &mut PgConnection,
     row: &TopUpRow,
@@ -287,15 +291,17 @@ pub async fn refund_wait(
     refund: Option<&str>,
     refund_status: Option<&str>,
     next_check_secs: i32,
+    counted: bool,
 ) -> Result<TopUpRow, sqlx::Error> {
     sqlx::query_scalar!(
-        r#"SELECT r AS "r!: TopUpRow" FROM oncepay_top_up_refund_wait($1, $2, $3, $4, $5, $6) r"#,
+        r#"SELECT r AS "r!: TopUpRow" FROM oncepay_top_up_refund_wait($1, $2, $3, $4, $5, $6, $7) r"#,
         row.tenant_id,
         row.top_up_id,
         owner,
         refund,
         refund_status,
         next_check_secs,
+        counted,
     )
     .fetch_one(conn)
     .await

@@ -62,6 +62,7 @@ struct Drive<'a> {
     row: TopUpRow,
     lease: Lease,
     next: Next,
+    driver: Driver,
 }
 
 impl TopUps {
@@ -74,6 +75,7 @@ impl TopUps {
             row,
             lease,
             next: if driver.resumes() { Next::Look } else { Next::Confirm },
+            driver,
         };
         for _ in 0..MAX_STEPS {
             if *drive.row.status != "processing" {
@@ -351,7 +353,7 @@ impl Drive<'_> {
         let next = self
             .top_ups
             .db
-            .run(async |c| top_ups::wait(c, row, owner, Some(status), secs).await)
+            .run(async |c| top_ups::wait(c, row, owner, Some(status), secs, self.driver.counts_looks()).await)
             .await
             .map_err(|e| Stop::Unknown(e.to_string()))?;
         if next.lease_owner != Some(owner) {

@@ -279,12 +279,12 @@ impl TopUps {
         let scheduled = if row.refund_debited() {
             let (refund, status) = (row.processor_refund_id.as_deref(), row.refund_status.as_deref());
             self.db
-                .run(async |c| top_ups::refund_wait(c, row, owner, refund, status, secs).await)
+                .run(async |c| top_ups::refund_wait(c, row, owner, refund, status, secs, true).await)
                 .await
         } else {
             let status = row.processor_status.as_deref();
             self.db
-                .run(async |c| top_ups::wait(c, row, owner, status, secs).await)
+                .run(async |c| top_ups::wait(c, row, owner, status, secs, true).await)
                 .await
         };
         match scheduled {
@@ -337,6 +337,12 @@ impl Driver {
     /// Looks at the processor before anything else.
     fn resumes(self) -> bool {
         self != Self::First
+    }
+
+    /// Its looks at a status that waits count toward the completer's growing interval: a
+    /// client's retry looks at once but puts the next look off by nothing (migrations/V38).
+    fn counts_looks(self) -> bool {
+        self != Self::Retry
     }
 }
 

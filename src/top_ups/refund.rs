@@ -61,6 +61,7 @@ struct RefundDrive<'a> {
     next: Next,
     /// The refunds the last look found: none succeeded or pending.
     looked_in_vain: usize,
+    driver: Driver,
 }
 
 impl TopUps {
@@ -73,6 +74,7 @@ impl TopUps {
             lease,
             next: if driver.resumes() { Next::Look } else { Next::Create },
             looked_in_vain: 0,
+            driver,
         };
         for _ in 0..MAX_STEPS {
             if let Some(end) = drive.ended() {
@@ -195,7 +197,18 @@ impl RefundDrive<'_> {
                 let next = self
                     .top_ups
                     .db
-                    .run(async |c| top_ups::refund_wait(c, row, owner, Some(&refund.id), Some(status), secs).await)
+                    .run(async |c| {
+                        top_ups::refund_wait(
+                            c,
+                            row,
+                            owner,
+                            Some(&refund.id),
+                            Some(status),
+                            secs,
+                            self.driver.counts_looks(),
+                        )
+                        .await
+                    })
                     .await
                     .map_err(|e| Stop::Unknown(e.to_string()))?;
                 if next.lease_owner != Some(owner) {

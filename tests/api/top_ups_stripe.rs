@@ -325,6 +325,50 @@ async fn a_payment_intent_that_requires_an_action_is_canceled_after_the_action_t
     assert_eq!(audit(&app, &stripe).await["clean"], true);
 }
 
+/// Found from outside: every look at a PaymentIntent in `processing` counted, a client's
+/// retry too, and each doubled the completer's interval: eight retries as `Retry-After: 5`
+/// told moved its next look an hour away, so a card charged meanwhile waited that long for its
+/// credit once the client stopped asking. A client's look records what it saw and counts
+/// nothing (migrations/V38).
+#[tokio::test]
+async fn a_clients_retries_while_a_payment_intent_is_processing_put_the_completers_look_off_by_nothing() {
+    let Rig {
+        stripe: _stripe,
+        app,
+        proxy: _proxy,
+    } = rig_with(
+        StripeRules::with_processing_looks(10),
+        |_: &Incoming| Action::Forward,
+        |s| s.completer_after = Duration::from_secs(30),
+    )
+    .await;
+    let key = new_key();
+    app.top_up(&key, "main", AMOUNT, VISA)
+        .await
+        .assert_problem(503, "temporarily_unavailable");
+    let (id, _) = app.top_up_of_key(&key).await.unwrap();
+    let schedule = async || -> (i32, chrono::DateTime<chrono::Utc>) {
+        sqlx::query_as("SELECT checks, next_check_at FROM top_ups WHERE tenant_id = $1 AND top_up_id = $2::uuid")
+            .bind(app.tenant_id)
+            .bind(&id)
+            .fetch_one(&app.pool)
+            .await
+            .unwrap()
+    };
+    let (checks, first_next) = schedule().await;
+    assert_eq!(checks, 1, "the first request's wait counts");
+    for _ in 0..4 {
+        let retry = app.top_up(&key, "main", AMOUNT, VISA).await;
+        retry.assert_problem(503, "temporarily_unavailable");
+    }
+    let (checks, next) = schedule().await;
+    assert_eq!(checks, 1, "four retries counted no look");
+    assert!(
+        next <= first_next,
+        "the completer's look stays at {first_next}, not {next}"
+    );
+}
+
 #[tokio::test]
 async fn a_payment_intent_in_processing_is_shown_and_looked_at_again_until_it_succeeds() {
     let Rig {
