@@ -24,9 +24,18 @@ use crate::ledger::TopUpRow;
 /// database's clock and the processor's may differ by this much.
 const CLOCK_SLACK_SECS: i64 = 300;
 
-/// The highest number of a key series: each number is a saved 5xx met and resolved, so more
-/// is a processor failing every call; the top-up then waits for a later drive.
+/// The number of a key series past which only the completer moves it on: each number is a
+/// saved 5xx met and resolved, so more is a processor failing every call, and a client
+/// retrying each second would spend a key a second. Past it the series moves at the
+/// completer's pace (its growing interval, at most 10 minutes), never stops: a stop at the
+/// last key left the top-up looking at that key's saved 5xx until Stripe pruned it, a day
+/// or more after Stripe answered again (found from outside: 24 retries in 24 s did it).
 pub(super) const MAX_KEY_SERIES: i32 = 20;
+
+/// Whether `driver` may move a key series on from `from` (see [`MAX_KEY_SERIES`]).
+pub(super) fn may_move_series(driver: Driver, from: i32) -> bool {
+    from < MAX_KEY_SERIES || driver == Driver::Completer
+}
 
 /// Why a drive stops before the top-up is final.
 pub(super) enum Stop {
@@ -365,9 +374,9 @@ impl Drive<'_> {
     }
 
     async fn next_key(&mut self, call: KeyedCall, from: i32) -> Result<(), Stop> {
-        if from >= MAX_KEY_SERIES {
+        if !may_move_series(self.driver, from) {
             return Err(Stop::Unknown(format!(
-                "{} saved 5xx answers for the {} call",
+                "{} saved 5xx answers for the {} call: the completer moves on to the next key at its next look",
                 from + 1,
                 call.series_name()
             )));

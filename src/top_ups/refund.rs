@@ -12,7 +12,7 @@
 //! this refund's (a refund that failed or was canceled was recorded, and credited back, when
 //! it did; it never comes back).
 
-use super::drive::{Stop, MAX_KEY_SERIES};
+use super::drive::{may_move_series, Stop};
 use super::processor::{CallError, KeyedCall, RefundObject};
 use super::{Answer, Driver, Lease, TopUpError, TopUps, MAX_STEPS};
 use crate::ledger::top_ups;
@@ -250,8 +250,11 @@ impl RefundDrive<'_> {
 
     async fn next_key(&mut self) -> Result<(), Stop> {
         let from = self.row.refund_key_series;
-        if from >= MAX_KEY_SERIES {
-            return Err(Stop::Unknown(format!("{} saved 5xx answers for the refund", from + 1)));
+        if !may_move_series(self.driver, from) {
+            return Err(Stop::Unknown(format!(
+                "{} saved 5xx answers for the refund: the completer moves on to the next key at its next look",
+                from + 1
+            )));
         }
         let (owner, row, lease_secs) = (self.lease.owner, &self.row, self.top_ups.lease_secs());
         let sent = std::time::Instant::now();

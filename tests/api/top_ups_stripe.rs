@@ -86,6 +86,37 @@ async fn saved_5xx_scenario(call: Call, action: Action, met_again: bool) -> (Rig
     (rig, id)
 }
 
+/// Found from outside: a client retrying each second as told spent one key of the confirm
+/// series a retry while Stripe saved a 500 under each, and at the 20th the drive stopped for
+/// good: every later look met that key's saved 500, for as long as Stripe keeps keys (a day or
+/// more) after it answered again. Past the 20th key only the completer moves the series on, at
+/// its pace, and the top-up ends.
+#[tokio::test]
+async fn past_twenty_saved_500s_of_its_confirmation_a_top_up_ends_once_stripe_answers_again() {
+    let rig = rig(first(Call::Confirm, 21, Action::ServerError), |s| {
+        s.completer_after = Duration::from_secs(1)
+    })
+    .await;
+    let key = new_key();
+    for _ in 0..30 {
+        if rig.app.top_up(&key, "main", AMOUNT, VISA).await.status != 503 {
+            break;
+        }
+    }
+    let (id, _) = rig.app.top_up_of_key(&key).await.unwrap();
+    let done = wait_for_state(&rig.app, &id, |s| s["status"] != "processing").await;
+    assert_eq!(done["status"], "succeeded", "{done}");
+    let series: i32 =
+        sqlx::query_scalar("SELECT confirm_key_series FROM top_ups WHERE tenant_id = $1 AND top_up_id = $2::uuid")
+            .bind(rig.app.tenant_id)
+            .bind(&id)
+            .fetch_one(&rig.app.pool)
+            .await
+            .unwrap();
+    assert_eq!(series, 21, "it met the 21 saved 500s, keys 0 to 20, and went on");
+    assert_exactly_once(&rig.app, &rig.stripe, &id, true).await;
+}
+
 #[tokio::test]
 async fn a_saved_500_after_the_creation_acted_adopts_the_payment_intent_found_by_its_metadata() {
     let (rig, id) = saved_5xx_scenario(Call::Create, Action::ForwardThenStatus(500), true).await;
