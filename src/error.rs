@@ -99,6 +99,11 @@ pub enum ApiError {
     /// `serve` has not reached its database yet (start-up): nothing was looked at or run.
     #[error("the service is starting and has not reached its database yet; nothing was processed: retry after the Retry-After delay")]
     Starting,
+    /// A keyless request (policy `allow`) whose outcome is unknown: the 503s above tell a
+    /// client to retry with its key, which this one has not got, and a retry without one may
+    /// do the operation twice (found from outside: two card charges for one top-up).
+    #[error("the outcome is not known yet, and this request carried no Idempotency-Key: it may have been done, and sending it again may do it twice. Look first (GET /payments or GET /top-ups, newest first; the account's balance), and send an Idempotency-Key, with which a retry is always safe")]
+    OutcomeUnknownWithoutKey,
     /// `serve` got SIGTERM or SIGINT and is finishing its requests: `/readyz` sends the
     /// balancer elsewhere.
     #[error(
@@ -131,7 +136,9 @@ impl ApiError {
             Self::KeyExpired => ProblemCode::IdempotencyKeyExpired,
             Self::InProgress | Self::TopUpProcessing | Self::DeliveryAttemptOut => ProblemCode::RequestInProgress,
             Self::Overloaded | Self::AccountBusy => ProblemCode::Overloaded,
-            Self::Unavailable | Self::Starting | Self::Stopping => ProblemCode::TemporarilyUnavailable,
+            Self::Unavailable | Self::Starting | Self::Stopping | Self::OutcomeUnknownWithoutKey => {
+                ProblemCode::TemporarilyUnavailable
+            }
             Self::Internal(_) => ProblemCode::InternalError,
         }
     }
@@ -161,6 +168,7 @@ impl ApiError {
             Self::Overloaded => "Overloaded",
             Self::AccountBusy => "Account busy",
             Self::Unavailable | Self::Starting | Self::Stopping => "Temporarily unavailable",
+            Self::OutcomeUnknownWithoutKey => "Outcome unknown",
             Self::Internal(_) => "Internal error",
         }
     }
@@ -184,9 +192,12 @@ impl ApiError {
             Self::KeyReused => "key_reused",
             Self::KeyExpired => "expired",
             Self::InProgress | Self::TopUpProcessing | Self::DeliveryAttemptOut => "in_progress",
-            Self::Overloaded | Self::AccountBusy | Self::Unavailable | Self::Starting | Self::Stopping => {
-                "transient_error"
-            }
+            Self::Overloaded
+            | Self::AccountBusy
+            | Self::Unavailable
+            | Self::Starting
+            | Self::Stopping
+            | Self::OutcomeUnknownWithoutKey => "transient_error",
             Self::NotFound | Self::AccountNotFound => "not_found",
             Self::Internal(_) => "internal_error",
             Self::BodyTooLarge { .. }

@@ -183,7 +183,11 @@ pub(super) async fn create(
     })
     .await
     .map_err(|e| ApiError::Internal(e.into()))?
-    .map_err(edge)?;
+    .map_err(|err| match edge(err) {
+        // A second keyless top-up is a second charge: no "retry with the same key" for it.
+        ApiError::ProcessorUnknown | ApiError::ProcessorWaiting if !keyed => ApiError::OutcomeUnknownWithoutKey,
+        other => other,
+    })?;
     respond(spec, answer, keyed, |row| {
         let out = TopUpOut {
             id: TopUpId::from_uuid(row.top_up_id),

@@ -86,6 +86,35 @@ async fn saved_5xx_scenario(call: Call, action: Action, met_again: bool) -> (Rig
     (rig, id)
 }
 
+/// Found from outside: a keyless top-up (policy `allow`) whose confirmation's answer was lost
+/// was told to "retry with the same Idempotency-Key", which it has not got; sending it again
+/// made a second top-up and charged the card twice. Its 503 now says that a retry may do it
+/// twice and to look first, with no Retry-After.
+#[tokio::test]
+async fn a_keyless_top_up_whose_outcome_is_unknown_is_not_invited_to_send_it_again() {
+    let rig = rig(first(Call::Confirm, 1, Action::DropAnswer), |_| {}).await;
+    let (_, api_key) =
+        crate::support::helpers::new_tenant(&rig.app.pool, oncepay::domain::MissingKeyPolicy::Allow).await;
+    let sent = rig
+        .app
+        .client
+        .post(format!("{}/accounts/main/top-ups", rig.app.address))
+        .bearer_auth(&api_key)
+        .json(&json!({ "amount": AMOUNT, "payment_method": VISA }))
+        .send()
+        .await
+        .unwrap();
+    let answer = crate::support::helpers::Answer::from(sent).await;
+    answer.assert_problem(503, "temporarily_unavailable");
+    assert_eq!(answer.body["title"], "Outcome unknown", "{}", answer.body);
+    let detail = answer.body["detail"].as_str().unwrap();
+    assert!(
+        detail.contains("no Idempotency-Key") && detail.contains("twice"),
+        "{detail}"
+    );
+    assert_eq!(answer.header("retry-after"), None, "a retry is not invited");
+}
+
 /// Found from outside: a client retrying each second as told spent one key of the confirm
 /// series a retry while Stripe saved a 500 under each, and at the 20th the drive stopped for
 /// good: every later look met that key's saved 500, for as long as Stripe keeps keys (a day or
