@@ -419,6 +419,16 @@ impl ProcessorClient {
             return serde_json::from_slice(&body)
                 .map_err(|e| CallError::Unknown(format!("an answer of {status} that could not be read: {e}")));
         }
+        // oncepay's own credentials refused (a revoked or mistyped ONCEPAY_PROCESSOR_API_KEY,
+        // a restricted key): the request was not looked at, and it is the operator's to mend,
+        // not the merchant's failure to store (found from outside: every top-up of such an
+        // hour was stored as the merchant's 400 for good). Left unknown, it is sent again
+        // under its key once mended; the completer's looks keep trying meanwhile.
+        if matches!(status.as_u16(), 401 | 403) {
+            return Err(CallError::Unknown(format!(
+                "the processor refused oncepay's credentials ({status}): check ONCEPAY_PROCESSOR_API_KEY; nothing was done"
+            )));
+        }
         // 409 (an idempotency conflict, a lock) and 429 decided nothing; 5xx may have.
         if status.is_client_error() && status.as_u16() != 409 && status.as_u16() != 429 {
             let error = serde_json::from_slice::<ErrorEnvelope>(&body)

@@ -253,6 +253,26 @@ async fn an_amount_below_the_processors_minimum_is_a_stored_invalid_request_nami
     assert_eq!(audit(&app, &stripe).await["clean"], true);
 }
 
+/// Found from outside: Stripe's 401 (oncepay's own API key revoked or mistyped) was stored
+/// as the merchant's 400 `invalid_request`, replayed for good. It is the operator's to mend:
+/// the top-up stays unfinished (503, retry with the key) and goes on once the key works.
+#[tokio::test]
+async fn the_processor_refusing_oncepays_credentials_is_not_stored_as_the_merchants_failure() {
+    let unauthorized = Action::StripeError {
+        status: 401,
+        kind: "invalid_request_error",
+        code: "api_key_expired",
+    };
+    let rig = rig(first(Call::Create, 1, unauthorized), |_| {}).await;
+    let key = new_key();
+    let first = rig.app.top_up(&key, "main", AMOUNT, VISA).await;
+    first.assert_problem(503, "temporarily_unavailable");
+    let retried = rig.app.top_up(&key, "main", AMOUNT, VISA).await;
+    assert_eq!(retried.status, 201, "{}", retried.body);
+    let id = retried.body["id"].as_str().unwrap().to_owned();
+    assert_exactly_once(&rig.app, &rig.stripe, &id, true).await;
+}
+
 #[tokio::test]
 async fn an_unexpected_refusal_is_a_stored_failure_with_the_processors_code_not_an_unknown_outcome() {
     let refusal = Action::StripeError {
