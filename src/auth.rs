@@ -75,7 +75,7 @@ pub async fn tenant(req: &HttpRequest, db: &crate::db::Db, cache: &TenantCache) 
         .await
         .map_err(|err: Arc<ApiError>| match &*err {
             ApiError::Overloaded => ApiError::Overloaded,
-            ApiError::InProgress | ApiError::Unavailable => ApiError::Unavailable,
+            ApiError::InProgress | ApiError::Unavailable | ApiError::OutcomeUnknown => ApiError::Unavailable,
             other => ApiError::Internal(anyhow::anyhow!("tenant lookup failed: {other}")),
         })?;
     let tenant = found.ok_or(ApiError::Unauthorized)?;

@@ -96,6 +96,11 @@ pub enum ApiError {
     AccountBusy,
     #[error("a temporary failure interrupted the request; retry with the same Idempotency-Key: if it was committed the retry replays it, otherwise the retry processes it")]
     Unavailable,
+    /// [`ApiError::Unavailable`] where the database call's outcome is unknown (it may have
+    /// committed), not rolled back: the same answer to a keyed request; a keyless one is
+    /// told [`ApiError::OutcomeUnknownWithoutKey`] instead.
+    #[error("a temporary failure interrupted the request; retry with the same Idempotency-Key: if it was committed the retry replays it, otherwise the retry processes it")]
+    OutcomeUnknown,
     /// `serve` has not reached its database yet (start-up): nothing was looked at or run.
     #[error("the service is starting and has not reached its database yet; nothing was processed: retry after the Retry-After delay")]
     Starting,
@@ -136,9 +141,11 @@ impl ApiError {
             Self::KeyExpired => ProblemCode::IdempotencyKeyExpired,
             Self::InProgress | Self::TopUpProcessing | Self::DeliveryAttemptOut => ProblemCode::RequestInProgress,
             Self::Overloaded | Self::AccountBusy => ProblemCode::Overloaded,
-            Self::Unavailable | Self::Starting | Self::Stopping | Self::OutcomeUnknownWithoutKey => {
-                ProblemCode::TemporarilyUnavailable
-            }
+            Self::Unavailable
+            | Self::OutcomeUnknown
+            | Self::Starting
+            | Self::Stopping
+            | Self::OutcomeUnknownWithoutKey => ProblemCode::TemporarilyUnavailable,
             Self::Internal(_) => ProblemCode::InternalError,
         }
     }
@@ -167,7 +174,7 @@ impl ApiError {
             Self::DeliveryAttemptOut => "Delivery attempt in progress",
             Self::Overloaded => "Overloaded",
             Self::AccountBusy => "Account busy",
-            Self::Unavailable | Self::Starting | Self::Stopping => "Temporarily unavailable",
+            Self::Unavailable | Self::OutcomeUnknown | Self::Starting | Self::Stopping => "Temporarily unavailable",
             Self::OutcomeUnknownWithoutKey => "Outcome unknown",
             Self::Internal(_) => "Internal error",
         }
@@ -195,6 +202,7 @@ impl ApiError {
             Self::Overloaded
             | Self::AccountBusy
             | Self::Unavailable
+            | Self::OutcomeUnknown
             | Self::Starting
             | Self::Stopping
             | Self::OutcomeUnknownWithoutKey => "transient_error",
@@ -217,6 +225,7 @@ impl ApiError {
             | Self::Overloaded
             | Self::AccountBusy
             | Self::Unavailable
+            | Self::OutcomeUnknown
             | Self::Starting
             | Self::Stopping
             | Self::ProcessorUnknown => Some(RETRY_AFTER_SECS),
@@ -305,7 +314,7 @@ impl From<DbError> for ApiError {
                     error = %err,
                     "database outcome unknown: the call may have committed; a retry with its key replays it"
                 );
-                Self::Unavailable
+                Self::OutcomeUnknown
             }
             DbError::Other(err) => Self::Internal(err.into()),
         }

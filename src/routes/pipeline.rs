@@ -163,7 +163,9 @@ async fn handle<E: Endpoint>(
         }
     }
 
-    let outcome = E::execute(&state, tenant.id, args, effect).await?;
+    let outcome = E::execute(&state, tenant.id, args, effect)
+        .await
+        .map_err(|err| without_key(err.into(), claim.is_some()))?;
     let expires_at = outcome.expires_at;
     let (answer, finished) = respond::<E>(spec, outcome, claim.is_some())?;
     let finished = finished.filter(|_| E::CACHES_REPLAYS);
@@ -177,6 +179,17 @@ async fn handle<E: Endpoint>(
         state.metrics.replay_cache_entries.set(state.replays.len() as i64);
     }
     answer
+}
+
+/// A keyless request (policy `allow`) whose outcome is unknown is not told to retry with a
+/// key it has not got: a second keyless request may do the operation twice.
+pub fn without_key(err: ApiError, keyed: bool) -> ApiError {
+    match err {
+        ApiError::OutcomeUnknown | ApiError::ProcessorUnknown | ApiError::ProcessorWaiting if !keyed => {
+            ApiError::OutcomeUnknownWithoutKey
+        }
+        other => other,
+    }
 }
 
 /// The answer from this process's replay cache, if it knows the key (`None`: ask the

@@ -183,11 +183,8 @@ pub(super) async fn create(
     })
     .await
     .map_err(|e| ApiError::Internal(e.into()))?
-    .map_err(|err| match edge(err) {
-        // A second keyless top-up is a second charge: no "retry with the same key" for it.
-        ApiError::ProcessorUnknown | ApiError::ProcessorWaiting if !keyed => ApiError::OutcomeUnknownWithoutKey,
-        other => other,
-    })?;
+    // A second keyless top-up is a second charge: no "retry with the same key" for it.
+    .map_err(|err| pipeline::without_key(edge(err), keyed))?;
     respond(spec, answer, keyed, |row| {
         let out = TopUpOut {
             id: TopUpId::from_uuid(row.top_up_id),

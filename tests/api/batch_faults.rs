@@ -239,6 +239,11 @@ async fn a_batch_whose_connection_breaks_while_it_runs_is_not_run_again() {
         answer.assert_problem(503, "temporarily_unavailable");
         assert!(!answer.replayed(), "{}", answer.body);
     }
+    // The keyed are told to retry with their key; the keyless one, which has none, that a
+    // second one may pay twice (found from outside for top-ups: it did), with no Retry-After.
+    assert_eq!(answers[0].header("retry-after"), Some("1"));
+    assert_eq!(answers[1].body["title"], "Outcome unknown", "{}", answers[1].body);
+    assert_eq!(answers[1].header("retry-after"), None, "{}", answers[1].body);
     // Wait for PostgreSQL to finish the statement its client left.
     for _ in 0..100 {
         let left: i64 = sqlx::query_scalar(
