@@ -168,7 +168,7 @@ pub struct Batcher<E: Batched> {
     queue_wait: Duration,
     /// The keys and accounts of the statements out, which the dispatcher keeps: a waiter
     /// whose key is among them when its queue wait ends is a duplicate, and one whose account
-    /// is was refused because its account is busy, even if the dispatcher has not read it
+    /// is among them is refused as its account busy, even if the dispatcher has not read it
     /// (while every slot is out it reads nothing).
     held_out: HeldOut,
     /// Every slot is out, which the dispatcher keeps.
