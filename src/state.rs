@@ -74,8 +74,8 @@ impl Readiness {
         self.reached.store(true, Ordering::Release);
     }
 
-    /// SIGTERM or SIGINT came: the process drains its requests and `/readyz` is 503 on both
-    /// listeners, while the operations listener still answers.
+    /// SIGTERM or SIGINT came: the process drains its requests (the API listener takes no new
+    /// connection) and `/readyz` is 503 where it still answers, on the operations listener.
     pub fn stop(&self) {
         self.stopping.store(true, Ordering::Release);
     }
