@@ -117,6 +117,7 @@ pub async fn run(db: &Db, options: &Options) -> Result<Report, AuditError> {
             };
             let warnings = Warnings {
                 suspected_keyless_duplicates: keyless_duplicates(tx, options).await?,
+                suspected_keyless_top_up_duplicates: keyless_top_up_duplicates(tx, options).await?,
                 unconfirmed_intents: Findings {
                     count: 0,
                     samples: Vec::new(),
@@ -392,6 +393,38 @@ async fn keyless_duplicates(conn: &mut PgConnection, o: &Options) -> Result<Find
                WINDOW w AS (PARTITION BY tenant_id, account_id, amount ORDER BY created_at, payment_id))
            SELECT tenant_id AS "tenant_id!", account_id AS "account_id!", amount AS "amount!",
                   payment_id AS "payment_id!", earlier_id AS "earlier_payment_id!",
+                  extract(epoch FROM created_at - earlier_at)::float8 AS "seconds_apart!",
+                  count(*) OVER () AS "total!"
+             FROM ordered
+            WHERE earlier_id IS NOT NULL AND created_at - earlier_at <= make_interval(secs => $2)
+            ORDER BY tenant_id, account_id, created_at
+            LIMIT $3"#,
+        o.tenant_id,
+        o.duplicate_window.as_secs_f64(),
+        o.samples,
+    )
+    .fetch_all(conn)
+    .await?;
+    Ok(Findings::from_rows(rows, |r| r.total))
+}
+
+/// [`keyless_duplicates`] among top-ups: two of them both charged the card unless one failed.
+async fn keyless_top_up_duplicates(
+    conn: &mut PgConnection,
+    o: &Options,
+) -> Result<Findings<SuspectedTopUpDuplicate>, sqlx::Error> {
+    let rows = sqlx::query_as!(
+        SuspectedTopUpDuplicate,
+        r#"WITH ordered AS (
+               SELECT tenant_id, account_id, amount, top_up_id, created_at,
+                      lag(top_up_id) OVER w AS earlier_id, lag(created_at) OVER w AS earlier_at
+                 FROM top_ups
+                WHERE (idempotency_key IS NULL OR idempotency_key LIKE 'fp:%')
+                  AND status <> 'failed'
+                  AND ($1::uuid IS NULL OR tenant_id = $1)
+               WINDOW w AS (PARTITION BY tenant_id, account_id, amount ORDER BY created_at, top_up_id))
+           SELECT tenant_id AS "tenant_id!", account_id AS "account_id!", amount AS "amount!",
+                  top_up_id AS "top_up_id!", earlier_id AS "earlier_top_up_id!",
                   extract(epoch FROM created_at - earlier_at)::float8 AS "seconds_apart!",
                   count(*) OVER () AS "total!"
              FROM ordered

@@ -65,6 +65,9 @@ pub struct Invariants {
 pub struct Warnings {
     /// Keyless payments of the same tenant, account and amount within the duplicate window.
     pub suspected_keyless_duplicates: Findings<SuspectedDuplicate>,
+    /// The same among top-ups without a client's key that were not failed: two card charges
+    /// (found from outside: a keyless top-up sent again after a 503 charged twice).
+    pub suspected_keyless_top_up_duplicates: Findings<SuspectedTopUpDuplicate>,
     /// PaymentIntents of oncepay's never confirmed and not their top-up's (a create whose
     /// answer was lost): they charge nothing.
     pub unconfirmed_intents: Findings<TopUpFinding>,
@@ -175,6 +178,19 @@ pub struct SuspectedDuplicate {
     pub amount: i64,
     pub payment_id: Uuid,
     pub earlier_payment_id: Uuid,
+    pub seconds_apart: f64,
+    #[serde(skip)]
+    pub total: i64,
+}
+
+/// Two top-ups without a client's key, of one tenant, account and amount, close together.
+#[derive(Debug, Serialize)]
+pub struct SuspectedTopUpDuplicate {
+    pub tenant_id: Uuid,
+    pub account_id: String,
+    pub amount: i64,
+    pub top_up_id: Uuid,
+    pub earlier_top_up_id: Uuid,
     pub seconds_apart: f64,
     #[serde(skip)]
     pub total: i64,
@@ -360,9 +376,25 @@ impl fmt::Display for Report {
                 d.tenant_id, d.account_id, d.amount, d.earlier_payment_id, d.payment_id, d.seconds_apart
             )
         })?;
+        let top_up_dups = &self.warnings.suspected_keyless_top_up_duplicates;
+        status_line(
+            &mut out,
+            top_up_dups,
+            &format!(
+                "suspected duplicates among top-ups without a client's key, not failed (same tenant, account, amount within {} s)",
+                s.duplicate_window_secs
+            ),
+            "warning",
+        )?;
+        samples(&mut out, top_up_dups, |d| {
+            format!(
+                "tenant {} account {} amount {}: top-up {} then {} ({:.3} s apart)",
+                d.tenant_id, d.account_id, d.amount, d.earlier_top_up_id, d.top_up_id, d.seconds_apart
+            )
+        })?;
         if self.clean {
             write!(out, "result: clean")?;
-            if dups.count > 0 {
+            if dups.count + top_up_dups.count > 0 {
                 write!(
                     out,
                     " (keyless duplicates are suspicions: without a key nothing proves a retry)"

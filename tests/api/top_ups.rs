@@ -163,8 +163,13 @@ pub(crate) async fn retry_until_final(send: impl AsyncFn() -> Answer) -> Vec<Ans
 
 /// `oncepay audit --json` of the app's tenant, reconciling with the processor at `stripe`.
 pub(crate) async fn audit(app: &TestApp, stripe: &Localstripe) -> Value {
+    audit_of(app.tenant_id, stripe).await
+}
+
+/// [`audit`] of `tenant`.
+pub(crate) async fn audit_of(tenant: uuid::Uuid, stripe: &Localstripe) -> Value {
     let output = Command::new(env!("CARGO_BIN_EXE_oncepay"))
-        .args(["audit", "--json", "--tenant", &app.tenant_id.to_string()])
+        .args(["audit", "--json", "--tenant", &tenant.to_string()])
         .env("DATABASE_URL", database_url())
         .env("ONCEPAY_PROCESSOR_URL", &stripe.url)
         .env("ONCEPAY_PROCESSOR_API_KEY", API_KEY)

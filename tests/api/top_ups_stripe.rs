@@ -93,7 +93,7 @@ async fn saved_5xx_scenario(call: Call, action: Action, met_again: bool) -> (Rig
 #[tokio::test]
 async fn a_keyless_top_up_whose_outcome_is_unknown_is_not_invited_to_send_it_again() {
     let rig = rig(first(Call::Confirm, 1, Action::DropAnswer), |_| {}).await;
-    let (_, api_key) =
+    let (tenant, api_key) =
         crate::support::helpers::new_tenant(&rig.app.pool, oncepay::domain::MissingKeyPolicy::Allow).await;
     let sent = rig
         .app
@@ -113,6 +113,24 @@ async fn a_keyless_top_up_whose_outcome_is_unknown_is_not_invited_to_send_it_aga
         "{detail}"
     );
     assert_eq!(answer.header("retry-after"), None, "a retry is not invited");
+
+    // Sent again all the same (as the probe's client did): a second top-up, a second charge,
+    // which the audit lists among its warnings.
+    let again = rig
+        .app
+        .client
+        .post(format!("{}/accounts/main/top-ups", rig.app.address))
+        .bearer_auth(&api_key)
+        .json(&json!({ "amount": AMOUNT, "payment_method": VISA }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(again.status().as_u16(), 201);
+    let report = crate::top_ups::audit_of(tenant, &rig.stripe).await;
+    let duplicates = &report["warnings"]["suspected_keyless_top_up_duplicates"];
+    assert_eq!(duplicates["count"], 1, "{report:#}");
+    assert_eq!(duplicates["samples"][0]["amount"], AMOUNT, "{report:#}");
+    assert_eq!(report["clean"], true, "a suspicion, not a broken invariant: {report:#}");
 }
 
 /// Found from outside: a client retrying each second as told spent one key of the confirm
