@@ -95,16 +95,19 @@ async fn a_keyless_top_up_whose_outcome_is_unknown_is_not_invited_to_send_it_aga
     let rig = rig(first(Call::Confirm, 1, Action::DropAnswer), |_| {}).await;
     let (tenant, api_key) =
         crate::support::helpers::new_tenant(&rig.app.pool, oncepay::domain::MissingKeyPolicy::Allow).await;
-    let sent = rig
-        .app
-        .client
-        .post(format!("{}/accounts/main/top-ups", rig.app.address))
-        .bearer_auth(&api_key)
-        .json(&json!({ "amount": AMOUNT, "payment_method": VISA }))
-        .send()
-        .await
-        .unwrap();
-    let answer = crate::support::helpers::Answer::from(sent).await;
+    let keyless = async || {
+        let sent = rig
+            .app
+            .client
+            .post(format!("{}/accounts/main/top-ups", rig.app.address))
+            .bearer_auth(&api_key)
+            .json(&json!({ "amount": AMOUNT, "payment_method": VISA }))
+            .send()
+            .await
+            .unwrap();
+        crate::support::helpers::Answer::from(sent).await
+    };
+    let answer = keyless().await;
     answer.assert_problem(503, "temporarily_unavailable");
     assert_eq!(answer.body["title"], "Outcome unknown", "{}", answer.body);
     let detail = answer.body["detail"].as_str().unwrap();
@@ -116,16 +119,8 @@ async fn a_keyless_top_up_whose_outcome_is_unknown_is_not_invited_to_send_it_aga
 
     // Sent again all the same (as the probe's client did): a second top-up, a second charge,
     // which the audit lists among its warnings.
-    let again = rig
-        .app
-        .client
-        .post(format!("{}/accounts/main/top-ups", rig.app.address))
-        .bearer_auth(&api_key)
-        .json(&json!({ "amount": AMOUNT, "payment_method": VISA }))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(again.status().as_u16(), 201);
+    let again = keyless().await;
+    assert_eq!(again.status, 201, "{}", again.body);
     let report = crate::top_ups::audit_of(tenant, &rig.stripe).await;
     let duplicates = &report["warnings"]["suspected_keyless_top_up_duplicates"];
     assert_eq!(duplicates["count"], 1, "{report:#}");
