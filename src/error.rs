@@ -94,12 +94,12 @@ pub enum ApiError {
     /// still running: the account's row is in use, not the whole service.
     #[error("an earlier payment of this account is still running (its row is in use, as by a long transaction or a payment waiting on it); nothing was done: retry after the Retry-After delay")]
     AccountBusy,
-    #[error("a temporary failure interrupted the request; retry with the same Idempotency-Key: if it was committed the retry replays it, otherwise the retry processes it")]
+    #[error("{}", RETRY_WITH_THE_KEY)]
     Unavailable,
     /// [`ApiError::Unavailable`] where the database call's outcome is unknown (it may have
     /// committed), not rolled back: the same answer to a keyed request; a keyless one is
     /// told [`ApiError::OutcomeUnknownWithoutKey`] instead.
-    #[error("a temporary failure interrupted the request; retry with the same Idempotency-Key: if it was committed the retry replays it, otherwise the retry processes it")]
+    #[error("{}", RETRY_WITH_THE_KEY)]
     OutcomeUnknown,
     /// `serve` has not reached its database yet (start-up): nothing was looked at or run.
     #[error("the service is starting and has not reached its database yet; nothing was processed: retry after the Retry-After delay")]
@@ -292,6 +292,10 @@ impl ResponseError for ApiError {
 /// The warning of a transient database failure: once every 10 s with the count since, not
 /// once a request (each request's own line says 503 already).
 static TRANSIENT: Throttle = Throttle::new(std::time::Duration::from_secs(10));
+
+/// What a 503 after a temporary failure tells a client, whether the call was rolled back
+/// ([`ApiError::Unavailable`]) or its outcome is unknown ([`ApiError::OutcomeUnknown`]).
+const RETRY_WITH_THE_KEY: &str = "a temporary failure interrupted the request; retry with the same Idempotency-Key: if it was committed the retry replays it, otherwise the retry processes it";
 
 /// The edge decides what each class of database failure means to a client.
 impl From<DbError> for ApiError {

@@ -185,8 +185,8 @@ impl Application {
         let api = self.server.handle();
         let mut api_task = tokio::spawn(self.server);
         // actix-server stops the API listener on the signal; this tells the rest.
-        let stopping = Stopping::default();
-        let watcher = tokio::spawn(stopping.clone().on_signal(self.state.clone().into_inner()));
+        let stopping = CancellationToken::new();
+        let watcher = tokio::spawn(on_signal(stopping.clone(), self.state.clone().into_inner()));
         let mut workers = Workers::default();
         let outcome = tokio::select! {
             // Stopped (a signal) before the database was reached: nothing else started.
@@ -209,7 +209,7 @@ impl Application {
         watcher.abort();
         operations.stop(true).await;
         let _ = operations_task.await;
-        workers.stop(&stopping).await;
+        workers.stop(self.state.ready.stopped_at()).await;
         self.state.db.close().await;
         self.state.lists.close().await;
         outcome
@@ -241,7 +241,8 @@ struct Workers {
 }
 
 impl Workers {
-    async fn stop(self, stopping: &Stopping) {
+    /// `signalled`: when SIGTERM or SIGINT came, if one did.
+    async fn stop(self, signalled: Option<tokio::time::Instant>) {
         for worker in self.aborted {
             worker.abort();
         }
@@ -252,7 +253,7 @@ impl Workers {
             // the grace the attempts are left to their leases, and sent again once those run
             // out, with the same webhook-id, rather than holding the process. The grace
             // counts from the signal, when the deliverer was told to stop.
-            let since = stopping.since().unwrap_or_else(tokio::time::Instant::now);
+            let since = signalled.unwrap_or_else(tokio::time::Instant::now);
             if tokio::time::timeout_at(since + self.deliverer_drain, &mut deliverer)
                 .await
                 .is_err()
@@ -272,7 +273,11 @@ const DELIVERER_RECORD_GRACE: std::time::Duration = std::time::Duration::from_se
 
 /// Starts the background work that needs the database: the purge schedule, the top-up
 /// completer, the webhook deliverer.
-fn start_workers(state: &web::Data<AppState>, deliverer: Option<Arc<Deliverer>>, stopping: &Stopping) -> Workers {
+fn start_workers(
+    state: &web::Data<AppState>,
+    deliverer: Option<Arc<Deliverer>>,
+    stopping: &CancellationToken,
+) -> Workers {
     let mut workers = Vec::new();
     // The keys this server makes are kept its retention, whoever purges them.
     let declared = tokio::spawn(purge::declaring(state.db.clone(), state.settings.retention));
@@ -295,7 +300,7 @@ fn start_workers(state: &web::Data<AppState>, deliverer: Option<Arc<Deliverer>>,
         workers.push(tokio::spawn(completer::run(top_ups, after, counters)).abort_handle());
     }
     let deliverer = deliverer.map(|deliverer| {
-        let stop = stopping.token.child_token();
+        let stop = stopping.child_token();
         (stop.clone(), tokio::spawn(deliverer.run(stop)))
     });
     Workers {
@@ -305,35 +310,23 @@ fn start_workers(state: &web::Data<AppState>, deliverer: Option<Arc<Deliverer>>,
     }
 }
 
-/// SIGTERM or SIGINT: the moment it came, and a token cancelled then. actix-server stops the
-/// API listener and drains its requests by itself; from that moment `/readyz` is 503 on the
-/// operations listener too (a balancer probing there stopped sending before, found from
-/// outside: it saw 200 for the whole drain), and the webhook deliverer claims nothing more
-/// and finishes its attempts while the requests drain, not after.
-#[derive(Clone, Default)]
-struct Stopping {
-    token: CancellationToken,
-    at: Arc<std::sync::OnceLock<tokio::time::Instant>>,
-}
-
-impl Stopping {
-    async fn on_signal(self, state: Arc<AppState>) {
-        use tokio::signal::unix::{signal, SignalKind};
-        let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
-            tracing::warn!("cannot watch SIGTERM and SIGINT: /readyz stays 200 while the requests drain");
-            return;
-        };
-        tokio::select! {
-            _ = term.recv() => {}
-            _ = int.recv() => {}
-        }
-        let _ = self.at.set(tokio::time::Instant::now());
-        state.ready.stop();
-        self.token.cancel();
-        tracing::info!("oncepay stopping: finishing the requests in flight, /readyz 503");
+/// Waits for SIGTERM or SIGINT, then marks the process stopping and cancels `stopping`.
+/// actix-server stops the API listener and drains its requests by itself; from that moment
+/// `/readyz` is 503 on the operations listener too (a balancer probing there stopped sending
+/// before, found from outside: it saw 200 for the whole drain), and the webhook deliverer
+/// (its token a child of `stopping`) claims nothing more and finishes its attempts while the
+/// requests drain, not after.
+async fn on_signal(stopping: CancellationToken, state: Arc<AppState>) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+        tracing::warn!("cannot watch SIGTERM and SIGINT: /readyz stays 200 while the requests drain");
+        return;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
     }
-
-    fn since(&self) -> Option<tokio::time::Instant> {
-        self.at.get().copied()
-    }
+    state.ready.stop();
+    stopping.cancel();
+    tracing::info!("oncepay stopping: finishing the requests in flight, /readyz 503");
 }

@@ -62,7 +62,8 @@ pub struct WorkerLists(pub Db);
 #[derive(Debug, Default)]
 pub struct Readiness {
     reached: AtomicBool,
-    stopping: AtomicBool,
+    /// When SIGTERM or SIGINT came.
+    stopped_at: std::sync::OnceLock<tokio::time::Instant>,
 }
 
 impl Readiness {
@@ -77,11 +78,16 @@ impl Readiness {
     /// SIGTERM or SIGINT came: the process drains its requests (the API listener takes no new
     /// connection) and `/readyz` is 503 where it still answers, on the operations listener.
     pub fn stop(&self) {
-        self.stopping.store(true, Ordering::Release);
+        let _ = self.stopped_at.set(tokio::time::Instant::now());
     }
 
     pub fn is_stopping(&self) -> bool {
-        self.stopping.load(Ordering::Acquire)
+        self.stopped_at.get().is_some()
+    }
+
+    /// When the process was told to stop, if it was.
+    pub fn stopped_at(&self) -> Option<tokio::time::Instant> {
+        self.stopped_at.get().copied()
     }
 }
 
