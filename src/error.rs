@@ -3,9 +3,11 @@
 
 use actix_web::http::{header, StatusCode};
 use actix_web::{HttpResponse, ResponseError};
+use oncepay_protocol::routes;
 use serde::Serialize;
 
 use crate::db::DbError;
+use crate::domain::TopUpId;
 use crate::operation::Decline;
 use crate::throttle::Throttle;
 
@@ -71,9 +73,14 @@ pub enum ApiError {
     #[error("the card processor's outcome is not known yet (a timeout, a lost answer); retry with the same Idempotency-Key: the retry resumes this operation, never charges twice, and answers its final result")]
     ProcessorUnknown,
     /// A top-up whose PaymentIntent waits at the processor (`requires_action`, `processing`):
-    /// its end may take minutes, not the second a lost answer takes to look up.
-    #[error("the card processor has not finished the charge: it waits (GET /top-ups/{{id}}: processor_status, e.g. requires_action for the cardholder's action, at most ONCEPAY_TOPUP_ACTION_TIMEOUT_SECS); retry with the same Idempotency-Key: the retry answers its final result once there is one, and never charges twice")]
-    ProcessorWaiting,
+    /// its end may take minutes, not the second a lost answer takes to look up. Its
+    /// `Location` names the top-up, as a 201's would.
+    #[error("the card processor has not finished the charge: it waits (GET /top-ups/{top_up}: processor_status, e.g. requires_action for the cardholder's action, at most ONCEPAY_TOPUP_ACTION_TIMEOUT_SECS); retry with the same Idempotency-Key: the retry answers its final result once there is one, and never charges twice")]
+    ProcessorWaiting { top_up: TopUpId },
+    /// [`ApiError::ProcessorWaiting`] to a keyless request (policy `allow`): the top-up exists
+    /// and the completer ends it; sent again, the request would be a second top-up.
+    #[error("the card processor has not finished the charge of top-up {top_up}: it waits (GET /top-ups/{top_up} shows how it ends: processor_status, e.g. requires_action for the cardholder's action, at most ONCEPAY_TOPUP_ACTION_TIMEOUT_SECS). This request carried no Idempotency-Key: do not send it again, which would be a second top-up")]
+    ProcessorWaitingWithoutKey { top_up: TopUpId },
     #[error("this Idempotency-Key was already used with a different request (another body, path or method); use a new key for a new operation")]
     KeyReused,
     #[error("this Idempotency-Key has passed its replay window; if you mean a new operation, send the request again with a new key")]
@@ -136,7 +143,9 @@ impl ApiError {
             Self::AccountNotFound => ProblemCode::AccountNotFound,
             Self::Declined { decline, .. } | Self::ProcessorDeclined { decline, .. } => decline.code(),
             Self::ProcessorNotConfigured => ProblemCode::ProcessorNotConfigured,
-            Self::ProcessorUnknown | Self::ProcessorWaiting => ProblemCode::TemporarilyUnavailable,
+            Self::ProcessorUnknown | Self::ProcessorWaiting { .. } | Self::ProcessorWaitingWithoutKey { .. } => {
+                ProblemCode::TemporarilyUnavailable
+            }
             Self::KeyReused => ProblemCode::IdempotencyKeyReused,
             Self::KeyExpired => ProblemCode::IdempotencyKeyExpired,
             Self::InProgress | Self::TopUpProcessing | Self::DeliveryAttemptOut => ProblemCode::RequestInProgress,
@@ -166,7 +175,9 @@ impl ApiError {
             Self::Declined { decline, .. } | Self::ProcessorDeclined { decline, .. } => decline.title(),
             Self::ProcessorNotConfigured => "Processor not configured",
             Self::ProcessorUnknown => "Temporarily unavailable",
-            Self::ProcessorWaiting => "Top-up waiting at the processor",
+            Self::ProcessorWaiting { .. } | Self::ProcessorWaitingWithoutKey { .. } => {
+                "Top-up waiting at the processor"
+            }
             Self::KeyReused => "Idempotency key reused",
             Self::KeyExpired => "Idempotency key expired",
             Self::InProgress => "Request in progress",
@@ -195,7 +206,9 @@ impl ApiError {
             } => "not_found",
             Self::Declined { replayed: false, .. } | Self::ProcessorDeclined { replayed: false, .. } => "declined",
             Self::ProcessorNotConfigured => "invalid",
-            Self::ProcessorUnknown | Self::ProcessorWaiting => "transient_error",
+            Self::ProcessorUnknown => "transient_error",
+            // A cardholder's 3-D Secure is not an outage: counted apart from the 503s of one.
+            Self::ProcessorWaiting { .. } | Self::ProcessorWaitingWithoutKey { .. } => "waiting",
             Self::KeyReused => "key_reused",
             Self::KeyExpired => "expired",
             Self::InProgress | Self::TopUpProcessing | Self::DeliveryAttemptOut => "in_progress",
@@ -231,7 +244,7 @@ impl ApiError {
             | Self::ProcessorUnknown => Some(RETRY_AFTER_SECS),
             // A top-up ends when the completer or a cardholder's action ends it: seconds to
             // minutes, not the one second a request in flight takes.
-            Self::TopUpProcessing | Self::ProcessorWaiting => Some(TOP_UP_PROCESSING_RETRY_AFTER_SECS),
+            Self::TopUpProcessing | Self::ProcessorWaiting { .. } => Some(TOP_UP_PROCESSING_RETRY_AFTER_SECS),
             _ => None,
         }
     }
@@ -266,6 +279,9 @@ impl ResponseError for ApiError {
         response.insert_header((header::CONTENT_TYPE, "application/problem+json"));
         if let Some(secs) = self.retry_after() {
             response.insert_header((header::RETRY_AFTER, secs.to_string()));
+        }
+        if let Self::ProcessorWaiting { top_up } | Self::ProcessorWaitingWithoutKey { top_up } = self {
+            response.insert_header((header::LOCATION, routes::GET_TOP_UP.with_id(&top_up.to_string())));
         }
         if let Self::BodyTimeout { .. } = self {
             // The rest of a trickled body is not worth waiting for: free the connection.

@@ -401,7 +401,7 @@ impl Decline {
                 "the tenant has as many webhook endpoints as the server allows (ONCEPAY_WEBHOOK_MAX_ENDPOINTS); delete one first"
             }
             Self::InvalidRequest => {
-                "the card processor refused the request (its code is `decline_code`, e.g. amount_too_small); nothing was charged"
+                "the card processor refused the request (`decline_code` is its reason); nothing was charged"
             }
             Self::RefundFailed => {
                 "the card processor refused the refund or the refund failed there; the amount was credited back to the account (GET /top-ups/{id}: refund_failure_code)"

@@ -185,9 +185,8 @@ async fn handle<E: Endpoint>(
 /// key it has not got: a second keyless request may do the operation twice.
 pub fn without_key(err: ApiError, keyed: bool) -> ApiError {
     match err {
-        ApiError::OutcomeUnknown | ApiError::ProcessorUnknown | ApiError::ProcessorWaiting if !keyed => {
-            ApiError::OutcomeUnknownWithoutKey
-        }
+        ApiError::OutcomeUnknown | ApiError::ProcessorUnknown if !keyed => ApiError::OutcomeUnknownWithoutKey,
+        ApiError::ProcessorWaiting { top_up } if !keyed => ApiError::ProcessorWaitingWithoutKey { top_up },
         other => other,
     }
 }
@@ -289,6 +288,8 @@ pub fn answer(status: StatusCode, body: Bytes, location: Option<&str>, replay: R
     let mut response = response.content_type(mime::APPLICATION_JSON).body(body);
     let label = match replay {
         Replay::Keyless => "keyless",
+        // 202: accepted, not finished (a refund pending at the processor; a retry looks again).
+        Replay::New if status == StatusCode::ACCEPTED => "pending",
         Replay::New => "created",
         Replay::Replayed => "replayed",
     };

@@ -424,12 +424,16 @@ fn edge(err: TopUpError) -> ApiError {
             );
             ApiError::ProcessorUnknown
         }
-        TopUpError::Waiting(status) => {
+        TopUpError::Waiting {
+            top_up,
+            processor_status,
+        } => {
             tracing::info!(
-                status,
+                %top_up,
+                processor_status,
                 "top-up answered 503: its PaymentIntent waits at the processor, the key stays with it"
             );
-            ApiError::ProcessorWaiting
+            ApiError::ProcessorWaiting { top_up }
         }
         TopUpError::InProgress => ApiError::InProgress,
     }

@@ -72,7 +72,7 @@ pub async fn run_once(
                     tracing::info!(top_up = %id, status = row.shown_status(), "completer finished a top-up left unfinished");
                     "finished"
                 }
-                Err(TopUpError::Waiting(_)) => "waiting",
+                Err(TopUpError::Waiting { .. }) => "waiting",
                 Err(_) => "unknown",
             }
         } else {

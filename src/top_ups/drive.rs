@@ -17,6 +17,7 @@ use chrono::Utc;
 use super::failure::{self, Failure};
 use super::processor::{CallError, ErrorObject, Intent, KeyedCall};
 use super::{Driver, Lease, TopUpError, TopUps, MAX_STEPS};
+use crate::domain::TopUpId;
 use crate::ledger::top_ups;
 use crate::ledger::TopUpRow;
 
@@ -94,9 +95,10 @@ impl TopUps {
                 Ok(()) => {}
                 Err(Stop::Unknown(why)) => return Err(self.give_back(&drive.row, lease.owner, why, driver).await),
                 Err(Stop::Waiting) => {
-                    return Err(TopUpError::Waiting(
-                        drive.row.processor_status.unwrap_or_else(|| "waiting".to_owned()),
-                    ))
+                    return Err(TopUpError::Waiting {
+                        top_up: TopUpId::from_uuid(drive.row.top_up_id),
+                        processor_status: drive.row.processor_status.unwrap_or_else(|| "waiting".to_owned()),
+                    })
                 }
                 Err(Stop::Lost) => {
                     return Err(TopUpError::ProcessorUnknown(

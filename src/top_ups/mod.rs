@@ -86,8 +86,8 @@ pub enum TopUpError {
     ProcessorUnknown(String),
     /// The PaymentIntent waits at the processor (`requires_action`, `requires_capture` before
     /// the action timeout, `processing`): recorded, looked at again later.
-    #[error("the PaymentIntent is {0} at the processor")]
-    Waiting(String),
+    #[error("the PaymentIntent of top-up {top_up} is {processor_status} at the processor")]
+    Waiting { top_up: TopUpId, processor_status: String },
     /// Another request or replica drives this top-up, still after the in-flight wait.
     #[error("another request is driving this top-up")]
     InProgress,

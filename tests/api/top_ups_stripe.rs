@@ -95,18 +95,7 @@ async fn a_keyless_top_up_whose_outcome_is_unknown_is_not_invited_to_send_it_aga
     let rig = rig(first(Call::Confirm, 1, Action::DropAnswer), |_| {}).await;
     let (tenant, api_key) =
         crate::support::helpers::new_tenant(&rig.app.pool, oncepay::domain::MissingKeyPolicy::Allow).await;
-    let keyless = async || {
-        let sent = rig
-            .app
-            .client
-            .post(format!("{}/accounts/main/top-ups", rig.app.address))
-            .bearer_auth(&api_key)
-            .json(&json!({ "amount": AMOUNT, "payment_method": VISA }))
-            .send()
-            .await
-            .unwrap();
-        crate::support::helpers::Answer::from(sent).await
-    };
+    let keyless = async || keyless_top_up(&rig.app, &api_key, VISA).await;
     let answer = keyless().await;
     answer.assert_problem(503, "temporarily_unavailable");
     assert_eq!(answer.body["title"], "Outcome unknown", "{}", answer.body);
@@ -126,6 +115,55 @@ async fn a_keyless_top_up_whose_outcome_is_unknown_is_not_invited_to_send_it_aga
     assert_eq!(duplicates["count"], 1, "{report:#}");
     assert_eq!(duplicates["samples"][0]["amount"], AMOUNT, "{report:#}");
     assert_eq!(report["clean"], true, "a suspicion, not a broken invariant: {report:#}");
+}
+
+/// A top-up sent without an `Idempotency-Key` with the tenant's `api_key`.
+async fn keyless_top_up(app: &TestApp, api_key: &str, card: &str) -> crate::support::helpers::Answer {
+    let sent = app
+        .client
+        .post(format!("{}/accounts/main/top-ups", app.address))
+        .bearer_auth(api_key)
+        .json(&json!({ "amount": AMOUNT, "payment_method": card }))
+        .send()
+        .await
+        .unwrap();
+    crate::support::helpers::Answer::from(sent).await
+}
+
+/// Found from outside: a keyless top-up waiting for the cardholder's 3-D Secure was answered
+/// "outcome unknown, look first" with nothing to look at: its 503 now names the top-up in
+/// `Location` and tells the client not to send it again (the completer ends it).
+#[tokio::test]
+async fn a_keyless_top_up_that_waits_at_the_processor_names_the_top_up_to_look_at() {
+    let rig = rig(|_: &Incoming| Action::Forward, |_| {}).await;
+    let (_, api_key) =
+        crate::support::helpers::new_tenant(&rig.app.pool, oncepay::domain::MissingKeyPolicy::Allow).await;
+    let card = rig.stripe.card(AUTHENTICATION_REQUIRED).await;
+    let answer = keyless_top_up(&rig.app, &api_key, &card).await;
+    answer.assert_problem(503, "temporarily_unavailable");
+    assert_eq!(
+        answer.body["title"], "Top-up waiting at the processor",
+        "{}",
+        answer.body
+    );
+    assert_eq!(answer.header("retry-after"), None, "a retry is not invited");
+    let location = answer.header("location").expect("the top-up named").to_owned();
+    let detail = answer.body["detail"].as_str().unwrap();
+    assert!(
+        detail.contains(&location) && detail.contains("second top-up"),
+        "{detail}"
+    );
+    let shown = rig
+        .app
+        .client
+        .get(format!("{}{location}", rig.app.address))
+        .bearer_auth(&api_key)
+        .send()
+        .await
+        .unwrap();
+    let shown = crate::support::helpers::Answer::from(shown).await;
+    assert_eq!(shown.status, 200, "{}", shown.body);
+    assert_eq!(shown.body["processor_status"], "requires_action", "{}", shown.body);
 }
 
 /// Found from outside: a client retrying each second as told spent one key of the confirm
@@ -368,6 +406,15 @@ async fn a_payment_intent_that_requires_an_action_is_canceled_after_the_action_t
     assert_eq!(first.body["title"], "Top-up waiting at the processor", "{}", first.body);
     assert_eq!(first.header("retry-after"), Some("5"));
     let (id, _) = app.top_up_of_key(&key).await.unwrap();
+    assert_eq!(first.header("location"), Some(format!("/top-ups/{id}").as_str()));
+    assert!(first.body["detail"]
+        .as_str()
+        .unwrap()
+        .contains(&format!("GET /top-ups/{id}")));
+    // Counted as a wait, not as an outage's 503.
+    let metrics = app.metrics().await;
+    assert_eq!(requests_of(&metrics, "waiting"), 1, "{metrics}");
+    assert_eq!(requests_of(&metrics, "transient_error"), 0, "{metrics}");
     let waiting = app.get(&format!("/top-ups/{id}")).await.body;
     assert_eq!(waiting["status"], "processing", "{waiting}");
     assert_eq!(waiting["processor_status"], "requires_action", "{waiting}");
@@ -510,6 +557,16 @@ async fn a_payment_intent_in_processing_is_shown_and_looked_at_again_until_it_su
     );
 }
 
+/// `oncepay_requests_total` of one outcome, all routes.
+fn requests_of(metrics: &str, outcome: &str) -> u64 {
+    let label = format!("outcome=\"{outcome}\"");
+    metrics
+        .lines()
+        .filter(|l| l.starts_with("oncepay_requests_total{") && l.contains(&label))
+        .map(|l| l.rsplit(' ').next().unwrap().parse::<u64>().unwrap())
+        .sum()
+}
+
 /// A refund the processor answers `pending`, then `end` after two looks.
 async fn pending_refund(end: &'static str) -> (Rig, String, String) {
     let rig = rig_with(
@@ -530,6 +587,12 @@ async fn pending_refund(end: &'static str) -> (Rig, String, String) {
     );
     let shown = rig.app.get(&format!("/top-ups/{id}")).await.body;
     assert_eq!(shown["status"], "refund_pending", "{shown}");
+    let metrics = rig.app.metrics().await;
+    assert_eq!(
+        requests_of(&metrics, "pending"),
+        1,
+        "counted as not finished: {metrics}"
+    );
     assert_eq!(rig.app.balance("main").await, MAIN_BALANCE, "debited while pending");
     (rig, id, key)
 }
