@@ -195,6 +195,7 @@ impl Db {
                 settings.db_pool_size as usize,
                 settings.db_acquire_timeout,
                 pool::closed_counter(),
+                settings.db_pooler == Pooler::None,
             ),
             session: Arc::new(Session::new(settings.db_pooler, settings.statement_timeout)),
         })
@@ -214,6 +215,7 @@ impl Db {
                 list_pool_size(settings.db_pool_size),
                 settings.db_acquire_timeout,
                 main.pool.manager().closed.clone(),
+                settings.db_pooler == Pooler::None,
             ),
             session: Arc::clone(&main.session),
         })
@@ -244,7 +246,7 @@ impl Db {
     /// tests): mode `none`, no timeouts added.
     pub fn direct(options: PgConnectOptions, size: usize) -> Self {
         Self {
-            pool: pool(options, size, Duration::from_secs(30), pool::closed_counter()),
+            pool: pool(options, size, Duration::from_secs(30), pool::closed_counter(), true),
             session: Arc::new(Session::new(Pooler::None, Duration::ZERO)),
         }
     }

@@ -28,7 +28,21 @@ const IDLE_BEFORE_PING: Duration = Duration::from_secs(1);
 pub(super) struct Connector {
     options: PgConnectOptions,
     pub(super) closed: IntCounterVec,
+    /// Whether each new session sets [`CHECK_CLIENT`] (direct connections to PostgreSQL 14
+    /// or later; a transaction-mode pooler keeps no session setting).
+    check_client: bool,
 }
+
+/// Found from outside: a process killed (SIGKILL, the OOM killer) while its payment waited on
+/// an account's row lock left the statement waiting, and it committed seconds later when the
+/// lock was freed, unanswered and unlogged. PostgreSQL looks at the client's socket while a
+/// statement runs only if told to (14+): with this, it ends the killed process's statements
+/// within a second. Not a start-up option: an older server refuses the whole connection for
+/// a parameter it does not know.
+const CHECK_CLIENT: &str = "SET client_connection_check_interval = '1s'";
+
+/// The first server version with `client_connection_check_interval`.
+const CHECK_CLIENT_SINCE: u32 = 140_000;
 
 /// Without the connect options: they hold the database password.
 impl std::fmt::Debug for Connector {
@@ -42,7 +56,11 @@ impl Manager for Connector {
     type Error = sqlx::Error;
 
     async fn create(&self) -> Result<PgConnection, sqlx::Error> {
-        PgConnection::connect_with(&self.options).await
+        let mut conn = PgConnection::connect_with(&self.options).await?;
+        if self.check_client && conn.server_version_num().is_some_and(|v| v >= CHECK_CLIENT_SINCE) {
+            sqlx::Executor::execute(&mut conn, CHECK_CLIENT).await?;
+        }
+        Ok(conn)
     }
 
     async fn recycle(&self, conn: &mut PgConnection, metrics: &Metrics) -> RecycleResult<sqlx::Error> {
@@ -60,11 +78,22 @@ pub(super) type Pool = deadpool::managed::Pool<Connector>;
 
 /// A pool of at most `size` connections, opened when first needed; a caller waits at most
 /// `acquire_timeout` for one (also for opening it). `closed` counts the connections it closes
-/// instead of reusing ([`closed_counter`]; pools of one process share one).
-pub(super) fn pool(options: PgConnectOptions, size: usize, acquire_timeout: Duration, closed: IntCounterVec) -> Pool {
+/// instead of reusing ([`closed_counter`]; pools of one process share one). `direct`: its
+/// sessions are PostgreSQL's own, not a transaction-mode pooler's ([`CHECK_CLIENT`]).
+pub(super) fn pool(
+    options: PgConnectOptions,
+    size: usize,
+    acquire_timeout: Duration,
+    closed: IntCounterVec,
+    direct: bool,
+) -> Pool {
     let timeout = Some(acquire_timeout);
     build(
-        Connector { options, closed },
+        Connector {
+            options,
+            closed,
+            check_client: direct,
+        },
         size,
         Timeouts {
             wait: timeout,

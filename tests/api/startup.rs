@@ -426,6 +426,59 @@ async fn a_database_outage_is_logged_once_an_interval_not_once_a_request() {
     );
 }
 
+/// A payment of 5 from account `held` (balance 100) sent to a `serve` process of its own,
+/// waiting on the row lock `lock` holds.
+struct HeldPayment {
+    app: TestApp,
+    server: tokio::process::Child,
+    logs: tokio::task::JoinHandle<String>,
+    ops: u16,
+    lock: sqlx::PgConnection,
+    key: String,
+    answer: tokio::task::JoinHandle<reqwest::Result<reqwest::Response>>,
+}
+
+impl HeldPayment {
+    async fn send() -> Self {
+        use crate::commands::{free_port, serve_logged, wait_until_ready};
+        let app = crate::support::helpers::spawn_app().await;
+        app.open_account("held", 100).await;
+        let (port, ops) = (free_port(), free_port());
+        let (server, logs) = serve_logged(&[
+            ("DATABASE_URL", database_url()),
+            ("ONCEPAY_BIND", format!("127.0.0.1:{port}")),
+            ("ONCEPAY_METRICS_BIND", format!("127.0.0.1:{ops}")),
+            ("ONCEPAY_WEBHOOK_CONCURRENCY", "0".to_owned()),
+            // Direct sessions, also under `make test-pgbouncer` (its DATABASE_URL is direct).
+            ("ONCEPAY_DB_POOLER", "none".to_owned()),
+        ]);
+        wait_until_ready(&app.client, port).await;
+        let lock = crate::concurrency::lock_account_at(&database_url(), app.tenant_id, "held").await;
+        let key = new_key();
+        let answer = tokio::spawn({
+            let (client, api_key, key) = (app.client.clone(), app.api_key.clone(), key.clone());
+            async move {
+                client
+                    .post(format!("http://127.0.0.1:{port}/payments"))
+                    .bearer_auth(api_key)
+                    .header("Idempotency-Key", key)
+                    .json(&json!({ "amount": 5, "account": "held" }))
+                    .send()
+                    .await
+            }
+        });
+        Self {
+            app,
+            server,
+            logs,
+            ops,
+            lock,
+            key,
+            answer,
+        }
+    }
+}
+
 /// Found from outside: on SIGTERM the API listener closed at once while the operations
 /// listener's `/readyz`, where probes are told to point, said 200 until the process left; and a
 /// payment waiting on its account's row when the 10 s drain ended was cut unanswered, then
@@ -434,31 +487,16 @@ async fn a_database_outage_is_logged_once_an_interval_not_once_a_request() {
 /// timeout + 1 s): the payment, held 11 s, is answered with what it did.
 #[tokio::test]
 async fn on_sigterm_readyz_turns_503_and_a_payment_held_past_ten_seconds_gets_its_answer() {
-    use crate::commands::{free_port, serve_logged, sigterm, stop_logged, wait_until_ready};
-    let app = crate::support::helpers::spawn_app().await;
-    app.open_account("held", 100).await;
-    let (port, ops) = (free_port(), free_port());
-    let (mut server, logs) = serve_logged(&[
-        ("DATABASE_URL", database_url()),
-        ("ONCEPAY_BIND", format!("127.0.0.1:{port}")),
-        ("ONCEPAY_METRICS_BIND", format!("127.0.0.1:{ops}")),
-        ("ONCEPAY_WEBHOOK_CONCURRENCY", "0".to_owned()),
-    ]);
-    wait_until_ready(&app.client, port).await;
-    let lock = crate::concurrency::lock_account_at(&database_url(), app.tenant_id, "held").await;
-    let key = new_key();
-    let payment = tokio::spawn({
-        let (client, api_key, key) = (app.client.clone(), app.api_key.clone(), key.clone());
-        async move {
-            client
-                .post(format!("http://127.0.0.1:{port}/payments"))
-                .bearer_auth(api_key)
-                .header("Idempotency-Key", key)
-                .json(&json!({ "amount": 5, "account": "held" }))
-                .send()
-                .await
-        }
-    });
+    use crate::commands::{sigterm, stop_logged};
+    let HeldPayment {
+        app,
+        mut server,
+        logs,
+        ops,
+        lock,
+        answer: payment,
+        ..
+    } = HeldPayment::send().await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     let signalled = std::time::Instant::now();
     sigterm(&server);
@@ -495,4 +533,49 @@ async fn on_sigterm_readyz_turns_503_and_a_payment_held_past_ten_seconds_gets_it
     );
     assert!(logs.contains("oncepay stopping"), "{logs}");
     assert_eq!(app.balance("held").await, 95, "charged once");
+}
+
+/// Found from outside: a process killed with SIGKILL while its payment waited on the
+/// account's row lock left the statement waiting, and it committed seconds later, when the
+/// lock was freed, with no process to answer or log it. Its sessions now ask PostgreSQL to
+/// look at the client's socket while a statement runs (`client_connection_check_interval`):
+/// the killed process's statement ends, and nothing is charged.
+#[tokio::test]
+async fn a_payment_waiting_on_a_lock_when_its_process_is_killed_does_not_commit_later() {
+    let HeldPayment {
+        app,
+        mut server,
+        mut lock,
+        key,
+        answer: payment,
+        ..
+    } = HeldPayment::send().await;
+    let backend = crate::concurrency::blocked_payment_backend(&app, &mut lock).await;
+    server.kill().await.unwrap();
+    assert!(payment.await.unwrap().is_err(), "the killed process answered nothing");
+
+    // Bounded: PostgreSQL looks at the socket once a second.
+    let mut ended = false;
+    for _ in 0..50 {
+        let alive: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1)")
+            .bind(backend)
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+        if !alive {
+            ended = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    sqlx::query("COMMIT").execute(&mut lock).await.unwrap();
+    // Had the statement lived on, it would now take the freed row and commit.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(app.balance("held").await, 100, "nothing charged");
+    assert_eq!(
+        app.get(&format!("/idempotency-keys/{key}")).await.status,
+        404,
+        "nothing stored under the key"
+    );
+    assert!(ended, "the killed process's statement ended within 5 s");
 }
