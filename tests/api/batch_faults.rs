@@ -181,8 +181,23 @@ async fn a_batch_whose_answer_cannot_be_read_after_it_ran_answers_503_and_runs_n
     drop_database(&url).await;
 }
 
-#[tokio::test]
-async fn a_batch_whose_connection_breaks_while_it_runs_is_not_run_again() {
+/// How a batch's connection breaks while its statement runs.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Break {
+    /// Closed (the database host's port gone, a relay reset): PostgreSQL sees it, and ends the
+    /// statement within a second (`client_connection_check_interval`, `src/db/pool.rs`).
+    Closed,
+    /// A partition: nothing passes either way and PostgreSQL sees nothing, so the statement
+    /// commits with nobody left to hear it; the server gives up at its call's deadline.
+    Partition,
+}
+
+/// A batch of three payments (keyed 40, keyless 41, keyed `SLOW`) whose connection breaks
+/// `how` while its statement sleeps inside PostgreSQL: every payment is answered 503, the
+/// keyless one told that a second may pay twice, and the batch is never run again; a
+/// replica's retry with the key finds what PostgreSQL did (committed: replayed; ended: run
+/// once, now).
+async fn a_batch_broken_while_it_runs(how: Break) {
     let url = faulty_database("batch_cut").await;
     let (relay, relayed) = TcpRelay::in_front_of(&url).await;
     let pool = PgPool::connect(&url).await.unwrap();
@@ -195,13 +210,15 @@ async fn a_batch_whose_connection_breaks_while_it_runs_is_not_run_again() {
     .await
     .unwrap();
     // The server reaches PostgreSQL through the relay only, never through a pooler here, and
-    // in autocommit: the case where a statement commits with nobody left to hear it.
+    // in autocommit. A statement timeout of 2 s (the sleep takes 1.5) puts the call's
+    // deadline, which ends a partition for the server, at 7 s.
     let app = TestApp::builder()
         .settings(|s| {
             s.database_url = relayed;
             s.db_pooler = Pooler::None;
             s.db_batches_in_flight = Some(1);
             s.db_batch_max = 32;
+            s.statement_timeout = Duration::from_secs(2);
         })
         .with_tenant(tenant_id, api_key.clone())
         .spawn()
@@ -217,7 +234,7 @@ async fn a_batch_whose_connection_breaks_while_it_runs_is_not_run_again() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     sqlx::query("COMMIT").execute(&mut lock).await.unwrap();
     let _ = first.await.unwrap();
-    // Cut while the batch's statement sleeps inside PostgreSQL.
+    // Broken while the batch's statement sleeps inside PostgreSQL.
     let mut running = false;
     for _ in 0..100 {
         let sleeping: i64 = sqlx::query_scalar(
@@ -233,7 +250,10 @@ async fn a_batch_whose_connection_breaks_while_it_runs_is_not_run_again() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert!(running, "the batch reached its statement");
-    relay.cut().await;
+    match how {
+        Break::Closed => relay.cut().await,
+        Break::Partition => relay.silence(),
+    }
     let answers = queued.await.unwrap();
     for answer in &answers {
         answer.assert_problem(503, "temporarily_unavailable");
@@ -244,10 +264,10 @@ async fn a_batch_whose_connection_breaks_while_it_runs_is_not_run_again() {
     assert_eq!(answers[0].header("retry-after"), Some("1"));
     assert_eq!(answers[1].body["title"], "Outcome unknown", "{}", answers[1].body);
     assert_eq!(answers[1].header("retry-after"), None, "{}", answers[1].body);
-    // Wait for PostgreSQL to finish the statement its client left.
+    // Wait for PostgreSQL to finish or end the statement its client left.
     for _ in 0..100 {
         let left: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'oncepay' AND state = 'active'",
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND application_name = 'oncepay' AND state = 'active'",
         )
         .fetch_one(&pool)
         .await
@@ -268,11 +288,16 @@ async fn a_batch_whose_connection_breaks_while_it_runs_is_not_run_again() {
                 .unwrap()
         }
     };
-    // With autocommit, the Sync that commits was sent with the statement: it committed
-    // although its client was gone. The keyless payment exists once, not twice.
-    assert_eq!((count(40).await, count(41).await, count(SLOW).await), (1, 1, 1));
+    // Partitioned, the Sync that commits was sent with the statement: it committed although
+    // its client was gone. Closed, PostgreSQL ended it. Either way, never run twice.
+    let done = i64::from(how == Break::Partition);
+    assert_eq!(
+        (count(40).await, count(41).await, count(SLOW).await),
+        (done, done, done)
+    );
 
-    // Another replica, straight to the database: the retry with the key replays.
+    // Another replica, straight to the database: the retry with the key replays what
+    // committed, or runs what did not, once.
     let replica = TestApp::builder()
         .settings(|s| {
             s.database_url = url.clone();
@@ -282,9 +307,14 @@ async fn a_batch_whose_connection_breaks_while_it_runs_is_not_run_again() {
         .spawn()
         .await;
     let retry = pay_on(&replica, &key, "main", 40).await;
-    assert_eq!((retry.status, retry.replayed()), (201, true), "{}", retry.body);
+    assert_eq!(
+        (retry.status, retry.replayed()),
+        (201, how == Break::Partition),
+        "{}",
+        retry.body
+    );
     assert_eq!(count(40).await, 1);
-    assert_eq!(replica.balance("main").await, MAIN_BALANCE - 40 - 41 - SLOW);
+    assert_eq!(replica.balance("main").await, MAIN_BALANCE - 40 - done * (41 + SLOW));
     let metrics = app.metrics().await;
     assert_eq!(
         metric_value(&metrics, "oncepay_db_batches_failed_total{outcome=\"unknown\"}"),
@@ -293,6 +323,16 @@ async fn a_batch_whose_connection_breaks_while_it_runs_is_not_run_again() {
     );
     pool.close().await;
     drop_database(&url).await;
+}
+
+#[tokio::test]
+async fn a_batch_whose_connection_closes_while_it_runs_is_ended_by_postgresql_and_not_run_again() {
+    a_batch_broken_while_it_runs(Break::Closed).await;
+}
+
+#[tokio::test]
+async fn a_batch_partitioned_while_it_runs_commits_unheard_and_is_not_run_again() {
+    a_batch_broken_while_it_runs(Break::Partition).await;
 }
 
 #[tokio::test]
