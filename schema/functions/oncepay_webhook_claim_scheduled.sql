@@ -1,5 +1,15 @@
 CREATE OR REPLACE FUNCTION public.oncepay_webhook_claim_scheduled(p_limit integer, p_per_endpoint integer, p_lease_ms integer, p_fan_out boolean, p_tenants uuid[], p_tenant_rooms integer[], p_room integer)
  RETURNS TABLE(tenant_id uuid, event_id uuid, endpoint_id uuid, attempt integer, url text, secret_encrypted bytea, previous_secret_encrypted bytea, event_type text, data jsonb, created_at timestamp with time zone, schedule_attempt integer)
+ LANGUAGE sql
+AS $function$
+    SELECT * FROM oncepay_webhook_claim_scheduled(p_limit, p_per_endpoint, p_lease_ms, p_fan_out, p_tenants,
+                                                  p_tenant_rooms, p_room, p_tenant_rooms, '{}'::integer[],
+                                                  '{}'::uuid[], '{}'::integer[])
+$function$
+
+
+CREATE OR REPLACE FUNCTION public.oncepay_webhook_claim_scheduled(p_limit integer, p_per_endpoint integer, p_lease_ms integer, p_fan_out boolean, p_tenants uuid[], p_tenant_rooms integer[], p_room integer, p_tenant_shares integer[], p_tenant_busy integer[], p_endpoints uuid[], p_endpoint_in_flight integer[])
+ RETURNS TABLE(tenant_id uuid, event_id uuid, endpoint_id uuid, attempt integer, url text, secret_encrypted bytea, previous_secret_encrypted bytea, event_type text, data jsonb, created_at timestamp with time zone, schedule_attempt integer)
  LANGUAGE plpgsql
 AS $function$
 #variable_conflict use_column
@@ -19,6 +29,14 @@ DECLARE
     v_seen int := 0;
     v_room_of uuid;
     v_room int;
+    -- The tenant's share of this replica's slots, how many of its endpoints have attempts in
+    -- flight here (those claimed in this call included), and how many it has enabled.
+    v_share int;
+    v_busy int;
+    v_endpoints int;
+    -- This endpoint's attempts in flight here, and what it may take.
+    v_mine int;
+    v_endpoint_room int;
 BEGIN
     PERFORM set_config('synchronous_commit', 'off', true);
     IF p_fan_out THEN
@@ -45,6 +63,10 @@ BEGIN
         IF v_room_of IS DISTINCT FROM v_tenant THEN
             v_room_of := v_tenant;
             v_room := coalesce(p_tenant_rooms[array_position(p_tenants, v_tenant)], p_room);
+            v_share := coalesce(p_tenant_shares[array_position(p_tenants, v_tenant)], p_room);
+            v_busy := coalesce(p_tenant_busy[array_position(p_tenants, v_tenant)], 0);
+            SELECT greatest(count(*), 1) INTO v_endpoints FROM webhook_endpoints e
+             WHERE e.tenant_id = v_tenant AND e.disabled_at IS NULL AND e.deleted_at IS NULL;
         END IF;
         IF v_room <= 0 THEN
             -- The tenant has its share: past its last endpoint, to the next tenant.
@@ -76,7 +98,15 @@ BEGIN
         SELECT count(*) INTO v_in_flight FROM webhook_deliveries d
          WHERE d.tenant_id = v_tenant AND d.endpoint_id = v_endpoint
            AND d.state = 'pending' AND d.leased_until IS NOT NULL AND d.leased_until > now();
-        v_n := least(p_per_endpoint - v_in_flight, p_limit - v_taken, v_room);
+        -- Within its tenant's share, an endpoint is what a tenant is within the replica's
+        -- slots: with m of the tenant's endpoints busy here, each holds at most share/(m+1),
+        -- and an endpoint not busy may take share/(m+2), so a share stays free for the next
+        -- one (V39: the oldest endpoints, visited first, took the whole share); never split
+        -- in more parts than the tenant has endpoints (one alone takes the whole share).
+        v_mine := coalesce(p_endpoint_in_flight[array_position(p_endpoints, v_endpoint)], 0);
+        v_endpoint_room := CASE WHEN v_mine > 0 THEN greatest(1, v_share / least(v_busy + 1, v_endpoints)) - v_mine
+                                ELSE greatest(1, v_share / least(v_busy + 2, v_endpoints)) END;
+        v_n := least(p_per_endpoint - v_in_flight, p_limit - v_taken, v_room, v_endpoint_room);
         CONTINUE WHEN v_n <= 0;
 
         RETURN QUERY
@@ -109,6 +139,9 @@ BEGIN
         GET DIAGNOSTICS v_n = ROW_COUNT;
         v_taken := v_taken + v_n;
         v_room := v_room - v_n;
+        IF v_n > 0 AND v_mine = 0 THEN
+            v_busy := v_busy + 1;
+        END IF;
     END LOOP;
 END
 $function$

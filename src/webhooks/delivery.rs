@@ -259,7 +259,7 @@ impl Deliverer {
         let mut fanned_out: Option<Instant> = None;
         loop {
             while let Ok(e) = ended_rx.try_recv() {
-                shares.ended(e.result.tenant);
+                shares.ended(e.result.tenant, e.result.endpoint);
                 ended.push(e);
             }
             if !ended.is_empty() && !self.record(&mut ended).await {
@@ -286,7 +286,7 @@ impl Deliverer {
                             let Ok(permit) = slots.clone().acquire_owned().await else {
                                 return;
                             };
-                            shares.started(c.tenant);
+                            shares.started(c.tenant, c.endpoint);
                             let (this, tx) = (self.clone(), ended_tx.clone());
                             tokio::spawn(async move {
                                 let e = this.deliver(c).await;
@@ -315,7 +315,7 @@ impl Deliverer {
                     () = stop.cancelled() => continue,
                 };
                 if let Ok(Some(e)) = waited {
-                    shares.ended(e.result.tenant);
+                    shares.ended(e.result.tenant, e.result.endpoint);
                     ended.push(e);
                     // Attempts still in flight tend to end together: a moment's wait lets one
                     // round trip record and replace several (measured: ~6 per round trip
@@ -381,7 +381,7 @@ impl Deliverer {
                               attempt AS "attempt!", url AS "url!", secret_encrypted AS "secret_encrypted!",
                               previous_secret_encrypted, event_type AS "event_type!", data AS "data!",
                               created_at AS "created_at!", schedule_attempt AS "schedule_attempt!"
-                         FROM oncepay_webhook_claim_scheduled($1, $2, $3, $4, $5, $6, $7)"#,
+                         FROM oncepay_webhook_claim_scheduled($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)"#,
                     limit,
                     per_endpoint,
                     lease_ms,
@@ -389,6 +389,10 @@ impl Deliverer {
                     &rooms.tenants,
                     &rooms.rooms,
                     rooms.others,
+                    &rooms.shares,
+                    &rooms.busy,
+                    &rooms.endpoints,
+                    &rooms.endpoint_in_flight,
                 )
                 .fetch_all(c)
                 .await
@@ -671,55 +675,84 @@ impl Drop for AbortOnDrop {
     }
 }
 
-/// A worker's attempts in flight per tenant, and the room each tenant has in a claim.
+/// A worker's attempts in flight per tenant and per endpoint, and the room each has in a
+/// claim.
 #[derive(Default)]
 struct Shares {
     in_flight: HashMap<Uuid, usize>,
+    /// By (tenant, endpoint).
+    endpoints: HashMap<(Uuid, Uuid), usize>,
 }
 
-/// What a claim may take per tenant (`oncepay_webhook_claim`'s last three arguments).
+/// What a claim may take per tenant and per endpoint (`oncepay_webhook_claim_scheduled`'s
+/// last seven arguments).
 #[derive(Debug, PartialEq)]
 struct Rooms {
     tenants: Vec<Uuid>,
     rooms: Vec<i32>,
-    /// Any tenant without attempts in flight.
+    /// Any tenant without attempts in flight: its room, also its share.
     others: i32,
+    /// Per tenant of `tenants`: its share, and how many of its endpoints are busy.
+    shares: Vec<i32>,
+    busy: Vec<i32>,
+    /// The busy endpoints and their attempts in flight.
+    endpoints: Vec<Uuid>,
+    endpoint_in_flight: Vec<i32>,
 }
 
 impl Shares {
-    fn started(&mut self, tenant: Uuid) {
+    fn started(&mut self, tenant: Uuid, endpoint: Uuid) {
         *self.in_flight.entry(tenant).or_default() += 1;
+        *self.endpoints.entry((tenant, endpoint)).or_default() += 1;
     }
 
-    fn ended(&mut self, tenant: Uuid) {
-        if let Some(n) = self.in_flight.get_mut(&tenant) {
-            *n = n.saturating_sub(1);
-            if *n == 0 {
-                self.in_flight.remove(&tenant);
+    fn ended(&mut self, tenant: Uuid, endpoint: Uuid) {
+        fn less<K: std::hash::Hash + Eq>(map: &mut HashMap<K, usize>, key: K) {
+            if let Some(n) = map.get_mut(&key) {
+                *n = n.saturating_sub(1);
+                if *n == 0 {
+                    map.remove(&key);
+                }
             }
         }
+        less(&mut self.in_flight, tenant);
+        less(&mut self.endpoints, (tenant, endpoint));
     }
 
     /// With `k` tenants in flight, each gets `slots / (k + 1)` (at least one) less what it has
     /// in flight, and a tenant with none in flight `slots / (k + 2)`, the share it would have
     /// once in flight: whoever comes next finds a share free. (A tenant alone uses at most
-    /// half of the slots.)
+    /// half of the slots.) A tenant's share is split between its endpoints by the same rule
+    /// (in the claim, which also counts the endpoints it makes busy, and splits a share in no
+    /// more parts than the tenant has endpoints enabled): found from outside, two
+    /// hanging endpoints of a tenant held its whole share and its healthy endpoint, created
+    /// after them, got 10 of 313 events in 80 s.
     fn rooms(&self, slots: usize) -> Rooms {
         let active = self.in_flight.len();
         let share = |tenants: usize| i32::try_from((slots / (tenants + 1)).max(1)).unwrap_or(i32::MAX);
-        let (tenants, rooms) = self
-            .in_flight
-            .iter()
-            .map(|(tenant, n)| {
-                let n = i32::try_from(*n).unwrap_or(i32::MAX);
-                (*tenant, share(active).saturating_sub(n).max(0))
-            })
-            .unzip();
-        Rooms {
-            tenants,
-            rooms,
+        let count = |n: usize| i32::try_from(n).unwrap_or(i32::MAX);
+        let mut rooms = Rooms {
+            tenants: Vec::with_capacity(active),
+            rooms: Vec::with_capacity(active),
             others: share(active + 1),
+            shares: Vec::with_capacity(active),
+            busy: Vec::with_capacity(active),
+            endpoints: Vec::with_capacity(self.endpoints.len()),
+            endpoint_in_flight: Vec::with_capacity(self.endpoints.len()),
+        };
+        for (tenant, n) in &self.in_flight {
+            rooms.tenants.push(*tenant);
+            rooms.rooms.push(share(active).saturating_sub(count(*n)).max(0));
+            rooms.shares.push(share(active));
+            rooms
+                .busy
+                .push(count(self.endpoints.keys().filter(|(t, _)| t == tenant).count()));
         }
+        for ((_, endpoint), n) in &self.endpoints {
+            rooms.endpoints.push(*endpoint);
+            rooms.endpoint_in_flight.push(count(*n));
+        }
+        rooms
     }
 }
 
@@ -1008,18 +1041,13 @@ mod tests {
     #[test]
     fn each_tenant_in_flight_gets_a_share_and_a_share_stays_free_for_another() {
         let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
+        let (a1, b1) = (Uuid::new_v4(), Uuid::new_v4());
         let mut shares = Shares::default();
         // Nobody in flight: the first tenant may take half, the other half stays free.
-        assert_eq!(
-            shares.rooms(64),
-            Rooms {
-                tenants: vec![],
-                rooms: vec![],
-                others: 32
-            }
-        );
+        let rooms = shares.rooms(64);
+        assert_eq!((rooms.tenants, rooms.rooms, rooms.others), (vec![], vec![], 32));
         for _ in 0..40 {
-            shares.started(a);
+            shares.started(a, a1);
         }
         // One tenant in flight, over its half: no room for it, a third for the next.
         let rooms = shares.rooms(64);
@@ -1027,22 +1055,60 @@ mod tests {
             (rooms.tenants.clone(), rooms.rooms.clone(), rooms.others),
             (vec![a], vec![0], 21)
         );
-        shares.started(b);
+        shares.started(b, b1);
         let rooms = shares.rooms(64);
         let room_of = |t: Uuid| rooms.rooms[rooms.tenants.iter().position(|x| *x == t).unwrap()];
         assert_eq!((room_of(a), room_of(b), rooms.others), (0, 20, 16));
         for _ in 0..40 {
-            shares.ended(a);
+            shares.ended(a, a1);
         }
-        shares.ended(b);
+        shares.ended(b, b1);
         assert!(
-            shares.in_flight.is_empty(),
-            "no tenant left behind: {:?}",
-            shares.in_flight
+            shares.in_flight.is_empty() && shares.endpoints.is_empty(),
+            "no tenant or endpoint left behind: {:?} {:?}",
+            shares.in_flight,
+            shares.endpoints
         );
         // A single slot is still a share.
-        shares.started(a);
+        shares.started(a, a1);
         assert_eq!(shares.rooms(1).others, 1);
+    }
+
+    /// The claim splits a tenant's share between its endpoints as the slots are split
+    /// between tenants: it is told each tenant's share, how many of its endpoints are busy,
+    /// and what each busy endpoint has in flight.
+    #[test]
+    fn a_claim_is_told_each_tenants_share_and_its_busy_endpoints() {
+        let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
+        let (a1, a2, b1) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
+        let mut shares = Shares::default();
+        for _ in 0..10 {
+            shares.started(a, a1);
+        }
+        for _ in 0..3 {
+            shares.started(a, a2);
+        }
+        shares.started(b, b1);
+        let rooms = shares.rooms(64);
+        let at = |t: Uuid| rooms.tenants.iter().position(|x| *x == t).unwrap();
+        // Two tenants in flight: a third of the slots each.
+        assert_eq!((rooms.shares[at(a)], rooms.busy[at(a)], rooms.rooms[at(a)]), (21, 2, 8));
+        assert_eq!(
+            (rooms.shares[at(b)], rooms.busy[at(b)], rooms.rooms[at(b)]),
+            (21, 1, 20)
+        );
+        let in_flight = |e: Uuid| rooms.endpoint_in_flight[rooms.endpoints.iter().position(|x| *x == e).unwrap()];
+        assert_eq!((in_flight(a1), in_flight(a2), in_flight(b1)), (10, 3, 1));
+        assert_eq!(rooms.endpoints.len(), 3);
+        for _ in 0..3 {
+            shares.ended(a, a2);
+        }
+        let rooms = shares.rooms(64);
+        assert_eq!(rooms.busy[rooms.tenants.iter().position(|x| *x == a).unwrap()], 1);
+        assert!(
+            !rooms.endpoints.contains(&a2),
+            "an endpoint with nothing in flight is not busy"
+        );
     }
 
     #[test]

@@ -853,6 +853,45 @@ async fn one_tenants_slow_endpoints_leave_a_share_of_the_slots_to_another_tenant
     drop_database(&url).await;
 }
 
+/// Found from outside: a tenant's two endpoints that hang, created first, held the tenant's
+/// whole share of the slots (the claim visits a tenant's endpoints oldest first), and its
+/// healthy endpoint, created after them, got 10 of 313 events in 80 s. The share is now
+/// split between the tenant's endpoints as the slots are between tenants: with 8 slots
+/// (the tenant's share 4) the hanging two hold at most 3, and the healthy one's events
+/// arrive while every hanging attempt still hangs. (Before: the first hanging endpoint took
+/// all 4, and the healthy one waited for the 20 s timeout.)
+#[tokio::test]
+async fn a_tenants_hanging_endpoints_leave_a_share_of_its_slots_to_its_healthy_endpoint() {
+    let (app, url) = spawn_app_on_own_database_with("endpoint_shares", |s| {
+        delivering(s);
+        s.webhooks.concurrency = 8;
+        s.webhooks.timeout = Duration::from_secs(20);
+    })
+    .await;
+    let hanging = Receiver::start().await;
+    hanging.set_delay(Duration::from_secs(25));
+    for _ in 0..2 {
+        subscribe(&app, &hanging, None).await;
+    }
+    let healthy = Receiver::start().await;
+    subscribe(&app, &healthy, None).await;
+    for _ in 0..5 {
+        pay(&app, 10).await;
+    }
+    healthy.wait_for_acknowledged(5, Duration::from_secs(15)).await;
+    assert!(
+        hanging.acknowledged().is_empty(),
+        "a hanging attempt ended: the test proves nothing"
+    );
+    assert!(hanging.in_flight() >= 2, "both hanging endpoints are being tried");
+    assert!(
+        hanging.max_in_flight() <= 3,
+        "the hanging endpoints held {} of the tenant's 4",
+        hanging.max_in_flight()
+    );
+    drop_database(&url).await;
+}
+
 /// Two replicas: a replayed creation answers the same body on both (the replay cache of the
 /// one that answered first holds none of it), with the first answer's secret until the
 /// secret is rotated, and `secret: null` after; a rotation's replay likewise shows its secret
