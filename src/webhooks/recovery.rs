@@ -33,7 +33,8 @@ pub async fn events(
                  FROM webhook_events ev
                 WHERE ev.tenant_id = $1
                   AND (ev.created_at, ev.event_id) >
-                      ((SELECT c.created_at FROM webhook_events c WHERE c.tenant_id = $1 AND c.event_id = $2), $2)
+                      (CASE WHEN $3::timestamptz > (SELECT c.created_at FROM webhook_events c WHERE c.tenant_id = $1 AND c.event_id = $2) THEN $3::timestamptz ELSE (SELECT c.created_at FROM webhook_events c WHERE c.tenant_id = $1 AND c.event_id = $2) END,
+                       CASE WHEN $3::timestamptz > (SELECT c.created_at FROM webhook_events c WHERE c.tenant_id = $1 AND c.event_id = $2) THEN '00000000-0000-0000-0000-000000000000'::uuid ELSE $2 END)
                   AND ev.created_at >= coalesce($3::timestamptz, '-infinity') AND ev.created_at < coalesce($4::timestamptz, 'infinity')
                   AND ($5::text IS NULL OR ev.event_type = $5)
                 ORDER BY ev.created_at, ev.event_id
@@ -56,9 +57,11 @@ pub async fn events(
                  FROM webhook_events ev
                 WHERE ev.tenant_id = $1
                   AND (ev.created_at, ev.event_id) <
-                      (CASE WHEN $2::uuid IS NULL THEN 'infinity'::timestamptz
+                      (CASE WHEN $2::uuid IS NULL THEN coalesce($4::timestamptz, 'infinity')
+                            WHEN $4::timestamptz <= (SELECT c.created_at FROM webhook_events c WHERE c.tenant_id = $1 AND c.event_id = $2) THEN $4::timestamptz
                             ELSE (SELECT c.created_at FROM webhook_events c WHERE c.tenant_id = $1 AND c.event_id = $2) END,
-                       coalesce($2, 'ffffffff-ffff-ffff-ffff-ffffffffffff'))
+                       CASE WHEN $2::uuid IS NULL OR $4::timestamptz <= (SELECT c.created_at FROM webhook_events c WHERE c.tenant_id = $1 AND c.event_id = $2) THEN '00000000-0000-0000-0000-000000000000'::uuid
+                            ELSE $2 END)
                   AND ev.created_at >= coalesce($3::timestamptz, '-infinity') AND ev.created_at < coalesce($4::timestamptz, 'infinity')
                   AND ($5::text IS NULL OR ev.event_type = $5)
                 ORDER BY ev.created_at DESC, ev.event_id DESC
@@ -167,9 +170,9 @@ pub async fn attempts(
                  FROM webhook_attempts a
                 WHERE a.tenant_id = $1 AND a.endpoint_id = $2
                   AND (a.started_at, a.event_id, a.attempt) >
-                      ((SELECT c.started_at FROM webhook_attempts c
-                         WHERE c.tenant_id = $1 AND c.event_id = $3 AND c.endpoint_id = $2 AND c.attempt = $4),
-                       $3, $4)
+                      (CASE WHEN $5::timestamptz > (SELECT c.started_at FROM webhook_attempts c WHERE c.tenant_id = $1 AND c.event_id = $3 AND c.endpoint_id = $2 AND c.attempt = $4) THEN $5::timestamptz ELSE (SELECT c.started_at FROM webhook_attempts c WHERE c.tenant_id = $1 AND c.event_id = $3 AND c.endpoint_id = $2 AND c.attempt = $4) END,
+                       CASE WHEN $5::timestamptz > (SELECT c.started_at FROM webhook_attempts c WHERE c.tenant_id = $1 AND c.event_id = $3 AND c.endpoint_id = $2 AND c.attempt = $4) THEN '00000000-0000-0000-0000-000000000000'::uuid ELSE $3 END,
+                       CASE WHEN $5::timestamptz > (SELECT c.started_at FROM webhook_attempts c WHERE c.tenant_id = $1 AND c.event_id = $3 AND c.endpoint_id = $2 AND c.attempt = $4) THEN 0 ELSE $4 END)
                   AND a.started_at >= coalesce($5::timestamptz, '-infinity') AND a.started_at < coalesce($6::timestamptz, 'infinity')
                   AND ($7::boolean IS NULL OR $7 = (a.status IS NULL OR a.status NOT BETWEEN 200 AND 299))
                 ORDER BY a.started_at, a.event_id, a.attempt
@@ -194,11 +197,12 @@ pub async fn attempts(
                  FROM webhook_attempts a
                 WHERE a.tenant_id = $1 AND a.endpoint_id = $2
                   AND (a.started_at, a.event_id, a.attempt) <
-                      (CASE WHEN $3::uuid IS NULL THEN 'infinity'::timestamptz
-                            ELSE (SELECT c.started_at FROM webhook_attempts c
-                                   WHERE c.tenant_id = $1 AND c.event_id = $3 AND c.endpoint_id = $2
-                                     AND c.attempt = $4) END,
-                       coalesce($3, 'ffffffff-ffff-ffff-ffff-ffffffffffff'), coalesce($4::int, 2147483647))
+                      (CASE WHEN $3::uuid IS NULL THEN coalesce($6::timestamptz, 'infinity')
+                            WHEN $6::timestamptz <= (SELECT c.started_at FROM webhook_attempts c WHERE c.tenant_id = $1 AND c.event_id = $3 AND c.endpoint_id = $2 AND c.attempt = $4) THEN $6::timestamptz
+                            ELSE (SELECT c.started_at FROM webhook_attempts c WHERE c.tenant_id = $1 AND c.event_id = $3 AND c.endpoint_id = $2 AND c.attempt = $4) END,
+                       CASE WHEN $3::uuid IS NULL OR $6::timestamptz <= (SELECT c.started_at FROM webhook_attempts c WHERE c.tenant_id = $1 AND c.event_id = $3 AND c.endpoint_id = $2 AND c.attempt = $4)
+                            THEN '00000000-0000-0000-0000-000000000000'::uuid ELSE $3 END,
+                       CASE WHEN $3::uuid IS NULL OR $6::timestamptz <= (SELECT c.started_at FROM webhook_attempts c WHERE c.tenant_id = $1 AND c.event_id = $3 AND c.endpoint_id = $2 AND c.attempt = $4) THEN 0 ELSE $4::int END)
                   AND a.started_at >= coalesce($5::timestamptz, '-infinity') AND a.started_at < coalesce($6::timestamptz, 'infinity')
                   AND ($7::boolean IS NULL OR $7 = (a.status IS NULL OR a.status NOT BETWEEN 200 AND 299))
                 ORDER BY a.started_at DESC, a.event_id DESC, a.attempt DESC

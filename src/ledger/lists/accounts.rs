@@ -35,7 +35,8 @@ pub async fn accounts(
                 FROM accounts r
                 WHERE r.tenant_id = $1
                   AND (r.created_at, r.account_id) >
-                      ((SELECT c.created_at FROM accounts c WHERE c.tenant_id = $1 AND c.account_id = $2), $2::text)
+                      (CASE WHEN $3::timestamptz > (SELECT c.created_at FROM accounts c WHERE c.tenant_id = $1 AND c.account_id = $2) THEN $3::timestamptz ELSE (SELECT c.created_at FROM accounts c WHERE c.tenant_id = $1 AND c.account_id = $2) END,
+                       CASE WHEN $3::timestamptz > (SELECT c.created_at FROM accounts c WHERE c.tenant_id = $1 AND c.account_id = $2) THEN '' ELSE $2::text END)
                   AND r.created_at >= coalesce($3::timestamptz, '-infinity') AND r.created_at < coalesce($4::timestamptz, 'infinity')
                 ORDER BY r.created_at, r.account_id
                 LIMIT $5"#,
@@ -57,9 +58,11 @@ pub async fn accounts(
                 FROM accounts r
                 WHERE r.tenant_id = $1
                   AND (r.created_at, r.account_id) <
-                      (CASE WHEN $2::text IS NULL THEN 'infinity'::timestamptz
+                      (CASE WHEN $2::text IS NULL THEN coalesce($4::timestamptz, 'infinity')
+                            WHEN $4::timestamptz <= (SELECT c.created_at FROM accounts c WHERE c.tenant_id = $1 AND c.account_id = $2) THEN $4::timestamptz
                             ELSE (SELECT c.created_at FROM accounts c WHERE c.tenant_id = $1 AND c.account_id = $2) END,
-                       coalesce($2, ''))
+                       CASE WHEN $2::text IS NULL OR $4::timestamptz <= (SELECT c.created_at FROM accounts c WHERE c.tenant_id = $1 AND c.account_id = $2) THEN ''
+                            ELSE $2 END)
                   AND r.created_at >= coalesce($3::timestamptz, '-infinity') AND r.created_at < coalesce($4::timestamptz, 'infinity')
                 ORDER BY r.created_at DESC, r.account_id DESC
                 LIMIT $5"#,

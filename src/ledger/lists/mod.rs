@@ -7,6 +7,11 @@
 //! `(created_at, id)` is looked up within the tenant in the same statement (an uncorrelated
 //! subquery, run once before the scan); an unknown cursor compares as NULL and reads nothing,
 //! and only then does a second statement tell an unknown cursor from the end of the list.
+//! A time window moves the scan's start, not only its filter: newest first, the start is the
+//! cursor or the window's end (`created[lt]`), whichever is older; oldest first, the cursor or
+//! the window's start, whichever is newer. (Found from outside: as a filter alone, the first
+//! page of a window 29 days back read every newer index entry of 2.5 million payments, 149
+//! ms against 2.9; PostgreSQL positions a scan by the row comparison only.)
 //! Conditions that are not columns of the index (a payment's status) are checked on the rows
 //! the index gives. Every query states its tenant first.
 //!

@@ -116,9 +116,11 @@ pub async fn payments(
                     FROM payments r
                     WHERE r.tenant_id = $1
                       AND (r.created_at, r.payment_id) <
-                          (CASE WHEN $2::uuid IS NULL THEN 'infinity'::timestamptz
+                          (CASE WHEN $2::uuid IS NULL THEN coalesce($4::timestamptz, 'infinity')
+                                WHEN $4::timestamptz <= (SELECT c.created_at FROM payments c WHERE c.tenant_id = $1 AND c.payment_id = $2) THEN $4::timestamptz
                                 ELSE (SELECT c.created_at FROM payments c WHERE c.tenant_id = $1 AND c.payment_id = $2) END,
-                           coalesce($2, 'ffffffff-ffff-ffff-ffff-ffffffffffff'))
+                           CASE WHEN $2::uuid IS NULL OR $4::timestamptz <= (SELECT c.created_at FROM payments c WHERE c.tenant_id = $1 AND c.payment_id = $2) THEN '00000000-0000-0000-0000-000000000000'::uuid
+                                ELSE $2 END)
                       AND r.created_at >= coalesce($3::timestamptz, '-infinity') AND r.created_at < coalesce($4::timestamptz, 'infinity')
                       AND ($5::text IS NULL OR ($5 = 'refunded') = (r.refunded_at IS NOT NULL))
                     ORDER BY r.created_at DESC, r.payment_id DESC
@@ -140,7 +142,8 @@ pub async fn payments(
                     FROM payments r
                     WHERE r.tenant_id = $1
                       AND (r.created_at, r.payment_id) >
-                          ((SELECT c.created_at FROM payments c WHERE c.tenant_id = $1 AND c.payment_id = $2), $2)
+                          (CASE WHEN $3::timestamptz > (SELECT c.created_at FROM payments c WHERE c.tenant_id = $1 AND c.payment_id = $2) THEN $3::timestamptz ELSE (SELECT c.created_at FROM payments c WHERE c.tenant_id = $1 AND c.payment_id = $2) END,
+                           CASE WHEN $3::timestamptz > (SELECT c.created_at FROM payments c WHERE c.tenant_id = $1 AND c.payment_id = $2) THEN '00000000-0000-0000-0000-000000000000'::uuid ELSE $2 END)
                       AND r.created_at >= coalesce($3::timestamptz, '-infinity') AND r.created_at < coalesce($4::timestamptz, 'infinity')
                       AND ($5::text IS NULL OR ($5 = 'refunded') = (r.refunded_at IS NOT NULL))
                     ORDER BY r.created_at, r.payment_id
@@ -162,9 +165,11 @@ pub async fn payments(
                     FROM payments r
                     WHERE r.tenant_id = $1 AND r.account_id = $7
                       AND (r.created_at, r.payment_id) <
-                          (CASE WHEN $2::uuid IS NULL THEN 'infinity'::timestamptz
+                          (CASE WHEN $2::uuid IS NULL THEN coalesce($4::timestamptz, 'infinity')
+                                WHEN $4::timestamptz <= (SELECT c.created_at FROM payments c WHERE c.tenant_id = $1 AND c.payment_id = $2) THEN $4::timestamptz
                                 ELSE (SELECT c.created_at FROM payments c WHERE c.tenant_id = $1 AND c.payment_id = $2) END,
-                           coalesce($2, 'ffffffff-ffff-ffff-ffff-ffffffffffff'))
+                           CASE WHEN $2::uuid IS NULL OR $4::timestamptz <= (SELECT c.created_at FROM payments c WHERE c.tenant_id = $1 AND c.payment_id = $2) THEN '00000000-0000-0000-0000-000000000000'::uuid
+                                ELSE $2 END)
                       AND r.created_at >= coalesce($3::timestamptz, '-infinity') AND r.created_at < coalesce($4::timestamptz, 'infinity')
                       AND ($5::text IS NULL OR ($5 = 'refunded') = (r.refunded_at IS NOT NULL))
                     ORDER BY r.created_at DESC, r.payment_id DESC
@@ -187,7 +192,8 @@ pub async fn payments(
                     FROM payments r
                     WHERE r.tenant_id = $1 AND r.account_id = $7
                       AND (r.created_at, r.payment_id) >
-                          ((SELECT c.created_at FROM payments c WHERE c.tenant_id = $1 AND c.payment_id = $2), $2)
+                          (CASE WHEN $3::timestamptz > (SELECT c.created_at FROM payments c WHERE c.tenant_id = $1 AND c.payment_id = $2) THEN $3::timestamptz ELSE (SELECT c.created_at FROM payments c WHERE c.tenant_id = $1 AND c.payment_id = $2) END,
+                           CASE WHEN $3::timestamptz > (SELECT c.created_at FROM payments c WHERE c.tenant_id = $1 AND c.payment_id = $2) THEN '00000000-0000-0000-0000-000000000000'::uuid ELSE $2 END)
                       AND r.created_at >= coalesce($3::timestamptz, '-infinity') AND r.created_at < coalesce($4::timestamptz, 'infinity')
                       AND ($5::text IS NULL OR ($5 = 'refunded') = (r.refunded_at IS NOT NULL))
                     ORDER BY r.created_at, r.payment_id

@@ -75,7 +75,8 @@ pub async fn top_ups(
                 FROM top_ups r
                 WHERE r.tenant_id = $1
                   AND (r.created_at, r.top_up_id) >
-                      ((SELECT c.created_at FROM top_ups c WHERE c.tenant_id = $1 AND c.top_up_id = $2), $2)
+                      (CASE WHEN $3::timestamptz > (SELECT c.created_at FROM top_ups c WHERE c.tenant_id = $1 AND c.top_up_id = $2) THEN $3::timestamptz ELSE (SELECT c.created_at FROM top_ups c WHERE c.tenant_id = $1 AND c.top_up_id = $2) END,
+                       CASE WHEN $3::timestamptz > (SELECT c.created_at FROM top_ups c WHERE c.tenant_id = $1 AND c.top_up_id = $2) THEN '00000000-0000-0000-0000-000000000000'::uuid ELSE $2 END)
                   AND r.created_at >= coalesce($3::timestamptz, '-infinity') AND r.created_at < coalesce($4::timestamptz, 'infinity')
                   AND ($5::text IS NULL OR (CASE WHEN r.refund_state = 'debited' THEN 'refund_pending' ELSE r.status END) = $5)
                 ORDER BY r.created_at, r.top_up_id
@@ -104,9 +105,11 @@ pub async fn top_ups(
                 FROM top_ups r
                 WHERE r.tenant_id = $1
                   AND (r.created_at, r.top_up_id) <
-                      (CASE WHEN $2::uuid IS NULL THEN 'infinity'::timestamptz
+                      (CASE WHEN $2::uuid IS NULL THEN coalesce($4::timestamptz, 'infinity')
+                            WHEN $4::timestamptz <= (SELECT c.created_at FROM top_ups c WHERE c.tenant_id = $1 AND c.top_up_id = $2) THEN $4::timestamptz
                             ELSE (SELECT c.created_at FROM top_ups c WHERE c.tenant_id = $1 AND c.top_up_id = $2) END,
-                       coalesce($2, 'ffffffff-ffff-ffff-ffff-ffffffffffff'))
+                       CASE WHEN $2::uuid IS NULL OR $4::timestamptz <= (SELECT c.created_at FROM top_ups c WHERE c.tenant_id = $1 AND c.top_up_id = $2) THEN '00000000-0000-0000-0000-000000000000'::uuid
+                            ELSE $2 END)
                   AND r.created_at >= coalesce($3::timestamptz, '-infinity') AND r.created_at < coalesce($4::timestamptz, 'infinity')
                   AND ($5::text IS NULL OR (CASE WHEN r.refund_state = 'debited' THEN 'refund_pending' ELSE r.status END) = $5)
                 ORDER BY r.created_at DESC, r.top_up_id DESC

@@ -40,9 +40,11 @@ pub async fn transfers(
                     FROM transfers r
                     WHERE r.tenant_id = $1
                       AND (r.created_at, r.transfer_id) <
-                          (CASE WHEN $2::uuid IS NULL THEN 'infinity'::timestamptz
+                          (CASE WHEN $2::uuid IS NULL THEN coalesce($4::timestamptz, 'infinity')
+                                WHEN $4::timestamptz <= (SELECT c.created_at FROM transfers c WHERE c.tenant_id = $1 AND c.transfer_id = $2) THEN $4::timestamptz
                                 ELSE (SELECT c.created_at FROM transfers c WHERE c.tenant_id = $1 AND c.transfer_id = $2) END,
-                           coalesce($2, 'ffffffff-ffff-ffff-ffff-ffffffffffff'))
+                           CASE WHEN $2::uuid IS NULL OR $4::timestamptz <= (SELECT c.created_at FROM transfers c WHERE c.tenant_id = $1 AND c.transfer_id = $2) THEN '00000000-0000-0000-0000-000000000000'::uuid
+                                ELSE $2 END)
                       AND r.created_at >= coalesce($3::timestamptz, '-infinity') AND r.created_at < coalesce($4::timestamptz, 'infinity')
                     ORDER BY r.created_at DESC, r.transfer_id DESC
                     LIMIT $5"#,
@@ -64,7 +66,8 @@ pub async fn transfers(
                     FROM transfers r
                     WHERE r.tenant_id = $1
                       AND (r.created_at, r.transfer_id) >
-                          ((SELECT c.created_at FROM transfers c WHERE c.tenant_id = $1 AND c.transfer_id = $2), $2)
+                          (CASE WHEN $3::timestamptz > (SELECT c.created_at FROM transfers c WHERE c.tenant_id = $1 AND c.transfer_id = $2) THEN $3::timestamptz ELSE (SELECT c.created_at FROM transfers c WHERE c.tenant_id = $1 AND c.transfer_id = $2) END,
+                           CASE WHEN $3::timestamptz > (SELECT c.created_at FROM transfers c WHERE c.tenant_id = $1 AND c.transfer_id = $2) THEN '00000000-0000-0000-0000-000000000000'::uuid ELSE $2 END)
                       AND r.created_at >= coalesce($3::timestamptz, '-infinity') AND r.created_at < coalesce($4::timestamptz, 'infinity')
                     ORDER BY r.created_at, r.transfer_id
                     LIMIT $5"#,
@@ -88,9 +91,11 @@ pub async fn transfers(
                        (SELECT t.transfer_id, t.from_account_id, t.to_account_id, t.amount, t.created_at FROM transfers t
                          WHERE t.tenant_id = $1 AND t.from_account_id = $6
                            AND (t.created_at, t.transfer_id) <
-                               (CASE WHEN $2::uuid IS NULL THEN 'infinity'::timestamptz
+                               (CASE WHEN $2::uuid IS NULL THEN coalesce($4::timestamptz, 'infinity')
+                                     WHEN $4::timestamptz <= (SELECT c.created_at FROM transfers c WHERE c.tenant_id = $1 AND c.transfer_id = $2) THEN $4::timestamptz
                                      ELSE (SELECT c.created_at FROM transfers c WHERE c.tenant_id = $1 AND c.transfer_id = $2) END,
-                                coalesce($2, 'ffffffff-ffff-ffff-ffff-ffffffffffff'))
+                                CASE WHEN $2::uuid IS NULL OR $4::timestamptz <= (SELECT c.created_at FROM transfers c WHERE c.tenant_id = $1 AND c.transfer_id = $2) THEN '00000000-0000-0000-0000-000000000000'::uuid
+                                     ELSE $2 END)
                            AND t.created_at >= coalesce($3::timestamptz, '-infinity') AND t.created_at < coalesce($4::timestamptz, 'infinity')
                          ORDER BY t.created_at DESC, t.transfer_id DESC
                          LIMIT $5)
@@ -98,9 +103,11 @@ pub async fn transfers(
                        (SELECT t.transfer_id, t.from_account_id, t.to_account_id, t.amount, t.created_at FROM transfers t
                          WHERE t.tenant_id = $1 AND t.to_account_id = $6
                            AND (t.created_at, t.transfer_id) <
-                               (CASE WHEN $2::uuid IS NULL THEN 'infinity'::timestamptz
+                               (CASE WHEN $2::uuid IS NULL THEN coalesce($4::timestamptz, 'infinity')
+                                     WHEN $4::timestamptz <= (SELECT c.created_at FROM transfers c WHERE c.tenant_id = $1 AND c.transfer_id = $2) THEN $4::timestamptz
                                      ELSE (SELECT c.created_at FROM transfers c WHERE c.tenant_id = $1 AND c.transfer_id = $2) END,
-                                coalesce($2, 'ffffffff-ffff-ffff-ffff-ffffffffffff'))
+                                CASE WHEN $2::uuid IS NULL OR $4::timestamptz <= (SELECT c.created_at FROM transfers c WHERE c.tenant_id = $1 AND c.transfer_id = $2) THEN '00000000-0000-0000-0000-000000000000'::uuid
+                                     ELSE $2 END)
                            AND t.created_at >= coalesce($3::timestamptz, '-infinity') AND t.created_at < coalesce($4::timestamptz, 'infinity')
                          ORDER BY t.created_at DESC, t.transfer_id DESC
                          LIMIT $5)) AS u
@@ -127,7 +134,8 @@ pub async fn transfers(
                        (SELECT t.transfer_id, t.from_account_id, t.to_account_id, t.amount, t.created_at FROM transfers t
                          WHERE t.tenant_id = $1 AND t.from_account_id = $6
                            AND (t.created_at, t.transfer_id) >
-                               ((SELECT c.created_at FROM transfers c WHERE c.tenant_id = $1 AND c.transfer_id = $2), $2)
+                               (CASE WHEN $3::timestamptz > (SELECT c.created_at FROM transfers c WHERE c.tenant_id = $1 AND c.transfer_id = $2) THEN $3::timestamptz ELSE (SELECT c.created_at FROM transfers c WHERE c.tenant_id = $1 AND c.transfer_id = $2) END,
+                                CASE WHEN $3::timestamptz > (SELECT c.created_at FROM transfers c WHERE c.tenant_id = $1 AND c.transfer_id = $2) THEN '00000000-0000-0000-0000-000000000000'::uuid ELSE $2 END)
                            AND t.created_at >= coalesce($3::timestamptz, '-infinity') AND t.created_at < coalesce($4::timestamptz, 'infinity')
                          ORDER BY t.created_at, t.transfer_id
                          LIMIT $5)
@@ -135,7 +143,8 @@ pub async fn transfers(
                        (SELECT t.transfer_id, t.from_account_id, t.to_account_id, t.amount, t.created_at FROM transfers t
                          WHERE t.tenant_id = $1 AND t.to_account_id = $6
                            AND (t.created_at, t.transfer_id) >
-                               ((SELECT c.created_at FROM transfers c WHERE c.tenant_id = $1 AND c.transfer_id = $2), $2)
+                               (CASE WHEN $3::timestamptz > (SELECT c.created_at FROM transfers c WHERE c.tenant_id = $1 AND c.transfer_id = $2) THEN $3::timestamptz ELSE (SELECT c.created_at FROM transfers c WHERE c.tenant_id = $1 AND c.transfer_id = $2) END,
+                                CASE WHEN $3::timestamptz > (SELECT c.created_at FROM transfers c WHERE c.tenant_id = $1 AND c.transfer_id = $2) THEN '00000000-0000-0000-0000-000000000000'::uuid ELSE $2 END)
                            AND t.created_at >= coalesce($3::timestamptz, '-infinity') AND t.created_at < coalesce($4::timestamptz, 'infinity')
                          ORDER BY t.created_at, t.transfer_id
                          LIMIT $5)) AS u
