@@ -85,8 +85,12 @@ pub enum ApiError {
     KeyReused,
     #[error("this Idempotency-Key has passed its replay window; if you mean a new operation, send the request again with a new key")]
     KeyExpired,
-    #[error("a request with this Idempotency-Key (sent without one: the same request, under the tenant's `fingerprint` policy) is still being processed; retry after the Retry-After delay")]
+    #[error("another request with this Idempotency-Key is still being processed; retry after the Retry-After delay: the retry answers its result (under the tenant's `fingerprint` policy, a request sent without a key has the key of its body)")]
     InProgress,
+    /// `GET /idempotency-keys/{key}` while a request with the key runs: its row is not
+    /// committed yet, and the key is not "never used".
+    #[error("a request with this Idempotency-Key is being processed now; look again after the Retry-After delay (the request's own retry with the key waits for it and answers its result). Do not take it for unused")]
+    KeyInFlight,
     /// A refund of a top-up that is still `processing`: nothing was claimed or stored, so a
     /// retry with the same key refunds it once it has succeeded.
     #[error("the top-up is still processing at the card processor (GET /top-ups/{{id}} shows when it ends: a wait for the cardholder's action may last ONCEPAY_TOPUP_ACTION_TIMEOUT_SECS); it can be refunded once it has succeeded. Nothing was stored under this Idempotency-Key")]
@@ -148,7 +152,9 @@ impl ApiError {
             }
             Self::KeyReused => ProblemCode::IdempotencyKeyReused,
             Self::KeyExpired => ProblemCode::IdempotencyKeyExpired,
-            Self::InProgress | Self::TopUpProcessing | Self::DeliveryAttemptOut => ProblemCode::RequestInProgress,
+            Self::InProgress | Self::KeyInFlight | Self::TopUpProcessing | Self::DeliveryAttemptOut => {
+                ProblemCode::RequestInProgress
+            }
             Self::Overloaded | Self::AccountBusy => ProblemCode::Overloaded,
             Self::Unavailable
             | Self::OutcomeUnknown
@@ -180,7 +186,7 @@ impl ApiError {
             }
             Self::KeyReused => "Idempotency key reused",
             Self::KeyExpired => "Idempotency key expired",
-            Self::InProgress => "Request in progress",
+            Self::InProgress | Self::KeyInFlight => "Request in progress",
             Self::TopUpProcessing => "Top-up still processing",
             Self::DeliveryAttemptOut => "Delivery attempt in progress",
             Self::Overloaded => "Overloaded",
@@ -211,7 +217,7 @@ impl ApiError {
             Self::ProcessorWaiting { .. } | Self::ProcessorWaitingWithoutKey { .. } => "waiting",
             Self::KeyReused => "key_reused",
             Self::KeyExpired => "expired",
-            Self::InProgress | Self::TopUpProcessing | Self::DeliveryAttemptOut => "in_progress",
+            Self::InProgress | Self::KeyInFlight | Self::TopUpProcessing | Self::DeliveryAttemptOut => "in_progress",
             Self::Overloaded
             | Self::AccountBusy
             | Self::Unavailable
@@ -234,6 +240,7 @@ impl ApiError {
     fn retry_after(&self) -> Option<u64> {
         match self {
             Self::InProgress
+            | Self::KeyInFlight
             | Self::DeliveryAttemptOut
             | Self::Overloaded
             | Self::AccountBusy

@@ -69,6 +69,39 @@ pub struct KeyRow {
     pub expires_at: DateTime<Utc>,
 }
 
+/// What holds a key that has no committed row ([`key_in_flight`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KeyHeld {
+    /// A request with the key is running: its row is not committed yet.
+    InFlight,
+    /// A row was committed meanwhile: read it again.
+    Present,
+    /// No request holds it.
+    Absent,
+}
+
+/// How long [`key_in_flight`] waits for a transaction holding the key.
+const IN_FLIGHT_WAIT_MS: i32 = 20;
+
+/// Whether a request with the tenant's `key` is running, asked of the unique index as a
+/// duplicate request does (migrations/V40): a key row is inserted, and so visible, only when
+/// its request commits.
+pub async fn key_in_flight(conn: &mut PgConnection, tenant: TenantId, key: &str) -> Result<KeyHeld, sqlx::Error> {
+    let held = sqlx::query_scalar!(
+        r#"SELECT oncepay_key_in_flight($1, $2, $3) AS "held!""#,
+        tenant.get(),
+        key,
+        IN_FLIGHT_WAIT_MS,
+    )
+    .fetch_one(conn)
+    .await?;
+    Ok(match held.as_str() {
+        "in_flight" => KeyHeld::InFlight,
+        "present" => KeyHeld::Present,
+        _ => KeyHeld::Absent,
+    })
+}
+
 /// The tenant's key row `key`, if the tenant has one by that name (another tenant's is none).
 pub async fn key(conn: &mut PgConnection, tenant: TenantId, key: &str) -> Result<Option<KeyRow>, sqlx::Error> {
     let row = sqlx::query!(

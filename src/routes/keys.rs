@@ -9,10 +9,10 @@ use serde::Serialize;
 use utoipa::ToSchema;
 
 use super::intake::no_query;
-use super::schemas::{BadRequest, NotFound, Overloaded, Unauthorized, Unavailable};
+use super::schemas::{BadRequest, Conflict, NotFound, Overloaded, Unauthorized, Unavailable};
 use crate::domain::time;
 use crate::error::ApiError;
-use crate::ledger;
+use crate::ledger::{self, KeyHeld};
 use crate::state::AppState;
 
 pub fn configure(cfg: &mut web::ServiceConfig) {
@@ -64,7 +64,7 @@ struct ResourceOut {
     responses(
         (status = 200, description = "The key's row.", body = KeyOut),
         (status = 400, response = BadRequest), (status = 401, response = Unauthorized), (status = 404, response = NotFound),
-        (status = 429, response = Overloaded), (status = 503, response = Unavailable),
+        (status = 409, response = Conflict), (status = 429, response = Overloaded), (status = 503, response = Unavailable),
     )
 )]
 pub(super) async fn show(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
@@ -78,10 +78,20 @@ pub(super) async fn show(req: HttpRequest, state: web::Data<AppState>) -> Result
         // A string that cannot be a key names none.
         .ok_or(ApiError::NotFound)?;
     let mut conn = state.conn().await?;
-    let row = conn
-        .run(async |c| ledger::key(c, tenant.id, &key).await)
-        .await?
-        .ok_or(ApiError::NotFound)?;
+    let mut row = conn.run(async |c| ledger::key(c, tenant.id, &key).await).await?;
+    if row.is_none() {
+        // Found from outside: a payment still running (its key row not committed) was
+        // answered "never used", which a recovery tool may take for "pay again".
+        match conn
+            .run(async |c| ledger::key_in_flight(c, tenant.id, &key).await)
+            .await?
+        {
+            KeyHeld::InFlight => return Err(ApiError::KeyInFlight),
+            KeyHeld::Present => row = conn.run(async |c| ledger::key(c, tenant.id, &key).await).await?,
+            KeyHeld::Absent => {}
+        }
+    }
+    let row = row.ok_or(ApiError::NotFound)?;
     let spec = row.operation.spec();
     let resource = row.resource_id.map(|id| ResourceOut {
         kind: spec.resource.kind,

@@ -87,6 +87,26 @@ pub async fn lock_accounts_at(url: &str, rows: &[(uuid::Uuid, &str)]) -> sqlx::P
     conn
 }
 
+/// A keyed payment of `amount` from `main`, sent in a task of its own (to wait behind a lock).
+fn pay_in_background(app: &TestApp, key: &str, amount: i64) -> tokio::task::JoinHandle<reqwest::Response> {
+    let (client, url, api_key, key) = (
+        app.client.clone(),
+        app.url("/payments"),
+        app.api_key.clone(),
+        key.to_owned(),
+    );
+    tokio::spawn(async move {
+        client
+            .post(url)
+            .bearer_auth(api_key)
+            .header("Idempotency-Key", key)
+            .json(&json!({ "amount": amount }))
+            .send()
+            .await
+            .unwrap()
+    })
+}
+
 /// Waits (bounded) until a payment's backend is blocked by our lock; returns its pid. Only
 /// backends that our own lock blocks count: other tests run at the same time.
 pub async fn blocked_payment_backend(app: &TestApp, lock: &mut sqlx::PgConnection) -> i32 {
@@ -115,24 +135,7 @@ async fn a_duplicate_of_an_in_flight_request_waits_then_answers_409_with_retry_a
     let app = spawn_app_with(|s| s.inflight_wait = Duration::from_millis(300)).await;
     let key = new_key();
     let mut lock = lock_main_account(&app).await;
-    let original = tokio::spawn({
-        let (client, url, api_key, key) = (
-            app.client.clone(),
-            app.url("/payments"),
-            app.api_key.clone(),
-            key.clone(),
-        );
-        async move {
-            client
-                .post(url)
-                .bearer_auth(api_key)
-                .header("Idempotency-Key", key)
-                .json(&serde_json::json!({ "amount": 100 }))
-                .send()
-                .await
-                .unwrap()
-        }
-    });
+    let original = pay_in_background(&app, &key, 100);
     blocked_payment_backend(&app, &mut lock).await;
 
     let duplicate = app.pay(Some(&key), 100).await;
@@ -153,39 +156,9 @@ async fn a_duplicate_that_outwaits_the_original_gets_its_result_not_a_second_cha
     let app = spawn_app().await;
     let key = new_key();
     let mut lock = lock_main_account(&app).await;
-    let original = tokio::spawn({
-        let (client, url, api_key, key) = (
-            app.client.clone(),
-            app.url("/payments"),
-            app.api_key.clone(),
-            key.clone(),
-        );
-        async move {
-            client
-                .post(url)
-                .bearer_auth(api_key)
-                .header("Idempotency-Key", key)
-                .json(&serde_json::json!({ "amount": 100 }))
-                .send()
-                .await
-                .unwrap()
-        }
-    });
+    let original = pay_in_background(&app, &key, 100);
     blocked_payment_backend(&app, &mut lock).await;
-    let duplicate = tokio::spawn({
-        let app_url = app.url("/payments");
-        let (client, api_key, key) = (app.client.clone(), app.api_key.clone(), key.clone());
-        async move {
-            client
-                .post(app_url)
-                .bearer_auth(api_key)
-                .header("Idempotency-Key", key)
-                .json(&serde_json::json!({ "amount": 100 }))
-                .send()
-                .await
-                .unwrap()
-        }
-    });
+    let duplicate = pay_in_background(&app, &key, 100);
     tokio::time::sleep(Duration::from_millis(300)).await;
 
     sqlx::query("ROLLBACK").execute(&mut lock).await.unwrap();
@@ -204,24 +177,7 @@ async fn a_transaction_broken_mid_flight_answers_503_commits_nothing_and_the_ret
     let app = spawn_app().await;
     let key = new_key();
     let mut lock = lock_main_account(&app).await;
-    let victim = tokio::spawn({
-        let (client, url, api_key, key) = (
-            app.client.clone(),
-            app.url("/payments"),
-            app.api_key.clone(),
-            key.clone(),
-        );
-        async move {
-            client
-                .post(url)
-                .bearer_auth(api_key)
-                .header("Idempotency-Key", key)
-                .json(&serde_json::json!({ "amount": 100 }))
-                .send()
-                .await
-                .unwrap()
-        }
-    });
+    let victim = pay_in_background(&app, &key, 100);
     let pid = blocked_payment_backend(&app, &mut lock).await;
 
     let terminated: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
@@ -262,4 +218,39 @@ async fn a_fresh_server_replays_the_keys_of_one_whose_pool_is_closed() {
     assert!(replay.replayed());
     assert_eq!(replay.body, original.body);
     assert_eq!(second.balance("main").await, MAIN_BALANCE - 100);
+}
+
+/// Found from outside: while a payment waited on its account's row, its key's lookup
+/// answered 404 "no such resource", the answer for a key never used; a recovery tool that
+/// took it so and paid again under a new key would charge twice. The row is committed only
+/// with the payment, so the lookup asks the unique index (V40): 409 `request_in_progress`
+/// with Retry-After while the payment runs, the payment once it is done. An unknown key is
+/// still 404, and the lookup leaves nothing under it.
+#[tokio::test]
+async fn a_key_whose_payment_is_still_running_is_not_answered_as_never_used() {
+    let app = spawn_app().await;
+    let key = new_key();
+    let mut lock = lock_main_account(&app).await;
+    let payment = pay_in_background(&app, &key, 7);
+    blocked_payment_backend(&app, &mut lock).await;
+    let looked_up = app.get(&format!("/idempotency-keys/{key}")).await;
+    looked_up.assert_problem(409, "request_in_progress");
+    assert_eq!(looked_up.header("retry-after"), Some("1"));
+    assert!(
+        looked_up.body["detail"].as_str().unwrap().contains("look again"),
+        "{}",
+        looked_up.body
+    );
+
+    sqlx::query("COMMIT").execute(&mut lock).await.unwrap();
+    assert_eq!(payment.await.unwrap().status(), 201);
+    let done = app.get(&format!("/idempotency-keys/{key}")).await;
+    assert_eq!((done.status, &done.body["status"]), (200, &json!(201)), "{}", done.body);
+
+    let unused = new_key();
+    assert_eq!(app.get(&format!("/idempotency-keys/{unused}")).await.status, 404);
+    assert_eq!(app.get(&format!("/idempotency-keys/{unused}")).await.status, 404);
+    let paid = app.post("/payments", Some(&unused), &json!({ "amount": 1 })).await;
+    assert_eq!((paid.status, paid.replayed()), (201, false), "{}", paid.body);
+    assert_eq!(app.balance("main").await, MAIN_BALANCE - 8);
 }
