@@ -8,8 +8,9 @@
 //! `account create ID`.
 //!
 //! Exit status: 0 success; 1 the answer could not be written to standard output (the operation
-//! was done: stderr names its key); 2 bad usage; 3 the server refused the request (a 4xx
-//! problem that a retry would not change) or the client refused the server's TLS certificate;
+//! was done: stderr names its key); 2 bad usage; 3 the server refused the request (oncepay's
+//! own final problem, or a 4xx page answering a first attempt; never a 5xx oncepay did not
+//! answer) or the client refused the server's TLS certificate;
 //! 4 the outcome is unknown (no final answer within the attempts, the deadline or the budget,
 //! a success whose body could not be read, or `refund-top-up`'s 202 `refund_pending`): run the
 //! command again with the same `--key`; 5 the server's answer could not be read.

@@ -8,7 +8,8 @@ use serde::Deserialize;
 use crate::protocol::ProblemCode;
 
 /// An RFC 9457 problem answered by the server (or a non-problem error answer, whose `code`
-/// is then `http_<status>`).
+/// is then `http_<status>`). Whatever answers in the server's place (a gateway's 520-524, a
+/// load balancer's page) gives one too: [`Problem::from_oncepay`] tells them apart.
 #[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
 pub struct Problem {
     #[serde(skip)]
@@ -25,12 +26,17 @@ pub struct Problem {
     /// A stored failure replayed for a retried key (`Idempotency-Replayed: true`).
     #[serde(skip)]
     pub replayed: bool,
+    /// oncepay itself answered: `application/problem+json` with a `code` of oncepay's, at that
+    /// code's status. Any other answer (a gateway's 524 after the request reached the server,
+    /// a proxy's own JSON) says nothing about what the server did.
+    #[serde(skip)]
+    pub from_oncepay: bool,
 }
 
 impl Problem {
-    /// Reads an error answer; a body that is not a problem still yields a problem with the
-    /// status, so every failure has a `code`.
-    pub fn from_answer(status: u16, replayed: bool, body: &[u8]) -> Self {
+    /// Reads an error answer (`content_type`: its `Content-Type`); a body that is not a problem
+    /// still yields a problem with the status, so every failure has a `code`.
+    pub fn from_answer(status: u16, replayed: bool, content_type: Option<&str>, body: &[u8]) -> Self {
         let parsed = serde_json::from_slice::<Problem>(body).ok();
         let mut problem = parsed.unwrap_or_else(|| Problem {
             status,
@@ -39,10 +45,21 @@ impl Problem {
             detail: String::from_utf8_lossy(&body[..body.len().min(200)]).into_owned(),
             decline_code: None,
             replayed,
+            from_oncepay: false,
         });
         problem.status = status;
         problem.replayed = replayed;
+        let problem_json = content_type
+            .and_then(|t| t.split(';').next())
+            .is_some_and(|t| t.trim().eq_ignore_ascii_case("application/problem+json"));
+        problem.from_oncepay = problem_json && problem.known_code().is_some_and(|code| code.status() == status);
         problem
+    }
+
+    /// The `code` when oncepay itself answered it ([`Problem::from_oncepay`]); `None` for any
+    /// other answer. The retry table ([`crate::policy::retryable`]) takes this.
+    pub fn oncepay_code(&self) -> Option<ProblemCode> {
+        self.known_code().filter(|_| self.from_oncepay)
     }
 
     /// The `code` as a [`ProblemCode`]; `None` for a code this client does not know (a newer
@@ -101,6 +118,17 @@ pub enum ClientError {
         #[source]
         source: serde_json::Error,
     },
+    /// An earlier attempt's outcome is unknown (`earlier`: its failure), and the last attempt
+    /// ended with an answer that does not tell it: not oncepay's own (a proxy's 4xx page), or
+    /// no answer at all (a certificate refused on a new connection). The operation may have
+    /// been done: resume it with the same key.
+    #[error("the outcome of an earlier attempt is unknown ({earlier}), and the last of {attempts} attempt(s) was not answered by oncepay: {last}")]
+    Unresolved {
+        attempts: u32,
+        earlier: String,
+        #[source]
+        last: Box<ClientError>,
+    },
     /// A caller's value the client refuses before sending anything.
     #[error("{0}")]
     InvalidArgument(String),
@@ -117,6 +145,7 @@ impl ClientError {
             Self::DeadlineExceeded { .. } => "deadline_exceeded",
             Self::BudgetExhausted { .. } => "retry_budget_exhausted",
             Self::InvalidResponse { .. } => "invalid_response",
+            Self::Unresolved { .. } => "outcome_unknown",
             Self::InvalidArgument(_) => "invalid_argument",
         }
     }
@@ -129,12 +158,21 @@ impl ClientError {
         }
     }
 
+    /// Whether oncepay itself gave this final answer (see [`Problem::from_oncepay`]): only such an
+    /// answer tells what became of an attempt whose outcome was unknown.
+    pub(crate) fn answered_by_oncepay(&self) -> bool {
+        matches!(self, Self::Problem(problem) if problem.from_oncepay)
+    }
+
     /// Whether the operation may have been processed although this error was returned: then
     /// the caller should send it again later *with the same key*, never with a new one.
     pub fn outcome_unknown(&self) -> bool {
         match self {
-            Self::Problem(problem) => crate::policy::retryable(problem.status, problem.known_code()),
-            Self::Transport { .. } | Self::DeadlineExceeded { .. } | Self::BudgetExhausted { .. } => true,
+            Self::Problem(problem) => crate::policy::retryable(problem.status, problem.oncepay_code()),
+            Self::Transport { .. }
+            | Self::DeadlineExceeded { .. }
+            | Self::BudgetExhausted { .. }
+            | Self::Unresolved { .. } => true,
             Self::InvalidResponse { status, .. } => (200..300).contains(status),
             Self::Tls { .. } | Self::InvalidArgument(_) => false,
         }

@@ -8,8 +8,10 @@
 //!   ([`Reply::replayed`]). A new operation takes a new key ([`IdempotencyKey::generate`]);
 //!   to resume an operation whose outcome is unknown ([`ClientError::outcome_unknown`]),
 //!   call again with the same key.
-//! - **The retry table** is in [`policy`]: transport failures, 500/502/503/504, 429 and 409
-//!   `request_in_progress` are retried; every other error is returned at once.
+//! - **The retry table** is in [`policy`]: transport failures, 500/502/503/504, any 5xx
+//!   oncepay did not answer itself (a gateway's 524), 429 and 409 `request_in_progress` are
+//!   retried; every other error is returned at once. Once an attempt's outcome is unknown,
+//!   only oncepay's own answer ends the operation as anything but unknown.
 //! - **Waits**: exponential backoff with full jitter, never shorter than the server's
 //!   `Retry-After`; at most `max_attempts` attempts within an overall `deadline`
 //!   ([`ClientConfig`]).

@@ -5,10 +5,11 @@
 //! | --- | --- | --- |
 //! | connect error, timeout, dropped connection | yes | the request may or may not have been processed: only the same key can tell |
 //! | 500, 502, 503, 504 | yes | a transient failure; the server commits nothing on a transient failure (docs/api.md, Idempotency, rule 8) |
+//! | any other 5xx not answered by oncepay (a gateway's 520-524, a 501 or 507 page) | yes | the request may have reached the server (a 524 comes after it did): only the same key can tell |
 //! | 408 `request_timeout` | yes | the request did not arrive whole in time: nothing was processed |
 //! | 429 `overloaded` | yes, after `Retry-After` | the server sheds load |
 //! | 409 `request_in_progress` | yes, after `Retry-After` | the first request with this key is still running |
-//! | 400, 401, 402, 403, 404, 413, 415, 422, other 409s, anything else | no | the same request gets the same answer: the caller must change something |
+//! | 400, 401, 402, 403, 404, 413, 415, 422, other 409s, oncepay's 501 `processor_not_configured`, anything else | no | the same request gets the same answer: the caller must change something |
 //! | a server certificate that does not verify (`ClientError::Tls`) | no | the handshake failed, nothing was sent; the next attempt would meet the same certificate |
 
 use std::time::{Duration, SystemTime};
@@ -17,12 +18,18 @@ use reqwest::header::{HeaderMap, RETRY_AFTER};
 
 use crate::protocol::ProblemCode;
 
-/// Whether an error answer with this status and problem `code` (`None`: none this client
-/// knows) is worth retrying.
+/// Whether an error answer with this status and problem `code` is worth retrying. `code` is
+/// the problem's code when oncepay itself answered ([`crate::Problem::oncepay_code`]); `None`
+/// for any other answer, which says nothing about what the server did.
 pub fn retryable(status: u16, code: Option<ProblemCode>) -> bool {
     match status {
         500 | 502 | 503 | 504 | 429 | 408 => true,
         409 => code == Some(ProblemCode::RequestInProgress),
+        // A 5xx that oncepay did not answer is a gateway's: a 524 comes after the request
+        // reached the server (found from outside: reported as refused, and paid twice). With
+        // the key every retry is safe. oncepay's own 5xx problems keep their word (501
+        // `processor_not_configured` is final).
+        500..=599 => code.is_none(),
         _ => false,
     }
 }
@@ -52,7 +59,10 @@ mod tests {
         }
         assert!(retryable(409, Some(ProblemCode::RequestInProgress)));
         assert!(!retryable(409, None), "an unknown 409 is final");
-        assert!(!retryable(501, None));
+        for status in [501, 505, 507, 520, 521, 522, 523, 524, 599] {
+            assert!(retryable(status, None), "a gateway's {status}");
+        }
+        assert!(!retryable(404, None) && !retryable(400, None), "a 4xx page is final");
         // Every other code of docs/api.md is final.
         for &code in ProblemCode::ALL {
             let expected = matches!(

@@ -33,6 +33,9 @@ impl Client {
         let config = &self.inner.config;
         let deadline = Instant::now() + config.deadline;
         let mut attempt = 0;
+        // The first failure that left the outcome unknown: only oncepay's own answer may end
+        // the operation as anything else afterwards.
+        let mut unknown: Option<String> = None;
         loop {
             attempt += 1;
             let timeout = config
@@ -49,7 +52,10 @@ impl Client {
             };
             let last = failed.error;
             if !failed.retryable || attempt >= config.max_attempts {
-                return Err(last);
+                return Err(settled(last, unknown, attempt));
+            }
+            if unknown.is_none() && last.outcome_unknown() {
+                unknown = Some(format!("attempt {attempt}: {}: {last}", last.code()));
             }
             let backoff = config.backoff.delay(attempt);
             let wait = wait_before_retry(backoff, failed.retry_after);
@@ -106,13 +112,33 @@ impl Client {
         let status = response.status().as_u16();
         let replayed = response.headers().get(REPLAYED_HEADER).is_some_and(|v| v == "true");
         let retry_after = policy::retry_after(response.headers(), SystemTime::now());
+        let content_type = response
+            .headers()
+            .get(CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
         // A connection dropped in the middle of the body is a transport failure too.
         let body = response.bytes().await.map_err(transport)?;
-        read_answer(status, replayed, &body).map_err(|(error, retryable)| Failed {
+        read_answer(status, replayed, content_type.as_deref(), &body).map_err(|(error, retryable)| Failed {
             error,
             retryable,
             retry_after,
         })
+    }
+}
+
+/// The operation's end on `last`, a final failure: after an attempt whose outcome is unknown
+/// (`unknown`), an answer that is not oncepay's own (a proxy's 4xx page, a certificate
+/// refused on a new connection) does not tell what that attempt did, so the outcome stays
+/// unknown (found from outside: a 524 after dropped answers was reported as refused).
+fn settled(last: ClientError, unknown: Option<String>, attempts: u32) -> ClientError {
+    match unknown {
+        Some(earlier) if !last.outcome_unknown() && !last.answered_by_oncepay() => ClientError::Unresolved {
+            attempts,
+            earlier,
+            last: Box::new(last),
+        },
+        _ => last,
     }
 }
 
@@ -126,11 +152,12 @@ pub(crate) fn wait_before_retry(backoff: Duration, retry_after: Option<Duration>
     }
 }
 
-/// Reads a whole answer: a success's body as `T`, anything else as a problem, with whether
-/// the retry table retries it.
+/// Reads a whole answer (`content_type`: its `Content-Type`): a success's body as `T`, anything
+/// else as a problem, with whether the retry table retries it.
 pub(crate) fn read_answer<T: DeserializeOwned>(
     status: u16,
     replayed: bool,
+    content_type: Option<&str>,
     body: &[u8],
 ) -> Result<Reply<T>, (ClientError, bool)> {
     if (200..300).contains(&status) {
@@ -157,8 +184,8 @@ pub(crate) fn read_answer<T: DeserializeOwned>(
             attempts: 0,
         });
     }
-    let problem = Problem::from_answer(status, replayed, body);
-    let retryable = policy::retryable(status, problem.known_code());
+    let problem = Problem::from_answer(status, replayed, content_type, body);
+    let retryable = policy::retryable(status, problem.oncepay_code());
     Err((ClientError::Problem(problem), retryable))
 }
 
@@ -211,9 +238,50 @@ mod tests {
     #[test]
     fn a_success_cut_short_or_not_json_is_retried_and_its_outcome_unknown() {
         for body in [&br#"{"id":"9b2f4f6e-52c4"#[..], b"<html>portal</html>", b""] {
-            let (error, retryable) = read_answer::<serde_json::Value>(201, false, body).unwrap_err();
+            let (error, retryable) = read_answer::<serde_json::Value>(201, false, None, body).unwrap_err();
             assert_eq!((error.code(), retryable), ("invalid_response", true), "{body:?}");
             assert!(error.outcome_unknown());
         }
+    }
+
+    #[test]
+    fn a_5xx_oncepay_did_not_answer_is_retried_and_oncepays_own_final_one_is_not() {
+        let own = br#"{"type":"https://oncepay.dev/problems/processor_not_configured","title":"t","status":501,"detail":"d","code":"processor_not_configured"}"#;
+        let (error, retryable) =
+            read_answer::<serde_json::Value>(501, false, Some("application/problem+json"), own).unwrap_err();
+        assert!(!retryable && !error.outcome_unknown(), "oncepay's 501 is final");
+        for (status, content_type, body) in [
+            (524, Some("text/html"), &b"<html>a timeout occurred</html>"[..]),
+            (501, Some("text/plain"), b"not implemented"),
+            (501, Some("application/json"), own),
+            (507, None, b""),
+        ] {
+            let (error, retryable) = read_answer::<serde_json::Value>(status, false, content_type, body).unwrap_err();
+            assert!(retryable && error.outcome_unknown(), "{status} {content_type:?}");
+        }
+    }
+
+    #[test]
+    fn after_an_unknown_outcome_only_oncepays_own_answer_settles_the_operation() {
+        let unknown = Some("attempt 1: transport_error: no answer".to_owned());
+        let page = |status| {
+            read_answer::<serde_json::Value>(status, false, Some("text/html"), b"<html>")
+                .unwrap_err()
+                .0
+        };
+        let settled_page = settled(page(404), unknown.clone(), 2);
+        assert_eq!(settled_page.code(), "outcome_unknown");
+        assert!(settled_page.outcome_unknown());
+        assert_eq!(
+            settled(page(404), None, 1).code(),
+            "http_404",
+            "a first attempt's page is a refusal"
+        );
+        let declined = br#"{"type":"t","title":"t","status":402,"detail":"d","code":"insufficient_funds"}"#;
+        let (own, _) =
+            read_answer::<serde_json::Value>(402, true, Some("application/problem+json"), declined).unwrap_err();
+        let own = settled(own, unknown, 2);
+        assert_eq!(own.code(), "insufficient_funds");
+        assert!(!own.outcome_unknown(), "oncepay's stored decline settles it");
     }
 }

@@ -83,6 +83,9 @@ mod tests {
     use crate::protocol::{ProblemCode, KEY_HEADER};
     use crate::retry::read_answer;
 
+    /// The `Content-Type` of oncepay's own problems.
+    const PROBLEM_JSON: Option<&str> = Some("application/problem+json");
+
     fn client() -> Client {
         // Building sends nothing: no server is needed to inspect the requests.
         Client::builder("http://127.0.0.1:8130/api", "secret-key")
@@ -138,7 +141,7 @@ mod tests {
     fn the_documented_answers_are_read() {
         let created = br#"{"id":"9b2f4f6e-52c4-4c3a-a0f5-0e4d2f5b8a11","from":"u1","to":"u2","amount":100,
             "from_balance":900,"to_balance":100,"created_at":"2026-12-01T02:00:00Z"}"#;
-        let reply = read_answer::<Transfer>(201, true, created).unwrap();
+        let reply = read_answer::<Transfer>(201, true, None, created).unwrap();
         assert_eq!((reply.status, reply.replayed), (201, true));
         assert_eq!(
             (reply.value.from.as_str(), reply.value.to.as_str(), reply.value.amount),
@@ -148,7 +151,7 @@ mod tests {
 
         let state = br#"{"id":"9b2f4f6e-52c4-4c3a-a0f5-0e4d2f5b8a11","from":"u1","to":"u2","amount":100,
             "created_at":"2026-12-01T02:00:00Z"}"#;
-        let reply = read_answer::<TransferState>(200, false, state).unwrap();
+        let reply = read_answer::<TransferState>(200, false, None, state).unwrap();
         assert_eq!(
             reply.value.id,
             Uuid::parse_str("9b2f4f6e-52c4-4c3a-a0f5-0e4d2f5b8a11").unwrap()
@@ -159,7 +162,7 @@ mod tests {
     #[test]
     fn a_201_without_the_balances_is_an_invalid_response() {
         let body = br#"{"id":"9b2f4f6e-52c4-4c3a-a0f5-0e4d2f5b8a11","from":"u1","to":"u2","amount":100}"#;
-        let (error, retryable) = read_answer::<Transfer>(201, false, body).unwrap_err();
+        let (error, retryable) = read_answer::<Transfer>(201, false, None, body).unwrap_err();
         assert_eq!((error.code(), retryable), ("invalid_response", false));
     }
 
@@ -178,7 +181,7 @@ mod tests {
                 "code": code,
             });
             let (error, retryable) =
-                read_answer::<Transfer>(code.status(), false, body.to_string().as_bytes()).unwrap_err();
+                read_answer::<Transfer>(code.status(), false, PROBLEM_JSON, body.to_string().as_bytes()).unwrap_err();
             assert_eq!((error.status(), error.code()), (Some(code.status()), code.as_str()));
             assert!(!retryable && !error.outcome_unknown(), "{code}");
         }

@@ -311,12 +311,30 @@ async fn a_bad_key_or_a_missing_url_is_a_usage_error() {
 
 /// `pay ARGS...` through `proxy` with retries allowed, as the tests of the client's edges
 /// run it.
-fn pay_args<'a>(proxy: &'a FaultProxy, app: &'a TestApp, more: &[&'a str]) -> Vec<&'a str> {
+pub fn pay_args<'a>(proxy: &'a FaultProxy, app: &'a TestApp, more: &[&'a str]) -> Vec<&'a str> {
     let mut args = vec!["pay"];
     args.extend(server_args(&proxy.url, app));
     args.extend(["--amount", "100", "--timeout-ms", "2000"]);
     args.extend(more);
     args
+}
+
+/// Asserts that `run` ended as an unknown outcome (exit 4) naming the key its first attempt
+/// through `proxy` carried, to resume with; returns that key.
+pub fn unknown_with_the_key(run: &Run, proxy: &FaultProxy) -> String {
+    assert_eq!(run.status, 4, "stderr: {}", run.stderr);
+    let key = proxy.seen()[0].key.clone().expect("a keyed call");
+    assert!(run.stderr.contains(&format!("--key {key}")), "{}", run.stderr);
+    key
+}
+
+/// Runs `pay` again through `proxy` with `key`, as the CLI told the user to resume: the
+/// stored answer, and still `payments` payments in all.
+pub async fn resuming_replays(proxy: &FaultProxy, app: &TestApp, key: &str, payments: i64) {
+    let resumed = oncepay(&pay_args(proxy, app, &["--key", key]), &[]).await;
+    assert_eq!(resumed.status, 0, "{}", resumed.stderr);
+    assert!(resumed.stderr.contains("replayed"), "{}", resumed.stderr);
+    assert_eq!(app.payment_count().await, payments);
 }
 
 /// Found from outside (2026-12-06): a lost answer, then a 503 whose `Retry-After` is
@@ -339,16 +357,10 @@ async fn a_retry_after_of_u64_max_seconds_ends_with_the_key_and_no_panic() {
 
     let run = oncepay(&pay_args(&proxy, &app, &[]), &[]).await;
 
-    assert_eq!(run.status, 4, "stderr: {}", run.stderr);
+    let key = unknown_with_the_key(&run, &proxy);
     assert!(run.stderr.contains("the server asked to wait"), "{}", run.stderr);
-    let key = proxy.seen()[0].key.clone().unwrap();
-    assert!(run.stderr.contains(&format!("--key {key}")), "{}", run.stderr);
     assert_eq!(app.payment_count().await, 1, "the first attempt paid");
-    let again = pay_args(&proxy, &app, &["--key", &key]);
-    let resumed = oncepay(&again, &[]).await;
-    assert_eq!(resumed.status, 0, "{}", resumed.stderr);
-    assert!(resumed.stderr.contains("replayed"), "{}", resumed.stderr);
-    assert_eq!(app.payment_count().await, 1);
+    resuming_replays(&proxy, &app, &key, 1).await;
 }
 
 /// Found from outside: a 201 cut short by a proxy (no `Content-Length`, half the body, then
@@ -388,9 +400,7 @@ async fn a_success_that_is_never_json_ends_as_an_unknown_outcome_with_the_key() 
 
     let run = oncepay(&pay_args(&proxy, &app, &["--max-attempts", "2"]), &[]).await;
 
-    assert_eq!(run.status, 4, "stderr: {}", run.stderr);
-    let key = proxy.seen()[0].key.clone().unwrap();
-    assert!(run.stderr.contains(&format!("--key {key}")), "{}", run.stderr);
+    unknown_with_the_key(&run, &proxy);
     assert_eq!(proxy.seen().len(), 2);
 }
 

@@ -12,6 +12,7 @@ mod batch_faults;
 mod bench_sql;
 mod brownout;
 mod cli;
+mod cli_outcomes;
 mod client;
 mod client_limits;
 mod client_transfers;

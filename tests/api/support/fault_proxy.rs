@@ -106,6 +106,17 @@ pub fn lose_the_first_answer(incoming: &Incoming) -> Action {
     }
 }
 
+/// A plan: `first` for the first request, `rest` for every later one.
+pub fn first_then(first: Action, rest: Action) -> impl Fn(&Incoming) -> Action + Send + Sync + 'static {
+    move |incoming| {
+        if incoming.index == 0 {
+            first.clone()
+        } else {
+            rest.clone()
+        }
+    }
+}
+
 type Plan = dyn Fn(&Incoming) -> Action + Send + Sync;
 
 pub struct FaultProxy {

@@ -1,0 +1,88 @@
+//! What the CLI reports when the answer does not settle the operation: a gateway's 5xx, a
+//! proxy's page after an unknown outcome, an interrupted run, a resumed one. The rule: once an
+//! attempt's outcome is unknown, only oncepay's own answer may say anything else, and the
+//! key to resume with is always printed.
+
+use crate::cli::{oncepay, pay_args, resuming_replays, server_args, unknown_with_the_key};
+use crate::support::fault_proxy::{first_then, Action, FaultProxy};
+use crate::support::helpers::spawn_app;
+
+/// Found from outside: a gateway's 524 (sent after the request reached the server, which
+/// paid) was reported as refused, exit 3 and no key; the user ran it again and paid twice.
+/// A 5xx that oncepay did not answer is retried with the same key, and when the attempts run
+/// out the outcome is unknown: exit 4 with the key.
+#[tokio::test]
+async fn a_gateways_524_after_the_payment_is_retried_and_never_reported_as_refused() {
+    let app = spawn_app().await;
+    let proxy = FaultProxy::start(&app.address, |incoming| match incoming.index {
+        0 | 1 => Action::ForwardThenStatus(524),
+        _ => Action::Forward,
+    })
+    .await;
+
+    let once = oncepay(&pay_args(&proxy, &app, &["--max-attempts", "1"]), &[]).await;
+    let retried = oncepay(&pay_args(&proxy, &app, &[]), &[]).await;
+
+    let key = unknown_with_the_key(&once, &proxy);
+    assert_eq!(retried.status, 0, "stderr: {}", retried.stderr);
+    assert!(
+        retried.stderr.contains("attempt 1 failed (http_524)"),
+        "{}",
+        retried.stderr
+    );
+    assert!(retried.stderr.contains("replayed"), "{}", retried.stderr);
+    // Two operations, each paid once, the first resumed by its key.
+    resuming_replays(&proxy, &app, &key, 2).await;
+}
+
+/// After an answer lost in transit, a proxy's own 404 page tells nothing of what the first
+/// attempt did: the outcome stays unknown (it was "refused", exit 3, though paid).
+#[tokio::test]
+async fn a_proxys_page_after_a_lost_answer_leaves_the_outcome_unknown() {
+    let app = spawn_app().await;
+    let page = Action::PlainError { status: 404 };
+    let proxy = FaultProxy::start(&app.address, first_then(Action::DropAnswer, page)).await;
+
+    let run = oncepay(&pay_args(&proxy, &app, &[]), &[]).await;
+
+    unknown_with_the_key(&run, &proxy);
+    assert!(run.stderr.contains("code=outcome_unknown"), "{}", run.stderr);
+    assert_eq!(proxy.seen().len(), 2, "a 404 page is not retried");
+    assert_eq!(app.payment_count().await, 1, "the first attempt paid");
+}
+
+/// oncepay's own final 5xx keeps its word: a top-up without a card processor is 501
+/// `processor_not_configured`, refused at once (exit 3), not retried as a gateway's 501 is.
+#[tokio::test]
+async fn oncepays_own_501_is_final_and_a_gateways_501_is_retried() {
+    let app = spawn_app().await;
+    let proxy = FaultProxy::start(&app.address, |incoming| match incoming.index {
+        1 => Action::PlainError { status: 501 },
+        _ => Action::Forward,
+    })
+    .await;
+    let top_up = |more: &'static [&'static str]| {
+        let mut args = vec!["top-up", "--amount", "100", "--payment-method", "pm_card_visa"];
+        args.extend(server_args(&proxy.url, &app));
+        args.extend(more);
+        args
+    };
+
+    let refused = oncepay(&top_up(&[]), &[]).await;
+    let gateway = oncepay(&pay_args(&proxy, &app, &[]), &[]).await;
+
+    assert_eq!(refused.status, 3, "stderr: {}", refused.stderr);
+    assert!(
+        refused.stderr.contains("code=processor_not_configured status=501"),
+        "{}",
+        refused.stderr
+    );
+    assert_eq!(gateway.status, 0, "stderr: {}", gateway.stderr);
+    assert!(
+        gateway.stderr.contains("attempt 1 failed (http_501)"),
+        "{}",
+        gateway.stderr
+    );
+    let seen = proxy.seen();
+    assert_eq!(seen.len(), 3, "one attempt for the top-up, two for the payment");
+}
