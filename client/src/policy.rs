@@ -37,11 +37,16 @@ pub fn retryable(status: u16, code: Option<ProblemCode>) -> bool {
 /// The wait a `Retry-After` header asks for: delay-seconds or an HTTP-date in any of its three
 /// forms (RFC 9110 10.2.3 and 5.6.7: IMF-fixdate, and the obsolete RFC 850 and asctime ones a
 /// recipient must accept), measured from `now`. An unreadable value is ignored (the backoff
-/// applies).
+/// applies); delay-seconds too large for 64 bits are a very long wait, the longest there is.
 pub fn retry_after(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
     let value = headers.get(RETRY_AFTER)?.to_str().ok()?.trim();
     if let Ok(secs) = value.parse::<u64>() {
         return Some(Duration::from_secs(secs));
+    }
+    // Found from outside: `Retry-After: 99999999999999999999` was read as no header, and the
+    // client came back after 35 ms.
+    if !value.is_empty() && value.bytes().all(|b| b.is_ascii_digit()) {
+        return Some(Duration::MAX);
     }
     let at = httpdate::parse_http_date(value).ok()?;
     Some(at.duration_since(now).unwrap_or(Duration::ZERO))
@@ -106,7 +111,13 @@ mod tests {
             Some(Duration::from_secs(3)),
             "asctime's form"
         );
+        assert_eq!(
+            retry_after(&headers("99999999999999999999"), now),
+            Some(Duration::MAX),
+            "too large for 64 bits: the longest wait, not none"
+        );
         assert_eq!(retry_after(&headers("soon"), now), None);
+        assert_eq!(retry_after(&headers("-5"), now), None);
         assert_eq!(retry_after(&HeaderMap::new(), now), None);
     }
 }
