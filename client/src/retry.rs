@@ -161,12 +161,19 @@ pub(crate) fn read_answer<T: DeserializeOwned>(
     body: &[u8],
 ) -> Result<Reply<T>, (ClientError, bool)> {
     if (200..300).contains(&status) {
-        // A 204 (a DELETE) has no body: read as `null`, which `()` takes.
-        let body: &[u8] = if status == 204 && body.is_empty() {
-            b"null"
-        } else {
-            body
-        };
+        // A 204 (a DELETE) has no body: read as `null`, which `()` takes. Any other empty
+        // success (a 204 where a payment is due, found from outside: not retried) is read
+        // as it is, a body cut short.
+        if status == 204 && body.is_empty() {
+            if let Ok(value) = serde_json::from_slice(b"null") {
+                return Ok(Reply {
+                    value,
+                    status,
+                    replayed,
+                    attempts: 0,
+                });
+            }
+        }
         // Not JSON at all, or cut short (a proxy's own page, a body a proxy truncated): the
         // success may still be real, and a retry with the same key replays it whole. JSON of
         // another shape would be answered the same again: final.
@@ -242,6 +249,16 @@ mod tests {
             assert_eq!((error.code(), retryable), ("invalid_response", true), "{body:?}");
             assert!(error.outcome_unknown());
         }
+        for status in [200, 201, 204] {
+            let (error, retryable) = read_answer::<crate::Payment>(status, false, None, b"").unwrap_err();
+            assert_eq!(
+                (error.code(), retryable),
+                ("invalid_response", true),
+                "an empty {status}"
+            );
+        }
+        let deleted = read_answer::<()>(204, false, None, b"").unwrap();
+        assert_eq!(deleted.status, 204, "a DELETE's 204 has no body");
     }
 
     #[test]
