@@ -13,7 +13,8 @@
 //! answer) or the client refused the server's TLS certificate;
 //! 4 the outcome is unknown (no final answer within the attempts, the deadline or the budget,
 //! a success whose body could not be read, or `refund-top-up`'s 202 `refund_pending`): run the
-//! command again with the same `--key`; 5 the server's answer could not be read.
+//! command again with the same `--key`; 5 the server's answer could not be read; 130 or 143
+//! interrupted by SIGINT or SIGTERM, the key named on stderr.
 
 // The answer and the notes on stdout and stderr are what these commands are for.
 #![allow(clippy::print_stdout, clippy::print_stderr)]
@@ -236,7 +237,15 @@ pub struct KeyArg {
 
 /// Runs a client command; returns the process exit status.
 pub async fn run(command: ClientCommand) -> i32 {
-    match execute(command).await {
+    // Listening before anything is sent: a signal that comes while a request may be on its way
+    // must find the key (found from outside: Ctrl-C during the first attempt printed nothing,
+    // and the payment made under a generated key could be neither looked up nor resumed).
+    let interrupted = Interrupted::listen();
+    let outcome = tokio::select! {
+        outcome = execute(command) => outcome,
+        status = interrupted.wait() => return interrupted_with_key(status),
+    };
+    match outcome {
         Ok(status) => status,
         Err(Failed {
             error: Failure::Client(error),
@@ -247,6 +256,46 @@ pub async fn run(command: ClientCommand) -> i32 {
             key,
         }) => output_failed(&error, key.as_ref()),
     }
+}
+
+/// The key of this run's operation, once resolved: what a signal's note names.
+static OPERATION_KEY: std::sync::OnceLock<IdempotencyKey> = std::sync::OnceLock::new();
+
+/// SIGINT (Ctrl-C) and SIGTERM, listened for from the start of a run.
+struct Interrupted {
+    signals: Option<(tokio::signal::unix::Signal, tokio::signal::unix::Signal)>,
+}
+
+impl Interrupted {
+    fn listen() -> Self {
+        use tokio::signal::unix::{signal, SignalKind};
+        let signals = signal(SignalKind::interrupt()).and_then(|int| Ok((int, signal(SignalKind::terminate())?)));
+        Self { signals: signals.ok() }
+    }
+
+    /// The exit status of the first signal: 128 + its number, as a shell reports a process it
+    /// ended (130, 143).
+    async fn wait(mut self) -> i32 {
+        match &mut self.signals {
+            Some((int, term)) => tokio::select! {
+                _ = int.recv() => 130,
+                _ = term.recv() => 143,
+            },
+            None => std::future::pending().await,
+        }
+    }
+}
+
+/// A run stopped by a signal: the request may have been sent, so the key is named, as for an
+/// unknown outcome.
+fn interrupted_with_key(status: i32) -> i32 {
+    match OPERATION_KEY.get() {
+        Some(key) => eprintln!(
+            "oncepay: interrupted; the operation may have been done with key {key}: `oncepay get-idempotency-key {key}` shows what it did; to resume it safely, run the same command with --key {key}"
+        ),
+        None => eprintln!("oncepay: interrupted"),
+    }
+    status
 }
 
 /// `refund-top-up`: a 202 (`refund_pending`: debited, the processor's refund not finished) is
@@ -297,10 +346,15 @@ impl From<ClientError> for Failed {
 }
 
 impl KeyArg {
+    /// The operation's key, given or new; the first one a run resolves is the one a signal's
+    /// note names (a run has one operation).
     fn resolve(&self) -> Result<IdempotencyKey, ClientError> {
-        self.key
+        let key = self
+            .key
             .as_deref()
-            .map_or_else(|| Ok(IdempotencyKey::generate()), IdempotencyKey::parse)
+            .map_or_else(|| Ok(IdempotencyKey::generate()), IdempotencyKey::parse)?;
+        let _ = OPERATION_KEY.set(key.clone());
+        Ok(key)
     }
 }
 

@@ -3,6 +3,10 @@
 //! attempt's outcome is unknown, only oncepay's own answer may say anything else, and the
 //! key to resume with is always printed.
 
+use std::time::Duration;
+
+use tokio::process::Command;
+
 use crate::cli::{oncepay, pay_args, resuming_replays, server_args, unknown_with_the_key};
 use crate::support::fault_proxy::{first_then, Action, FaultProxy};
 use crate::support::helpers::spawn_app;
@@ -85,4 +89,46 @@ async fn oncepays_own_501_is_final_and_a_gateways_501_is_retried() {
     );
     let seen = proxy.seen();
     assert_eq!(seen.len(), 3, "one attempt for the top-up, two for the payment");
+}
+
+/// Found from outside: SIGINT (Ctrl-C) or SIGTERM during the first attempt of a run without
+/// `--key` printed nothing, though the payment went through under the generated key, which
+/// was then lost. Now the run names its key and how to resume, and exits 130 or 143.
+#[tokio::test]
+async fn a_run_interrupted_while_its_request_is_out_names_its_key() {
+    let app = spawn_app().await;
+    let proxy = FaultProxy::start(&app.address, |_| Action::DelayAnswer(Duration::from_secs(20))).await;
+    let mut args = vec!["pay", "--amount", "100"];
+    args.extend(server_args(&proxy.url, &app));
+    for (n, (signal, status)) in [("-INT", 130), ("-TERM", 143)].into_iter().enumerate() {
+        let child = Command::new(env!("CARGO_BIN_EXE_oncepay"))
+            .args(&args)
+            .env_remove("DATABASE_URL")
+            .stderr(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        // The server has processed the request; its answer is held by the proxy.
+        while proxy.seen().len() <= n {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let pid = child.id().unwrap().to_string();
+        assert!(Command::new("kill")
+            .args([signal, &pid])
+            .status()
+            .await
+            .unwrap()
+            .success());
+        let output = tokio::time::timeout(Duration::from_secs(10), child.wait_with_output())
+            .await
+            .expect("the run ends on the signal")
+            .unwrap();
+
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(status), "{signal}: {stderr}");
+        let key = proxy.seen()[n].key.clone().unwrap();
+        assert!(stderr.contains(&format!("get-idempotency-key {key}")), "{stderr}");
+        assert!(stderr.contains(&format!("--key {key}")), "{stderr}");
+    }
+    assert_eq!(app.payment_count().await, 2, "both runs paid, and named their keys");
 }
