@@ -25,6 +25,7 @@ use clap::{Args, Subcommand};
 use serde::Serialize;
 use uuid::Uuid;
 
+use crate::protocol::ProblemCode;
 use crate::{Client, ClientConfig, ClientError, IdempotencyKey, Reply, RetryNote};
 
 mod lists;
@@ -46,9 +47,11 @@ pub enum ClientCommand {
         /// Amount in minor units (1 ..= 10^12).
         #[arg(long)]
         amount: i64,
-        /// Account to charge (default: main).
-        #[arg(long)]
-        account: Option<String>,
+        /// Account to charge (default: main). Always sent, so that a run with `--account main`
+        /// and one without are the same request under one key (found from outside: resuming
+        /// with it spelled out was refused 422, another body).
+        #[arg(long, default_value = "main", hide_default_value = true)]
+        account: String,
         #[command(flatten)]
         key: KeyArg,
     },
@@ -377,7 +380,7 @@ async fn execute(command: ClientCommand) -> Result<i32, Failed> {
             key,
         } => {
             let key = key.resolve()?;
-            print_keyed(client(&server)?.pay(amount, account.as_deref(), &key).await, &key)
+            print_keyed(client(&server)?.pay(amount, Some(&account), &key).await, &key)
         }
         ClientCommand::Refund { server, payment, key } => {
             let key = key.resolve()?;
@@ -542,6 +545,14 @@ fn fail(err: &ClientError, key: Option<&IdempotencyKey>) -> i32 {
         if problem.replayed {
             eprintln!("oncepay: replayed: this failure was stored with the key on its first request");
         }
+    }
+    let reused = matches!(err, ClientError::Problem(p) if p.oncepay_code() == Some(ProblemCode::IdempotencyKeyReused));
+    if let (true, Some(key)) = (reused, key) {
+        // The server's detail says to take a new key; for a key that resumes an operation whose
+        // outcome was unknown, that would do it twice.
+        eprintln!(
+            "oncepay: key {key} was first used for a request with another body; if an earlier run with it ended with an unknown outcome, that request may have been done: `oncepay get-idempotency-key {key}` shows what it did, before you take a new key"
+        );
     }
     if err.outcome_unknown() {
         if let Some(key) = key {

@@ -132,3 +132,29 @@ async fn a_run_interrupted_while_its_request_is_out_names_its_key() {
     }
     assert_eq!(app.payment_count().await, 2, "both runs paid, and named their keys");
 }
+
+/// Found from outside: a payment resumed with `--account main` spelled out, after a first run
+/// without it, was refused 422 `idempotency_key_reused` ("use a new key for a new operation":
+/// a second charge if followed). The CLI now sends the account it means every time, and a 422
+/// on a key says to look the key up before taking a new one.
+#[tokio::test]
+async fn resuming_with_the_default_account_spelled_out_replays_the_payment() {
+    let app = spawn_app().await;
+    let proxy = FaultProxy::start(&app.address, first_then(Action::DropAnswer, Action::Forward)).await;
+
+    let first = oncepay(&pay_args(&proxy, &app, &["--max-attempts", "1"]), &[]).await;
+    let key = unknown_with_the_key(&first, &proxy);
+    let spelled = oncepay(&pay_args(&proxy, &app, &["--account", "main", "--key", &key]), &[]).await;
+    let other = oncepay(&pay_args(&proxy, &app, &["--account", "u1", "--key", &key]), &[]).await;
+
+    assert_eq!(spelled.status, 0, "stderr: {}", spelled.stderr);
+    assert!(spelled.stderr.contains("replayed"), "{}", spelled.stderr);
+    assert_eq!(other.status, 3, "stderr: {}", other.stderr);
+    assert!(other.stderr.contains("code=idempotency_key_reused"), "{}", other.stderr);
+    assert!(
+        other.stderr.contains(&format!("`oncepay get-idempotency-key {key}`")),
+        "{}",
+        other.stderr
+    );
+    assert_eq!(app.payment_count().await, 1);
+}
