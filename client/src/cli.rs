@@ -13,7 +13,8 @@
 //! answer) or the client refused the server's TLS certificate;
 //! 4 the outcome is unknown (no final answer within the attempts, the deadline or the budget,
 //! a success whose body could not be read, or `refund-top-up`'s 202 `refund_pending`): run the
-//! command again with the same `--key`; 5 the server's answer could not be read; 130 or 143
+//! command again with the same `--key`; 5 a read had no answer it could read (a read has no
+//! outcome to be unknown); 130 or 143
 //! interrupted by SIGINT or SIGTERM, the key named on stderr.
 
 // The answer and the notes on stdout and stderr are what these commands are for.
@@ -502,9 +503,13 @@ fn line_out(line: &str) -> Result<bool, Failed> {
 }
 
 fn print<T: Serialize>(reply: Reply<T>, key: Option<&IdempotencyKey>) -> Result<(), Failed> {
-    let json = serde_json::to_string(&reply.value).map_err(|source| ClientError::InvalidResponse {
-        status: reply.status,
-        source,
+    // With the key: an answer of an operation that was done.
+    let json = serde_json::to_string(&reply.value).map_err(|source| Failed {
+        error: Failure::Client(Box::new(ClientError::InvalidResponse {
+            status: reply.status,
+            source,
+        })),
+        key: key.cloned(),
     })?;
     let written = line_out(&json).map_err(|failed| Failed {
         key: key.cloned(),
@@ -555,9 +560,15 @@ fn fail(err: &ClientError, key: Option<&IdempotencyKey>) -> i32 {
         );
     }
     if err.outcome_unknown() {
-        if let Some(key) = key {
-            eprintln!("oncepay: the outcome is unknown; to resume this operation safely, run the same command with --key {key}");
-        }
+        let Some(key) = key else {
+            // A read (no key) changes nothing: it has no outcome to be unknown, only an answer
+            // that could not be had (found from outside: exit 4, and 5 was never used).
+            eprintln!("oncepay: no answer could be read; a read changes nothing, so running it again is safe");
+            return EXIT_INVALID_RESPONSE;
+        };
+        eprintln!(
+            "oncepay: the outcome is unknown; to resume this operation safely, run the same command with --key {key}"
+        );
         return EXIT_OUTCOME_UNKNOWN;
     }
     match err {

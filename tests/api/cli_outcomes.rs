@@ -158,3 +158,31 @@ async fn resuming_with_the_default_account_spelled_out_replays_the_payment() {
     );
     assert_eq!(app.payment_count().await, 1);
 }
+
+/// Found from outside: a read whose answer could not be read (a proxy's HTML 200, or every
+/// answer lost) exited 4, "outcome unknown", which a read does not have; exit 5, "the
+/// server's answer could not be read", was never used.
+#[tokio::test]
+async fn a_read_without_an_answer_it_can_read_exits_5() {
+    let app = spawn_app().await;
+    let proxy = FaultProxy::start(&app.address, |incoming| match incoming.index {
+        0 | 1 => Action::PlainBody {
+            status: 200,
+            body: "<html>portal</html>",
+        },
+        _ => Action::DropAnswer,
+    })
+    .await;
+    let mut args = vec!["balance", "--max-attempts", "2"];
+    args.extend(server_args(&proxy.url, &app));
+
+    let portal = oncepay(&args, &[]).await;
+    let lost = oncepay(&args, &[]).await;
+
+    for run in [&portal, &lost] {
+        assert_eq!(run.status, 5, "stderr: {}", run.stderr);
+        assert!(run.stderr.contains("no answer could be read"), "{}", run.stderr);
+        assert!(!run.stderr.contains("--key"), "a read has no key: {}", run.stderr);
+    }
+    assert_eq!(proxy.seen().len(), 4);
+}
