@@ -566,9 +566,13 @@ fn fail(err: &ClientError, key: Option<&IdempotencyKey>) -> i32 {
             eprintln!("oncepay: no answer could be read; a read changes nothing, so running it again is safe");
             return EXIT_INVALID_RESPONSE;
         };
-        eprintln!(
-            "oncepay: the outcome is unknown; to resume this operation safely, run the same command with --key {key}"
-        );
+        if err.nothing_sent() {
+            // Found from outside: "the outcome is unknown" for a server that refused every
+            // connection, when nothing can have been sent.
+            eprintln!("oncepay: nothing was sent: no attempt could connect to the server, so the operation was not done; run the same command again (with --key {key}, or without) once it can");
+        } else {
+            eprintln!("oncepay: the outcome is unknown; to resume this operation safely, run the same command with --key {key}");
+        }
         return EXIT_OUTCOME_UNKNOWN;
     }
     match err {

@@ -164,6 +164,20 @@ impl ClientError {
         matches!(self, Self::Problem(problem) if problem.from_oncepay)
     }
 
+    /// Whether no attempt sent the request: each failed before it could be (the connection
+    /// refused or not made, a TLS handshake that failed), so the operation was not done. Only
+    /// when certain: a connection closed after the request was written is no such failure.
+    /// The outcome is still "unknown" to [`ClientError::outcome_unknown`]'s callers, who retry
+    /// later with the same key, which stays safe.
+    pub fn nothing_sent(&self) -> bool {
+        match self {
+            Self::Transport { source, .. } => source.is_connect(),
+            Self::Tls { .. } | Self::InvalidArgument(_) => true,
+            Self::DeadlineExceeded { last, .. } | Self::BudgetExhausted { last, .. } => last.nothing_sent(),
+            _ => false,
+        }
+    }
+
     /// Whether the operation may have been processed although this error was returned: then
     /// the caller should send it again later *with the same key*, never with a new one.
     pub fn outcome_unknown(&self) -> bool {

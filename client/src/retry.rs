@@ -33,8 +33,8 @@ impl Client {
         let config = &self.inner.config;
         let deadline = Instant::now() + config.deadline;
         let mut attempt = 0;
-        // The first failure that left the outcome unknown: only oncepay's own answer may end
-        // the operation as anything else afterwards.
+        // The first failure that left the outcome unknown (a request that may have been sent):
+        // only oncepay's own answer may end the operation as anything else afterwards.
         let mut unknown: Option<String> = None;
         loop {
             attempt += 1;
@@ -54,7 +54,7 @@ impl Client {
             if !failed.retryable || attempt >= config.max_attempts {
                 return Err(settled(last, unknown, attempt));
             }
-            if unknown.is_none() && last.outcome_unknown() {
+            if unknown.is_none() && last.outcome_unknown() && !last.nothing_sent() {
                 unknown = Some(format!("attempt {attempt}: {}: {last}", last.code()));
             }
             let backoff = config.backoff.delay(attempt);
@@ -65,7 +65,7 @@ impl Client {
                     deadline: config.deadline,
                     attempts: attempt,
                     server_wait: failed.retry_after.filter(|asked| *asked >= backoff),
-                    last: Box::new(last),
+                    last: Box::new(settled(last, unknown, attempt)),
                 });
             }
             if let Some(observer) = &self.inner.observer {
@@ -82,7 +82,7 @@ impl Client {
             let Some(token_wait) = self.inner.budget.reserve(deadline) else {
                 return Err(ClientError::BudgetExhausted {
                     attempts: attempt,
-                    last: Box::new(last),
+                    last: Box::new(settled(last, unknown, attempt)),
                 });
             };
             tokio::time::sleep(token_wait).await;
@@ -127,13 +127,15 @@ impl Client {
     }
 }
 
-/// The operation's end on `last`, a final failure: after an attempt whose outcome is unknown
+/// The operation's end on `last`, its last failure: after an attempt whose outcome is unknown
 /// (`unknown`), an answer that is not oncepay's own (a proxy's 4xx page, a certificate
 /// refused on a new connection) does not tell what that attempt did, so the outcome stays
-/// unknown (found from outside: a 524 after dropped answers was reported as refused).
+/// unknown (found from outside: a 524 after dropped answers was reported as refused); nor
+/// may a last attempt that sent nothing make the whole operation "nothing sent".
 fn settled(last: ClientError, unknown: Option<String>, attempts: u32) -> ClientError {
+    let silent = !last.outcome_unknown() || last.nothing_sent();
     match unknown {
-        Some(earlier) if !last.outcome_unknown() && !last.answered_by_oncepay() => ClientError::Unresolved {
+        Some(earlier) if silent && !last.answered_by_oncepay() => ClientError::Unresolved {
             attempts,
             earlier,
             last: Box::new(last),
@@ -300,5 +302,19 @@ mod tests {
         let own = settled(own, unknown, 2);
         assert_eq!(own.code(), "insufficient_funds");
         assert!(!own.outcome_unknown(), "oncepay's stored decline settles it");
+    }
+
+    #[tokio::test]
+    async fn nothing_was_sent_only_when_no_attempt_could_have_sent_it() {
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}", closed.local_addr().unwrap());
+        drop(closed);
+        let refused = || async { transport(reqwest::get(&url).await.unwrap_err()).error };
+
+        let alone = settled(refused().await, None, 3);
+        assert!(alone.nothing_sent() && alone.outcome_unknown(), "{alone}");
+        let after_a_lost_answer = settled(refused().await, Some("attempt 1: transport_error".to_owned()), 2);
+        assert_eq!(after_a_lost_answer.code(), "outcome_unknown");
+        assert!(!after_a_lost_answer.nothing_sent(), "the first attempt may have paid");
     }
 }

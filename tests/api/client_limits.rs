@@ -134,7 +134,11 @@ async fn no_server_is_a_transport_error_retried_then_returned_as_unknown_outcome
     let err = client.account("main").await.unwrap_err();
 
     assert_eq!(err.code(), "transport_error", "{err}");
-    assert!(err.outcome_unknown());
+    assert!(
+        err.outcome_unknown(),
+        "a later retry may reach it: the same key stays safe"
+    );
+    assert!(err.nothing_sent(), "no attempt could connect: {err}");
     assert_eq!(retries.load(Ordering::SeqCst), 2, "three attempts, two retries");
 }
 
