@@ -28,6 +28,9 @@ pub enum Refused {
     TooLong,
     #[error("`url` must not carry a user name or password")]
     Credentials,
+    /// Found from outside: `http://127.0.0.1:0/x` was stored, and every delivery failed.
+    #[error("`url`'s port must be from 1 to 65535 (0 names no port a receiver can listen on)")]
+    PortZero,
     #[error("`url` must not contain control characters (NUL, CR, LF, tab, ...) or begin or end with a space")]
     ControlCharacters,
     #[error("`url` resolves to an address that is not global unicast ({0}: loopback, private, link-local or another special-purpose range), which webhooks may not target")]
@@ -57,6 +60,9 @@ pub fn parse(raw: &str) -> Result<Url, Refused> {
     }
     if !url.username().is_empty() || url.password().is_some() {
         return Err(Refused::Credentials);
+    }
+    if url.port() == Some(0) {
+        return Err(Refused::PortZero);
     }
     Ok(url)
 }
@@ -284,6 +290,14 @@ mod tests {
         assert_eq!(parse("mailto:a@b.c").unwrap_err(), Refused::Malformed);
         assert_eq!(parse("/relative").unwrap_err(), Refused::Malformed);
         assert_eq!(parse("https://u:p@example.com/").unwrap_err(), Refused::Credentials);
+        for zero in [
+            "http://127.0.0.1:0/x",
+            "https://example.com:0/",
+            "https://example.com:00/",
+        ] {
+            assert_eq!(parse(zero).unwrap_err(), Refused::PortZero, "{zero}");
+        }
+        assert!(parse("https://example.com:65535/").is_ok());
         let longest = format!("https://example.com/{}", "a".repeat(MAX_URL_BYTES - 20));
         assert!(parse(&longest).is_ok());
         assert_eq!(parse(&format!("{longest}a")).unwrap_err(), Refused::TooLong);
