@@ -158,10 +158,34 @@ impl ClientError {
         }
     }
 
-    /// Whether oncepay itself gave this final answer (see [`Problem::from_oncepay`]): only such an
-    /// answer tells what became of an attempt whose outcome was unknown.
-    pub(crate) fn answered_by_oncepay(&self) -> bool {
-        matches!(self, Self::Problem(problem) if problem.from_oncepay)
+    /// Whether this answer tells what the operation's key did: oncepay's answer once the key
+    /// was looked at (a replay, a decline stored with the key, the key refused as reused or
+    /// expired). An answer given before the key is looked at (authentication, the body's form
+    /// or size, a route, a processor not configured) says nothing of an earlier attempt with
+    /// the key: an API key revoked between two attempts, or a new build refusing what an old
+    /// one took, answers so even when the first attempt paid.
+    pub(crate) fn speaks_for_the_key(&self) -> bool {
+        use crate::protocol::ProblemCode as C;
+        let Self::Problem(problem) = self else {
+            return false;
+        };
+        problem.from_oncepay
+            && (problem.replayed
+                || matches!(
+                    problem.oncepay_code(),
+                    Some(
+                        C::InsufficientFunds
+                            | C::CardDeclined
+                            | C::RefundFailed
+                            | C::InvalidPaymentMethod
+                            | C::AccountNotFound
+                            | C::AccountExists
+                            | C::AlreadyRefunded
+                            | C::TooManyEndpoints
+                            | C::IdempotencyKeyReused
+                            | C::IdempotencyKeyExpired
+                    )
+                ))
     }
 
     /// Whether no attempt sent the request: each failed before it could be (the connection

@@ -128,14 +128,15 @@ impl Client {
 }
 
 /// The operation's end on `last`, its last failure: after an attempt whose outcome is unknown
-/// (`unknown`), an answer that is not oncepay's own (a proxy's 4xx page, a certificate
-/// refused on a new connection) does not tell what that attempt did, so the outcome stays
-/// unknown (found from outside: a 524 after dropped answers was reported as refused); nor
-/// may a last attempt that sent nothing make the whole operation "nothing sent".
+/// (`unknown`), an answer that does not speak for the key (a proxy's 4xx page, a certificate
+/// refused on a new connection, oncepay's own 401 or 400 given before the key is looked at)
+/// does not tell what that attempt did, so the outcome stays unknown (found from outside: a
+/// 524 after dropped answers was reported as refused); nor may a last attempt that sent
+/// nothing make the whole operation "nothing sent".
 fn settled(last: ClientError, unknown: Option<String>, attempts: u32) -> ClientError {
     let silent = !last.outcome_unknown() || last.nothing_sent();
     match unknown {
-        Some(earlier) if silent && !last.answered_by_oncepay() => ClientError::Unresolved {
+        Some(earlier) if silent && !last.speaks_for_the_key() => ClientError::Unresolved {
             attempts,
             earlier,
             last: Box::new(last),
@@ -299,9 +300,28 @@ mod tests {
         let declined = br#"{"type":"t","title":"t","status":402,"detail":"d","code":"insufficient_funds"}"#;
         let (own, _) =
             read_answer::<serde_json::Value>(402, true, Some("application/problem+json"), declined).unwrap_err();
-        let own = settled(own, unknown, 2);
+        let own = settled(own, unknown.clone(), 2);
         assert_eq!(own.code(), "insufficient_funds");
         assert!(!own.outcome_unknown(), "oncepay's stored decline settles it");
+        // oncepay's own answers given before the key is looked at do not: an API key revoked
+        // between two attempts, a body a newer build refuses.
+        for (status, code) in [(401, "unauthorized"), (400, "invalid_request"), (413, "body_too_large")] {
+            let body = format!(r#"{{"type":"t","title":"t","status":{status},"detail":"d","code":"{code}"}}"#);
+            let (before_the_key, _) =
+                read_answer::<serde_json::Value>(status, false, Some("application/problem+json"), body.as_bytes())
+                    .unwrap_err();
+            let ended = settled(before_the_key, unknown.clone(), 2);
+            assert_eq!(ended.code(), "outcome_unknown", "{code}");
+            assert!(ended.outcome_unknown(), "{code}");
+        }
+        let not_found = br#"{"type":"t","title":"t","status":404,"detail":"d","code":"not_found"}"#;
+        let (stored, _) =
+            read_answer::<serde_json::Value>(404, true, Some("application/problem+json"), not_found).unwrap_err();
+        assert_eq!(
+            settled(stored, unknown, 2).code(),
+            "not_found",
+            "a replay speaks for the key"
+        );
     }
 
     #[tokio::test]
