@@ -191,6 +191,10 @@ pub struct WebhookEndpoint {
     pub id: uuid::Uuid,
     pub url: String,
     pub events: Vec<String>,
+    /// `true` for an endpoint created without `events`: every type, present and future
+    /// (`events` lists today's).
+    #[serde(default)]
+    pub all_events: bool,
     /// `whsec_...`: what [`verify`] takes. `None` only on a replay (a retry with the same key)
     /// after the secret was rotated: a replay never shows a secret its first answer did not.
     pub secret: Option<String>,
@@ -204,6 +208,10 @@ pub struct ListedEndpoint {
     pub id: uuid::Uuid,
     pub url: String,
     pub events: Vec<String>,
+    /// `true` for an endpoint created without `events`: every type, present and future
+    /// (`events` lists today's).
+    #[serde(default)]
+    pub all_events: bool,
     #[serde(serialize_with = "crate::time::rfc3339")]
     pub created_at: chrono::DateTime<chrono::Utc>,
     /// `enabled` or `disabled`.
@@ -221,6 +229,10 @@ pub struct EnabledEndpoint {
     pub id: uuid::Uuid,
     pub url: String,
     pub events: Vec<String>,
+    /// `true` for an endpoint created without `events`: every type, present and future
+    /// (`events` lists today's).
+    #[serde(default)]
+    pub all_events: bool,
     #[serde(serialize_with = "crate::time::rfc3339")]
     pub created_at: chrono::DateTime<chrono::Utc>,
     /// `enabled`.

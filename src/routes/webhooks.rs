@@ -45,6 +45,9 @@ pub struct WebhookEndpointOut {
     id: EndpointId,
     url: String,
     events: Vec<String>,
+    /// `true` for an endpoint created without `events`: it takes every type, present and
+    /// future, and `events` lists today's (found from outside: it read as these types by name).
+    all_events: bool,
     /// `whsec_` + base64 of the HMAC key (Standard Webhooks); `null` on a replay after a
     /// rotation (a replay never shows a secret its first answer did not).
     secret: Option<String>,
@@ -79,6 +82,9 @@ struct WebhookEndpointListed {
     id: EndpointId,
     url: String,
     events: Vec<String>,
+    /// `true` for an endpoint created without `events`: it takes every type, present and
+    /// future, and `events` lists today's (found from outside: it read as these types by name).
+    all_events: bool,
     #[serde(serialize_with = "time::rfc3339")]
     created_at: DateTime<Utc>,
     /// `enabled`, or `disabled` (410 Gone, or no attempt succeeded for
@@ -109,6 +115,9 @@ pub struct EnabledEndpointOut {
     id: EndpointId,
     url: String,
     events: Vec<String>,
+    /// `true` for an endpoint created without `events`: it takes every type, present and
+    /// future, and `events` lists today's (found from outside: it read as these types by name).
+    all_events: bool,
     #[serde(serialize_with = "time::rfc3339")]
     created_at: DateTime<Utc>,
     /// `enabled`.
@@ -179,6 +188,7 @@ impl Endpoint for CreateWebhookEndpoint {
         Ok(WebhookEndpointOut {
             id: row.id,
             url: row.url,
+            all_events: row.events.is_none(),
             events: events_or_all(row.events),
             secret: row.secret,
             created_at: row.created_at,
@@ -254,6 +264,7 @@ impl Endpoint for EnableWebhookEndpoint {
         Ok(EnabledEndpointOut {
             id: row.id,
             url: row.url,
+            all_events: row.events.is_none(),
             events: events_or_all(row.events),
             created_at: row.created_at,
             status: "enabled",
@@ -284,6 +295,7 @@ pub(super) async fn list(req: HttpRequest, state: web::Data<AppState>) -> Result
         .map(|e| WebhookEndpointListed {
             id: e.id,
             url: e.url,
+            all_events: e.events.is_none(),
             events: events_or_all(e.events),
             created_at: e.created_at,
             status: if e.disabled_at.is_some() { "disabled" } else { "enabled" },

@@ -19,6 +19,7 @@ async fn an_endpoint_is_created_once_listed_without_its_secret_and_deleted() {
     let secret = first.body["secret"].as_str().unwrap();
     assert!(secret.starts_with("whsec_"), "{secret}");
     assert_eq!(first.body["events"], json!(["payment.refunded", "payment.succeeded"]));
+    assert_eq!(first.body["all_events"], false, "these types by name");
     assert_eq!(first.header("Idempotency-Replayed"), Some("false"));
     // A replay answers the same endpoint and the same secret; nothing new is stored.
     let replay = app.post("/webhook-endpoints", Some(&key), &body).await;
@@ -57,6 +58,9 @@ async fn an_endpoint_is_created_once_listed_without_its_secret_and_deleted() {
         oncepay::webhooks::endpoints::EVENT_TYPES.len(),
         "every type, top_up.refund_failed included"
     );
+    // Found from outside: listed as today's types only, it could not be told from an endpoint
+    // that named them; it takes future types too.
+    assert_eq!(all.body["all_events"], true, "{}", all.body);
 
     let listed = app.get("/webhook-endpoints").await;
     assert_eq!(listed.status, 200);
@@ -65,6 +69,9 @@ async fn an_endpoint_is_created_once_listed_without_its_secret_and_deleted() {
     assert!(listed
         .iter()
         .all(|e| e.get("secret").is_none() && e["status"] == "enabled"));
+    let mut all_events: Vec<bool> = listed.iter().map(|e| e["all_events"].as_bool().unwrap()).collect();
+    all_events.sort_unstable();
+    assert_eq!(all_events, [false, true], "as created");
 
     let id = first.body["id"].as_str().unwrap();
     // Another tenant neither sees nor deletes it.
