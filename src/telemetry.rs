@@ -94,9 +94,11 @@ pub async fn request_log(
             .with_label_values(&[&route])
             .observe(elapsed.as_secs_f64());
         // Error answers to clients: a load balancer's probe answered 503 while the database
-        // is away is not one (it would page on its own: ops/prometheus/rules.yml).
+        // is away is not one (it would page on its own: ops/prometheus/rules.yml), nor is a
+        // top-up's 503 while its cardholder does 3-D Secure (`waiting`), which
+        // `OncepayUnavailable` would page on as an outage.
         let probe = matches!(route.as_str(), "/healthz" | "/readyz" | "/metrics");
-        if let (Some(code), false) = (code, probe) {
+        if let (Some(code), false) = (code, probe || outcome == "waiting") {
             state.metrics.errors.with_label_values(&[code.as_str()]).inc();
         }
         if let Some(tenant) = &tenant {

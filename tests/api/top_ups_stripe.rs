@@ -415,6 +415,10 @@ async fn a_payment_intent_that_requires_an_action_is_canceled_after_the_action_t
     let metrics = app.metrics().await;
     assert_eq!(requests_of(&metrics, "waiting"), 1, "{metrics}");
     assert_eq!(requests_of(&metrics, "transient_error"), 0, "{metrics}");
+    assert!(
+        !metrics.contains("oncepay_errors_total{code=\"temporarily_unavailable\"}"),
+        "not an error answer for OncepayUnavailable to page on: {metrics}"
+    );
     let waiting = app.get(&format!("/top-ups/{id}")).await.body;
     assert_eq!(waiting["status"], "processing", "{waiting}");
     assert_eq!(waiting["processor_status"], "requires_action", "{waiting}");
