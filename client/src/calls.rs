@@ -63,6 +63,14 @@ pub struct AccountCreated {
 pub struct Account {
     pub id: String,
     pub balance: i64,
+    /// When the account was opened (the time `GET /accounts` orders accounts by); `None` from
+    /// a server older than this field.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        serialize_with = "crate::time::rfc3339_opt"
+    )]
+    pub created_at: Option<DateTime<Utc>>,
 }
 
 /// `POST /accounts/{id}/deposits`: 201.
@@ -203,5 +211,21 @@ impl Client {
             .pop_if_empty()
             .extend(segments);
         Ok(url)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_account_reads_with_or_without_its_opening_time() {
+        let old: Account = serde_json::from_str(r#"{"id":"main","balance":5}"#).unwrap();
+        assert_eq!(old.created_at, None);
+        assert_eq!(serde_json::to_string(&old).unwrap(), r#"{"id":"main","balance":5}"#);
+        let text = r#"{"id":"main","balance":5,"created_at":"2026-12-07T06:39:44.222294Z"}"#;
+        let new: Account = serde_json::from_str(text).unwrap();
+        assert!(new.created_at.is_some());
+        assert_eq!(serde_json::to_string(&new).unwrap(), text, "printed as the server wrote it");
     }
 }

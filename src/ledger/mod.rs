@@ -15,7 +15,7 @@ pub mod top_ups;
 use chrono::{DateTime, Utc};
 
 pub use effects::{Batched, Deposit, Effect, OpenAccount, Pay, Refund, SameAccount, Transfer};
-pub use reads::{balance, key, key_in_flight, payment_state, transfer, KeyHeld, KeyRow};
+pub use reads::{account, key, key_in_flight, payment_state, transfer, KeyHeld, KeyRow};
 pub use rows::{AccountRow, DepositRow, PaymentRow, PaymentState, TopUpRow, TransferRow, TransferState};
 
 use crate::idempotency::Claim;

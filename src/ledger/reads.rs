@@ -4,7 +4,7 @@
 use chrono::{DateTime, Utc};
 use sqlx::PgConnection;
 
-use super::rows::{PaymentRow, TransferRow};
+use super::rows::{AccountRow, PaymentRow, TransferRow};
 use crate::domain::{AccountId, PaymentId, TenantId, TransferId};
 use crate::operation::{Decline, Operation};
 
@@ -38,14 +38,14 @@ pub async fn transfer(
     .await
 }
 
-/// An account's current balance, for `GET /accounts/{id}`.
-pub async fn balance(
+/// An account's row, for `GET /accounts/{id}`.
+pub async fn account(
     conn: &mut PgConnection,
     tenant: TenantId,
     account: &AccountId,
-) -> Result<Option<i64>, sqlx::Error> {
+) -> Result<Option<AccountRow>, sqlx::Error> {
     sqlx::query_scalar!(
-        "SELECT balance FROM accounts WHERE tenant_id = $1 AND account_id = $2",
+        r#"SELECT r AS "r!: AccountRow" FROM accounts r WHERE tenant_id = $1 AND account_id = $2"#,
         tenant.get(),
         account.as_str(),
     )

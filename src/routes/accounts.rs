@@ -55,6 +55,19 @@ pub struct AccountCreatedOut {
 pub(super) struct AccountOut {
     id: AccountId,
     balance: i64,
+    /// When it was opened: the time `GET /accounts` orders and windows accounts by.
+    #[serde(serialize_with = "time::rfc3339")]
+    created_at: DateTime<Utc>,
+}
+
+impl AccountOut {
+    fn of(a: AccountRow) -> Result<Self, ApiError> {
+        Ok(Self {
+            id: AccountId::parse(&a.account_id.0).map_err(|_| corrupt("a stored account id the syntax refuses"))?,
+            balance: a.balance.0,
+            created_at: a.created_at,
+        })
+    }
 }
 
 impl super::lists::ListItem for AccountOut {}
@@ -145,11 +158,11 @@ pub(super) async fn show(req: HttpRequest, state: web::Data<AppState>) -> Result
     no_query(&req)?;
     let id = path_account(&req)?;
     let mut conn = state.conn().await?;
-    let balance = conn
-        .run(async |c| ledger::balance(c, tenant.id, &id).await)
+    let account = conn
+        .run(async |c| ledger::account(c, tenant.id, &id).await)
         .await?
         .ok_or(ApiError::AccountNotFound)?;
-    Ok(HttpResponse::Ok().json(AccountOut { id, balance }))
+    Ok(HttpResponse::Ok().json(AccountOut::of(account)?))
 }
 
 /// The query parameters of `GET /accounts`.
@@ -185,11 +198,6 @@ pub(super) async fn list(
         .run(async |c| ledger::lists::accounts(c, tenant.id, &page).await)
         .await?
         .ok_or_else(|| lists::unknown_cursor(&page))?;
-    let page = page.try_map(|a| {
-        Ok::<_, ApiError>(AccountOut {
-            id: AccountId::parse(&a.account_id.0).map_err(|_| corrupt("a stored account id the syntax refuses"))?,
-            balance: a.balance.0,
-        })
-    })?;
+    let page = page.try_map(AccountOut::of)?;
     Ok(lists::answer(routes::LIST_ACCOUNTS.path.to_owned(), page))
 }

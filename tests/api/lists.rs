@@ -318,6 +318,19 @@ async fn transfers_of_an_account_on_either_side_accounts_top_ups_and_events_are_
     let accounts = app.get("/accounts").await;
     assert_eq!(ids(&accounts), ["c", "b", "a", "main"]);
     assert_eq!(accounts.body["data"][0], app.get("/accounts/c").await.body);
+    // Each account shows the time the list orders and windows it by.
+    let opened: Vec<&str> = accounts.body["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a["created_at"].as_str().expect("every listed account has created_at"))
+        .collect();
+    assert!(opened.windows(2).all(|w| w[0] >= w[1]), "newest first: {opened:?}");
+    let (c_opened, main_opened) = (opened[0], opened[3]);
+    let since_c = chrono::DateTime::parse_from_rfc3339(c_opened).unwrap().timestamp();
+    let window = app.get(&format!("/accounts?created%5Bgte%5D={since_c}")).await;
+    assert!(ids(&window).contains(&"c".to_owned()), "{}", window.body);
+    assert_eq!(app.get("/accounts/main").await.body["created_at"], main_opened);
     let page = app.get("/accounts?limit=2&starting_after=b").await;
     assert_eq!(ids(&page), ["a", "main"]);
 

@@ -338,7 +338,10 @@ async fn accounts_and_deposits_are_idempotent_too() {
 
     let account = app.get("/accounts/u1").await;
     assert_eq!(account.status, 200);
-    assert_eq!(account.body, json!({ "id": "u1", "balance": 751 }));
+    assert_eq!(
+        account.body,
+        json!({ "id": "u1", "balance": 751, "created_at": created.body["created_at"] })
+    );
     let missing = app
         .post("/accounts/nobody/deposits", Some(&new_key()), &json!({ "amount": 1 }))
         .await;
