@@ -226,6 +226,10 @@ mod tests {
         let text = r#"{"id":"main","balance":5,"created_at":"2026-12-07T06:39:44.222294Z"}"#;
         let new: Account = serde_json::from_str(text).unwrap();
         assert!(new.created_at.is_some());
-        assert_eq!(serde_json::to_string(&new).unwrap(), text, "printed as the server wrote it");
+        assert_eq!(
+            serde_json::to_string(&new).unwrap(),
+            text,
+            "printed as the server wrote it"
+        );
     }
 }
