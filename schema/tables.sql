@@ -791,6 +791,13 @@ CREATE INDEX payments_list_idx ON public.payments USING btree (tenant_id, create
 
 
 --
+-- Name: payments_refunded_list_idx; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE INDEX payments_refunded_list_idx ON public.payments USING btree (tenant_id, created_at, payment_id) WHERE (refunded_at IS NOT NULL);
+
+
+--
 -- Name: top_ups_list_idx; Type: INDEX; Schema: public; Owner: -
 --
 

@@ -34,9 +34,10 @@ impl PaymentStatus {
 }
 
 /// A page of payments as one row of columns ([`super::columns`]): `$rows` is the page's
-/// query, reading `r.payment_id, r.account_id, r.amount, r.created_at, r.refunded_at`.
+/// query, reading `r.payment_id, r.account_id, r.amount, r.created_at, r.refunded_at`, in
+/// parts that are joined.
 macro_rules! payment_columns {
-    ($rows:literal, $($arg:expr),+ $(,)?) => {
+    ([$($rows:literal),+], $($arg:expr),+ $(,)?) => {
         sqlx::query_as!(
             PaymentColumns,
             r#"SELECT string_agg(uuid_send(r.payment_id), ''::bytea) AS ids,
@@ -46,7 +47,7 @@ macro_rules! payment_columns {
                       string_agg(timestamptz_send(r.created_at), ''::bytea) AS created,
                       string_agg(CASE WHEN r.refunded_at IS NULL THEN '\x00'::bytea
                                       ELSE '\x01'::bytea || timestamptz_send(r.refunded_at) END, ''::bytea) AS refunded
-                 FROM ("# + $rows + ") r",
+                 FROM ("# $(+ $rows)+ + ") r",
             $($arg),+
         )
     };
@@ -97,6 +98,44 @@ impl PaymentColumns {
     }
 }
 
+/// A page of the tenant's payments, newest first (`OLDER`: before the cursor or the window's
+/// end) or oldest first (`NEWER`), `$status` the clause that filters by status (`$5`).
+macro_rules! tenant_page {
+    (OLDER $status:literal, $($arg:tt)+) => {
+        tenant_page!(@run [r#"SELECT r.payment_id, r.account_id, r.amount, r.created_at, r.refunded_at
+                    FROM payments r
+                    WHERE r.tenant_id = $1
+                      AND (r.created_at, r.payment_id) <
+                          (CASE WHEN $2::uuid IS NULL THEN coalesce($4::timestamptz, 'infinity')
+                                WHEN $4::timestamptz <= (SELECT c.created_at FROM payments c WHERE c.tenant_id = $1 AND c.payment_id = $2) THEN $4::timestamptz
+                                ELSE (SELECT c.created_at FROM payments c WHERE c.tenant_id = $1 AND c.payment_id = $2) END,
+                           CASE WHEN $2::uuid IS NULL OR $4::timestamptz <= (SELECT c.created_at FROM payments c WHERE c.tenant_id = $1 AND c.payment_id = $2) THEN '00000000-0000-0000-0000-000000000000'::uuid
+                                ELSE $2 END)
+                      AND r.created_at >= coalesce($3::timestamptz, '-infinity') AND r.created_at < coalesce($4::timestamptz, 'infinity')
+                      "#, $status, r#"
+                    ORDER BY r.created_at DESC, r.payment_id DESC
+                    LIMIT $6"#], $($arg)+)
+    };
+    (NEWER $status:literal, $($arg:tt)+) => {
+        tenant_page!(@run [r#"SELECT r.payment_id, r.account_id, r.amount, r.created_at, r.refunded_at
+                    FROM payments r
+                    WHERE r.tenant_id = $1
+                      AND (r.created_at, r.payment_id) >
+                          (CASE WHEN $3::timestamptz > (SELECT c.created_at FROM payments c WHERE c.tenant_id = $1 AND c.payment_id = $2) THEN $3::timestamptz ELSE (SELECT c.created_at FROM payments c WHERE c.tenant_id = $1 AND c.payment_id = $2) END,
+                           CASE WHEN $3::timestamptz > (SELECT c.created_at FROM payments c WHERE c.tenant_id = $1 AND c.payment_id = $2) THEN '00000000-0000-0000-0000-000000000000'::uuid ELSE $2 END)
+                      AND r.created_at >= coalesce($3::timestamptz, '-infinity') AND r.created_at < coalesce($4::timestamptz, 'infinity')
+                      "#, $status, r#"
+                    ORDER BY r.created_at, r.payment_id
+                    LIMIT $6"#], $($arg)+)
+    };
+    (@run [$($rows:literal),+], $conn:ident, $tenant:ident, $cursor:ident, $from:ident, $until:ident, $status:ident, $page:ident) => {
+        payment_columns!([$($rows),+], $tenant.get(), $cursor, $from, $until, $status, $page.fetch())
+            .fetch_one(&mut *$conn)
+            .await?
+            .rows($page.newer())?
+    };
+}
+
 /// `GET /payments`: the tenant's payments, of one account if given. `None`: the cursor is
 /// no payment of the tenant's.
 pub async fn payments(
@@ -110,58 +149,28 @@ pub async fn payments(
     let (from, until) = (page.created.from, page.created.until);
     let status = status.map(PaymentStatus::as_str);
     let rows: Vec<PaymentState> = match (account, page.newer()) {
-        (None, false) => {
-            payment_columns!(
-                r#"SELECT r.payment_id, r.account_id, r.amount, r.created_at, r.refunded_at
-                    FROM payments r
-                    WHERE r.tenant_id = $1
-                      AND (r.created_at, r.payment_id) <
-                          (CASE WHEN $2::uuid IS NULL THEN coalesce($4::timestamptz, 'infinity')
-                                WHEN $4::timestamptz <= (SELECT c.created_at FROM payments c WHERE c.tenant_id = $1 AND c.payment_id = $2) THEN $4::timestamptz
-                                ELSE (SELECT c.created_at FROM payments c WHERE c.tenant_id = $1 AND c.payment_id = $2) END,
-                           CASE WHEN $2::uuid IS NULL OR $4::timestamptz <= (SELECT c.created_at FROM payments c WHERE c.tenant_id = $1 AND c.payment_id = $2) THEN '00000000-0000-0000-0000-000000000000'::uuid
-                                ELSE $2 END)
-                      AND r.created_at >= coalesce($3::timestamptz, '-infinity') AND r.created_at < coalesce($4::timestamptz, 'infinity')
-                      AND ($5::text IS NULL OR ($5 = 'refunded') = (r.refunded_at IS NOT NULL))
-                    ORDER BY r.created_at DESC, r.payment_id DESC
-                    LIMIT $6"#,
-                tenant.get(),
-                cursor,
-                from,
-                until,
-                status,
-                page.fetch(),
-            )
-            .fetch_one(&mut *conn)
-            .await?
-            .rows(page.newer())?
-        }
-        (None, true) => {
-            payment_columns!(
-                r#"SELECT r.payment_id, r.account_id, r.amount, r.created_at, r.refunded_at
-                    FROM payments r
-                    WHERE r.tenant_id = $1
-                      AND (r.created_at, r.payment_id) >
-                          (CASE WHEN $3::timestamptz > (SELECT c.created_at FROM payments c WHERE c.tenant_id = $1 AND c.payment_id = $2) THEN $3::timestamptz ELSE (SELECT c.created_at FROM payments c WHERE c.tenant_id = $1 AND c.payment_id = $2) END,
-                           CASE WHEN $3::timestamptz > (SELECT c.created_at FROM payments c WHERE c.tenant_id = $1 AND c.payment_id = $2) THEN '00000000-0000-0000-0000-000000000000'::uuid ELSE $2 END)
-                      AND r.created_at >= coalesce($3::timestamptz, '-infinity') AND r.created_at < coalesce($4::timestamptz, 'infinity')
-                      AND ($5::text IS NULL OR ($5 = 'refunded') = (r.refunded_at IS NOT NULL))
-                    ORDER BY r.created_at, r.payment_id
-                    LIMIT $6"#,
-                tenant.get(),
-                cursor,
-                from,
-                until,
-                status,
-                page.fetch(),
-            )
-            .fetch_one(&mut *conn)
-            .await?
-            .rows(page.newer())?
+        (None, newer) => {
+            // A page of refunds reads the index of refunded payments (migrations/V41): its
+            // query names the index's predicate, so that a generic plan can use it too.
+            let refunded = status == Some(PaymentStatus::Refunded.as_str());
+            match (newer, refunded) {
+                (false, false) => tenant_page!(OLDER
+                    "AND ($5::text IS NULL OR ($5 = 'refunded') = (r.refunded_at IS NOT NULL))",
+                    conn, tenant, cursor, from, until, status, page),
+                (false, true) => tenant_page!(OLDER
+                    "AND $5::text = 'refunded' AND r.refunded_at IS NOT NULL",
+                    conn, tenant, cursor, from, until, status, page),
+                (true, false) => tenant_page!(NEWER
+                    "AND ($5::text IS NULL OR ($5 = 'refunded') = (r.refunded_at IS NOT NULL))",
+                    conn, tenant, cursor, from, until, status, page),
+                (true, true) => tenant_page!(NEWER
+                    "AND $5::text = 'refunded' AND r.refunded_at IS NOT NULL",
+                    conn, tenant, cursor, from, until, status, page),
+            }
         }
         (Some(account), false) => {
             payment_columns!(
-                r#"SELECT r.payment_id, r.account_id, r.amount, r.created_at, r.refunded_at
+                [r#"SELECT r.payment_id, r.account_id, r.amount, r.created_at, r.refunded_at
                     FROM payments r
                     WHERE r.tenant_id = $1 AND r.account_id = $7
                       AND (r.created_at, r.payment_id) <
@@ -173,7 +182,7 @@ pub async fn payments(
                       AND r.created_at >= coalesce($3::timestamptz, '-infinity') AND r.created_at < coalesce($4::timestamptz, 'infinity')
                       AND ($5::text IS NULL OR ($5 = 'refunded') = (r.refunded_at IS NOT NULL))
                     ORDER BY r.created_at DESC, r.payment_id DESC
-                    LIMIT $6"#,
+                    LIMIT $6"#],
                 tenant.get(),
                 cursor,
                 from,
@@ -188,7 +197,7 @@ pub async fn payments(
         }
         (Some(account), true) => {
             payment_columns!(
-                r#"SELECT r.payment_id, r.account_id, r.amount, r.created_at, r.refunded_at
+                [r#"SELECT r.payment_id, r.account_id, r.amount, r.created_at, r.refunded_at
                     FROM payments r
                     WHERE r.tenant_id = $1 AND r.account_id = $7
                       AND (r.created_at, r.payment_id) >
@@ -197,7 +206,7 @@ pub async fn payments(
                       AND r.created_at >= coalesce($3::timestamptz, '-infinity') AND r.created_at < coalesce($4::timestamptz, 'infinity')
                       AND ($5::text IS NULL OR ($5 = 'refunded') = (r.refunded_at IS NOT NULL))
                     ORDER BY r.created_at, r.payment_id
-                    LIMIT $6"#,
+                    LIMIT $6"#],
                 tenant.get(),
                 cursor,
                 from,
