@@ -114,7 +114,7 @@ impl Application {
         // Every replica delivers webhooks, unless its concurrency is 0.
         let deliverer = match settings.webhooks.concurrency {
             1.. => Some(Arc::new(Deliverer::new(
-                db.clone(),
+                db.sibling(crate::webhooks::DELIVERER_CONNECTIONS),
                 webhook_secrets.clone(),
                 settings.webhooks.clone(),
                 metrics.webhooks.clone(),
@@ -234,7 +234,7 @@ struct Workers {
     aborted: Vec<AbortHandle>,
     /// The deliverer, told to stop (at the signal, while the requests drain, or at the end)
     /// and given the time to record its attempts in flight.
-    deliverer: Option<(CancellationToken, JoinHandle<()>)>,
+    deliverer: Option<(CancellationToken, JoinHandle<()>, Arc<Deliverer>)>,
     /// The longest a graceful stop waits for the deliverer: its attempts' bound (the
     /// attempt timeout and the head's read) and [`DELIVERER_RECORD_GRACE`] to record them.
     deliverer_drain: std::time::Duration,
@@ -246,7 +246,7 @@ impl Workers {
         for worker in self.aborted {
             worker.abort();
         }
-        if let Some((stop, mut deliverer)) = self.deliverer {
+        if let Some((stop, mut deliverer, closing)) = self.deliverer {
             stop.cancel();
             // The attempts end by their own bound; the recording may meet a database that
             // does not answer (each try waits up to the statement timeout and a margin): past
@@ -264,6 +264,7 @@ impl Workers {
                 );
                 deliverer.abort();
             }
+            closing.close().await;
         }
     }
 }
@@ -301,7 +302,7 @@ fn start_workers(
     }
     let deliverer = deliverer.map(|deliverer| {
         let stop = stopping.child_token();
-        (stop.clone(), tokio::spawn(deliverer.run(stop)))
+        (stop.clone(), tokio::spawn(deliverer.clone().run(stop)), deliverer)
     });
     Workers {
         aborted: workers,

@@ -197,7 +197,21 @@ struct Ended {
     record_by: Instant,
 }
 
+/// The deliverer's own connections: it makes one round trip at a time (a record, then a
+/// claim) and refreshes its gauges beside it.
+///
+/// Its own, not the server's pool: a connection's socket is served by the reactor of the
+/// Tokio runtime that opened it, and the server's pool also holds connections that the HTTP
+/// workers opened, each on its own runtime. At a graceful stop those runtimes end with the
+/// HTTP drain, while the deliverer still records the attempts in flight: a record on such a
+/// connection was sent, committed, and its answer never read ("outcome unknown ... A Tokio
+/// 1.x context was found, but it is being shutdown", a WARN that the attempts would be
+/// recorded again; found from outside, 2026-12-07). These are opened by the deliverer, on the
+/// main runtime, which runs until the process ends.
+pub const DELIVERER_CONNECTIONS: usize = 2;
+
 pub struct Deliverer {
+    /// [`DELIVERER_CONNECTIONS`] of its own.
     db: Db,
     sealer: Arc<SecretBox>,
     http: reqwest::Client,
@@ -240,6 +254,11 @@ impl Deliverer {
             cannot_sign: Throttle::new(CANNOT_SIGN_LOG_EVERY),
             claim_failed: Throttle::new(Duration::from_secs(10)),
         })
+    }
+
+    /// Closes the deliverer's connections, once it has stopped.
+    pub async fn close(&self) {
+        self.db.close().await;
     }
 
     /// Runs the worker until `stop` is cancelled (then [`Self::drain`]s it) or the task is

@@ -22,6 +22,6 @@ pub mod secrets;
 pub mod signing;
 pub mod target;
 
-pub use delivery::{Counters, Deliverer, HEAD_READ};
+pub use delivery::{Counters, Deliverer, DELIVERER_CONNECTIONS, HEAD_READ};
 pub use endpoints::{CreateEndpoint, EnableEndpoint, EndpointRow, EventRow, RotateSecret};
 pub use secrets::SecretBox;

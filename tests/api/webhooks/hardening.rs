@@ -614,6 +614,11 @@ async fn database_with_tenant(name_hint: &str) -> (String, sqlx::PgPool, Uuid, S
 /// `oncepay serve`, the binary, on the database at `url` with deliveries to private addresses
 /// allowed and a 50 ms poll, `env` added; its base URL.
 fn serve(url: &str, env: &[(&str, &str)]) -> (tokio::process::Child, String) {
+    serve_logging(url, env, std::process::Stdio::null())
+}
+
+/// [`serve`], its log (standard error) written to `log`.
+fn serve_logging(url: &str, env: &[(&str, &str)], log: std::process::Stdio) -> (tokio::process::Child, String) {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -627,7 +632,7 @@ fn serve(url: &str, env: &[(&str, &str)]) -> (tokio::process::Child, String) {
         .env("ONCEPAY_METRICS_BIND", "127.0.0.1:0")
         .env("ONCEPAY_WEBHOOK_ALLOW_PRIVATE", "1")
         .env("ONCEPAY_WEBHOOK_POLL_MS", "50")
-        .stderr(std::process::Stdio::null())
+        .stderr(log)
         .kill_on_drop(true);
     for (name, value) in env {
         command.env(name, value);
@@ -706,7 +711,9 @@ async fn deliveries_take_no_proxy_from_the_environment() {
 #[tokio::test]
 async fn a_replica_stopped_gracefully_records_the_attempts_in_flight() {
     let (url, pool, tenant, api_key) = database_with_tenant("graceful_stop").await;
-    let (mut server, base) = serve(&url, &[]);
+    let log_path = std::env::temp_dir().join(format!("oncepay-graceful-stop-{}.log", uuid::Uuid::new_v4()));
+    let log = std::fs::File::create(&log_path).unwrap();
+    let (mut server, base) = serve_logging(&url, &[], log.into());
     let receiver = Receiver::start().await;
     receiver.set_delay(Duration::from_millis(1500));
     subscribe_and_pay(&base, &api_key, &receiver).await;
@@ -714,6 +721,12 @@ async fn a_replica_stopped_gracefully_records_the_attempts_in_flight() {
         receiver.in_flight() == 1
     })
     .await;
+    // Reads on the HTTP workers, whose connections join the pool the deliverer records with.
+    let client = crate::support::helpers::client();
+    let reads = (0..32).map(|_| client.get(format!("{base}/accounts/main")).bearer_auth(&api_key).send());
+    for read in futures_util::future::join_all(reads).await {
+        assert_eq!(read.unwrap().status(), 200);
+    }
 
     crate::commands::sigterm(&server);
     let status = tokio::time::timeout(Duration::from_secs(20), server.wait())
@@ -738,6 +751,16 @@ async fn a_replica_stopped_gracefully_records_the_attempts_in_flight() {
             .await
             .unwrap();
     assert_eq!(attempts, [(1, Some(200))]);
+    // Recorded at the first try, not after a failure (found from outside: "webhook attempts
+    // not recorded yet; will try again ... being shutdown" at every such stop).
+    let log = std::fs::read_to_string(&log_path).unwrap();
+    std::fs::remove_file(&log_path).unwrap();
+    assert!(log.contains("stopped"), "the log was read: {log}");
+    let complaints: Vec<&str> = log
+        .lines()
+        .filter(|l| (l.contains("WARN") || l.contains("ERROR")) && !l.contains("ONCEPAY_WEBHOOK_SECRET_KEY is unset"))
+        .collect();
+    assert!(complaints.is_empty(), "{complaints:#?}");
     pool.close().await;
     drop_database(&url).await;
 }
