@@ -614,11 +614,6 @@ async fn database_with_tenant(name_hint: &str) -> (String, sqlx::PgPool, Uuid, S
 /// `oncepay serve`, the binary, on the database at `url` with deliveries to private addresses
 /// allowed and a 50 ms poll, `env` added; its base URL.
 fn serve(url: &str, env: &[(&str, &str)]) -> (tokio::process::Child, String) {
-    serve_logging(url, env, std::process::Stdio::null())
-}
-
-/// [`serve`], its log (standard error) written to `log`.
-fn serve_logging(url: &str, env: &[(&str, &str)], log: std::process::Stdio) -> (tokio::process::Child, String) {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -632,7 +627,7 @@ fn serve_logging(url: &str, env: &[(&str, &str)], log: std::process::Stdio) -> (
         .env("ONCEPAY_METRICS_BIND", "127.0.0.1:0")
         .env("ONCEPAY_WEBHOOK_ALLOW_PRIVATE", "1")
         .env("ONCEPAY_WEBHOOK_POLL_MS", "50")
-        .stderr(log)
+        .stderr(std::process::Stdio::null())
         .kill_on_drop(true);
     for (name, value) in env {
         command.env(name, value);
@@ -711,9 +706,15 @@ async fn deliveries_take_no_proxy_from_the_environment() {
 #[tokio::test]
 async fn a_replica_stopped_gracefully_records_the_attempts_in_flight() {
     let (url, pool, tenant, api_key) = database_with_tenant("graceful_stop").await;
-    let log_path = std::env::temp_dir().join(format!("oncepay-graceful-stop-{}.log", uuid::Uuid::new_v4()));
-    let log = std::fs::File::create(&log_path).unwrap();
-    let (mut server, base) = serve_logging(&url, &[], log.into());
+    let port = free_port();
+    let base = format!("http://127.0.0.1:{port}");
+    let (mut server, logs) = serve_logged(&[
+        ("DATABASE_URL", server_url(&url)),
+        ("ONCEPAY_BIND", format!("127.0.0.1:{port}")),
+        ("ONCEPAY_METRICS_BIND", "127.0.0.1:0".to_owned()),
+        ("ONCEPAY_WEBHOOK_ALLOW_PRIVATE", "1".to_owned()),
+        ("ONCEPAY_WEBHOOK_POLL_MS", "50".to_owned()),
+    ]);
     let receiver = Receiver::start().await;
     receiver.set_delay(Duration::from_millis(1500));
     subscribe_and_pay(&base, &api_key, &receiver).await;
@@ -753,8 +754,7 @@ async fn a_replica_stopped_gracefully_records_the_attempts_in_flight() {
     assert_eq!(attempts, [(1, Some(200))]);
     // Recorded at the first try, not after a failure (found from outside: "webhook attempts
     // not recorded yet; will try again ... being shutdown" at every such stop).
-    let log = std::fs::read_to_string(&log_path).unwrap();
-    std::fs::remove_file(&log_path).unwrap();
+    let log = logs.await.unwrap();
     assert!(log.contains("stopped"), "the log was read: {log}");
     let complaints: Vec<&str> = log
         .lines()
