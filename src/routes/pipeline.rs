@@ -177,7 +177,7 @@ async fn handle<E: Endpoint>(
 
     let outcome = E::execute(&state, tenant.id, args, effect)
         .await
-        .map_err(|err| without_key(err.into(), claim.is_some()))?;
+        .map_err(|err| without_key(err.into(), sent_a_key(claim.as_ref())))?;
     let expires_at = outcome.expires_at;
     let (answer, finished) = respond::<E>(spec, outcome, claim.is_some())?;
     let finished = finished.filter(|_| E::CACHES_REPLAYS);
@@ -193,8 +193,18 @@ async fn handle<E: Endpoint>(
     answer
 }
 
-/// A keyless request (policy `allow`) whose outcome is unknown is not told to retry with a
-/// key it has not got: a second keyless request may do the operation twice.
+/// Whether the client sent the request's key: `false` without a key (policy `allow`) and for
+/// a key the server derived from the body (policy `fingerprint`), which protects a resend
+/// for `ONCEPAY_FINGERPRINT_WINDOW_SECS` only.
+pub fn sent_a_key(claim: Option<&Claim>) -> bool {
+    claim.is_some_and(|c| !c.derived)
+}
+
+/// A request without a key of its client's (policy `allow`, or `fingerprint`'s derived key)
+/// whose outcome is unknown, or whose top-up waits, is not told to retry with a key it has
+/// not got: a second keyless request may do the operation twice (found from outside: a
+/// `fingerprint` top-up waiting for 3-D Secure, told "Retry-After: 5, retry with the same
+/// Idempotency-Key", was resent after its derived key's 60 s and charged the card again).
 pub fn without_key(err: ApiError, keyed: bool) -> ApiError {
     match err {
         ApiError::OutcomeUnknown | ApiError::ProcessorUnknown if !keyed => ApiError::OutcomeUnknownWithoutKey,

@@ -168,6 +168,7 @@ pub(super) async fn create(
     )
     .await?;
     let keyed = claim.is_some();
+    let sent_a_key = pipeline::sent_a_key(claim.as_ref());
     let top_ups = processor(&state)?.clone();
     // Driven in a task of its own: a client that hangs up does not stop the top-up between
     // two phases (its lease would keep a retry waiting until it expires).
@@ -184,7 +185,7 @@ pub(super) async fn create(
     .await
     .map_err(|e| ApiError::Internal(e.into()))?
     // A second keyless top-up is a second charge: no "retry with the same key" for it.
-    .map_err(|err| pipeline::without_key(edge(err), keyed))?;
+    .map_err(|err| pipeline::without_key(edge(err), sent_a_key))?;
     respond(spec, answer, keyed, |row| {
         let out = TopUpOut {
             id: TopUpId::from_uuid(row.top_up_id),

@@ -71,11 +71,7 @@ async fn under_allow_the_warning_comes_once_a_minute_and_each_request_line_says_
     let lines: Vec<serde_json::Value> = log.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
     let warnings: Vec<&serde_json::Value> = lines
         .iter()
-        .filter(|l| {
-            l["message"]
-                .as_str()
-                .is_some_and(|m| m.starts_with("keyless request"))
-        })
+        .filter(|l| l["message"].as_str().is_some_and(|m| m.starts_with("keyless request")))
         .collect();
     assert_eq!(warnings.len(), 1, "{log}");
     assert_eq!(warnings[0]["level"], "WARN");

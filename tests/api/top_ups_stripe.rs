@@ -133,11 +133,23 @@ async fn keyless_top_up(app: &TestApp, api_key: &str, card: &str) -> crate::supp
 /// Found from outside: a keyless top-up waiting for the cardholder's 3-D Secure was answered
 /// "outcome unknown, look first" with nothing to look at: its 503 now names the top-up in
 /// `Location` and tells the client not to send it again (the completer ends it).
+///
+/// The same under policy `fingerprint` (found from outside: the request, keyless, had a key
+/// the server derived from its body for 60 s, and was told "Retry-After: 5, retry with the
+/// same Idempotency-Key"; resent after the 60 s it was a second top-up and a second charge).
 #[tokio::test]
 async fn a_keyless_top_up_that_waits_at_the_processor_names_the_top_up_to_look_at() {
     let rig = rig(|_: &Incoming| Action::Forward, |_| {}).await;
-    let (_, api_key) =
-        crate::support::helpers::new_tenant(&rig.app.pool, oncepay::domain::MissingKeyPolicy::Allow).await;
+    for policy in [
+        oncepay::domain::MissingKeyPolicy::Allow,
+        oncepay::domain::MissingKeyPolicy::Fingerprint,
+    ] {
+        keyless_top_up_waits(&rig, policy).await;
+    }
+}
+
+async fn keyless_top_up_waits(rig: &crate::top_ups::Rig, policy: oncepay::domain::MissingKeyPolicy) {
+    let (_, api_key) = crate::support::helpers::new_tenant(&rig.app.pool, policy).await;
     let card = rig.stripe.card(AUTHENTICATION_REQUIRED).await;
     let answer = keyless_top_up(&rig.app, &api_key, &card).await;
     answer.assert_problem(503, "temporarily_unavailable");
