@@ -140,13 +140,20 @@ impl RefundDrive<'_> {
                 if let Some(refund) = live {
                     return self.decide(refund).await;
                 }
+                // A creation's saved 5xx made no refund: the next key creates it. This comes
+                // before the check below, which is for a processor that said "already
+                // refunded": found from outside, a drive that had looked once met its saved
+                // 500, looked again and stopped there, on the same key every time, for as
+                // long as the processor keeps it.
+                if self.next == Next::LookAfterSaved {
+                    self.next_key().await?;
+                    self.next = Next::Create;
+                    return Ok(());
+                }
                 self.looked_in_vain += 1;
                 if self.looked_in_vain > 1 {
                     // The processor said it was refunded already, yet lists no refund.
                     return Err(Stop::Unknown("the processor lists no refund of this top-up".to_owned()));
-                }
-                if self.next == Next::LookAfterSaved {
-                    self.next_key().await?;
                 }
                 self.next = Next::Create;
                 Ok(())

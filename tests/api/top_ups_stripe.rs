@@ -117,6 +117,19 @@ async fn a_keyless_top_up_whose_outcome_is_unknown_is_not_invited_to_send_it_aga
     assert_eq!(report["clean"], true, "a suspicion, not a broken invariant: {report:#}");
 }
 
+/// The key series `column` of top-up `id` (`confirm_key_series`, `refund_key_series`, ...):
+/// how many keys of that call a saved 5xx has spent.
+async fn key_series(app: &TestApp, id: &str, column: &str) -> i32 {
+    sqlx::query_scalar(&format!(
+        "SELECT {column} FROM top_ups WHERE tenant_id = $1 AND top_up_id = $2::uuid"
+    ))
+    .bind(app.tenant_id)
+    .bind(id)
+    .fetch_one(&app.pool)
+    .await
+    .unwrap()
+}
+
 /// A top-up sent without an `Idempotency-Key` with the tenant's `api_key`.
 async fn keyless_top_up(app: &TestApp, api_key: &str, card: &str) -> crate::support::helpers::Answer {
     let sent = app
@@ -178,6 +191,29 @@ async fn keyless_top_up_waits(rig: &crate::top_ups::Rig, policy: oncepay::domain
     assert_eq!(shown.body["processor_status"], "requires_action", "{}", shown.body);
 }
 
+/// Found from outside: a refund whose creation met one 500 that Stripe saved under its key
+/// (no refund made) stayed `refund_pending` for as long as Stripe keeps the key: each drive
+/// looked, found no refund, and stopped as if Stripe had said "already refunded" before it
+/// moved on to the next key; the balance stayed debited and the card unrefunded. A saved 5xx
+/// moves the series on, as it does for the PaymentIntent's calls.
+#[tokio::test]
+async fn a_refund_whose_creation_met_one_saved_500_is_made_under_the_next_key() {
+    let rig = rig(first(Call::Refund, 1, Action::ServerError), |_| {}).await;
+    let created = rig.app.top_up(&new_key(), "main", AMOUNT, VISA).await;
+    assert_eq!(created.status, 201, "{}", created.body);
+    let id = created.body["id"].as_str().unwrap().to_owned();
+    let intent = created.body["processor_payment_id"].as_str().unwrap().to_owned();
+    let key = new_key();
+    let answers = retry_until_final(async || rig.app.refund_top_up(&key, &id).await).await;
+    let last = answers.last().unwrap();
+    assert_eq!(last.status, 200, "{answers:?}");
+    assert_eq!(last.body["status"], "refunded", "{}", last.body);
+    assert_eq!(rig.stripe.refunds_of(&intent).await.len(), 1, "refunded once");
+    assert_eq!(rig.app.balance("main").await, MAIN_BALANCE, "debited once");
+    let series = key_series(&rig.app, &id, "refund_key_series").await;
+    assert_eq!(series, 1, "key 0 met the saved 500; key 1 made the refund");
+}
+
 /// Found from outside: a client retrying each second as told spent one key of the confirm
 /// series a retry while Stripe saved a 500 under each, and at the 20th the drive stopped for
 /// good: every later look met that key's saved 500, for as long as Stripe keeps keys (a day or
@@ -198,13 +234,7 @@ async fn past_twenty_saved_500s_of_its_confirmation_a_top_up_ends_once_stripe_an
     let (id, _) = rig.app.top_up_of_key(&key).await.unwrap();
     let done = wait_for_state(&rig.app, &id, |s| s["status"] != "processing").await;
     assert_eq!(done["status"], "succeeded", "{done}");
-    let series: i32 =
-        sqlx::query_scalar("SELECT confirm_key_series FROM top_ups WHERE tenant_id = $1 AND top_up_id = $2::uuid")
-            .bind(rig.app.tenant_id)
-            .bind(&id)
-            .fetch_one(&rig.app.pool)
-            .await
-            .unwrap();
+    let series = key_series(&rig.app, &id, "confirm_key_series").await;
     assert_eq!(series, 21, "it met the 21 saved 500s, keys 0 to 20, and went on");
     assert_exactly_once(&rig.app, &rig.stripe, &id, true).await;
 }
