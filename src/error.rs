@@ -95,6 +95,11 @@ pub enum ApiError {
     /// retry with the same key refunds it once it has succeeded.
     #[error("the top-up is still processing at the card processor (GET /top-ups/{{id}} shows when it ends: a wait for the cardholder's action may last ONCEPAY_TOPUP_ACTION_TIMEOUT_SECS); it can be refunded once it has succeeded. Nothing was stored under this Idempotency-Key")]
     TopUpProcessing,
+    /// A refund of a top-up (under another key) while a refund of it is under way at the
+    /// processor: nothing was claimed or stored, so a retry with the same key answers once that
+    /// refund has ended.
+    #[error("a refund of this top-up is under way at the card processor (GET /top-ups/{{id}}: refund_pending); once it ends, a retry with this Idempotency-Key answers 409 already_refunded if it succeeded, or refunds the top-up if it failed. Nothing was stored under this key")]
+    TopUpRefundPending,
     /// A resend while an attempt of the event to the endpoint is out (the key is new, or
     /// free: nothing was stored under it).
     #[error("an attempt to deliver this event to this endpoint is out now; retry with the same Idempotency-Key after the Retry-After delay and the event is sent again. Nothing was stored under this key")]
@@ -152,9 +157,11 @@ impl ApiError {
             }
             Self::KeyReused => ProblemCode::IdempotencyKeyReused,
             Self::KeyExpired => ProblemCode::IdempotencyKeyExpired,
-            Self::InProgress | Self::KeyInFlight | Self::TopUpProcessing | Self::DeliveryAttemptOut => {
-                ProblemCode::RequestInProgress
-            }
+            Self::InProgress
+            | Self::KeyInFlight
+            | Self::TopUpProcessing
+            | Self::TopUpRefundPending
+            | Self::DeliveryAttemptOut => ProblemCode::RequestInProgress,
             Self::Overloaded | Self::AccountBusy => ProblemCode::Overloaded,
             Self::Unavailable
             | Self::OutcomeUnknown
@@ -188,6 +195,7 @@ impl ApiError {
             Self::KeyExpired => "Idempotency key expired",
             Self::InProgress | Self::KeyInFlight => "Request in progress",
             Self::TopUpProcessing => "Top-up still processing",
+            Self::TopUpRefundPending => "Refund under way",
             Self::DeliveryAttemptOut => "Delivery attempt in progress",
             Self::Overloaded => "Overloaded",
             Self::AccountBusy => "Account busy",
@@ -217,7 +225,11 @@ impl ApiError {
             Self::ProcessorWaiting { .. } | Self::ProcessorWaitingWithoutKey { .. } => "waiting",
             Self::KeyReused => "key_reused",
             Self::KeyExpired => "expired",
-            Self::InProgress | Self::KeyInFlight | Self::TopUpProcessing | Self::DeliveryAttemptOut => "in_progress",
+            Self::InProgress
+            | Self::KeyInFlight
+            | Self::TopUpProcessing
+            | Self::TopUpRefundPending
+            | Self::DeliveryAttemptOut => "in_progress",
             Self::Overloaded
             | Self::AccountBusy
             | Self::Unavailable
@@ -251,7 +263,9 @@ impl ApiError {
             | Self::ProcessorUnknown => Some(RETRY_AFTER_SECS),
             // A top-up ends when the completer or a cardholder's action ends it: seconds to
             // minutes, not the one second a request in flight takes.
-            Self::TopUpProcessing | Self::ProcessorWaiting { .. } => Some(TOP_UP_PROCESSING_RETRY_AFTER_SECS),
+            Self::TopUpProcessing | Self::TopUpRefundPending | Self::ProcessorWaiting { .. } => {
+                Some(TOP_UP_PROCESSING_RETRY_AFTER_SECS)
+            }
             _ => None,
         }
     }

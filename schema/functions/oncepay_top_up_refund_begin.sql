@@ -17,6 +17,9 @@ BEGIN
             c := oncepay_decline(p_tenant, p, 'not_found');
         ELSIF t.status = 'processing' THEN
             RAISE EXCEPTION 'top-up % is still processing', p_top_up USING ERRCODE = 'lock_not_available';
+        ELSIF t.refund_state = 'debited' THEN
+            -- Another key's refund is under way: how it ends decides this one's answer.
+            RAISE EXCEPTION 'top-up % has a refund under way', p_top_up USING ERRCODE = 'lock_not_available';
         ELSIF t.refund_state IS NOT NULL THEN
             c := oncepay_decline(p_tenant, p, 'already_refunded');
         ELSE

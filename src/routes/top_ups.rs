@@ -277,20 +277,24 @@ pub(super) async fn refund(
 }
 
 /// Why a refund found its top-up in use: the top-up is still `processing` (409 naming it, a
-/// longer `Retry-After`), or another request with the key drives it (409 in progress).
+/// longer `Retry-After`), a refund of it under another key is under way at the processor
+/// (409 saying so: found from outside, a 409 `already_refunded` stored for this key was
+/// wrong once that refund failed), or another request with the key drives it (409 in
+/// progress).
 async fn in_progress_or_processing(state: &AppState, tenant: TenantId, id: TopUpId) -> ApiError {
-    let processing = async {
+    let seen = async {
         let mut conn = state.conn().await.ok()?;
         let row = conn
             .run(async |c| ledger::top_ups::top_up(c, tenant, id).await)
             .await
             .ok()??;
-        Some(*row.status == "processing")
+        let refunding = row.refund_state.as_ref().is_some_and(|r| r.0 == "debited");
+        Some((*row.status == "processing", refunding))
     };
-    if processing.await == Some(true) {
-        ApiError::TopUpProcessing
-    } else {
-        ApiError::InProgress
+    match seen.await {
+        Some((true, _)) => ApiError::TopUpProcessing,
+        Some((false, true)) => ApiError::TopUpRefundPending,
+        _ => ApiError::InProgress,
     }
 }
 

@@ -643,9 +643,23 @@ async fn pending_refund(end: &'static str) -> (Rig, String, String) {
     (rig, id, key)
 }
 
+/// Also: a refund under another key while the first is pending is answered 409 "under way"
+/// and stores nothing (found from outside: it stored 409 `already_refunded`, which its key
+/// kept answering after the first refund failed and was credited back); once the first has
+/// failed, that key refunds the top-up.
 #[tokio::test]
 async fn a_refund_pending_then_failed_credits_the_amount_back_with_its_event() {
     let (Rig { stripe, proxy, app }, id, key) = pending_refund("failed").await;
+    let second_key = new_key();
+    let second = app.refund_top_up(&second_key, &id).await;
+    second.assert_problem(409, "request_in_progress");
+    assert_eq!(second.body["title"], "Refund under way", "{}", second.body);
+    assert!(second.header("retry-after").is_some(), "{}", second.body);
+    assert_eq!(
+        app.get(&format!("/idempotency-keys/{second_key}")).await.status,
+        404,
+        "nothing stored under the second key"
+    );
     let receiver = crate::support::webhook_receiver::Receiver::start().await;
     let endpoint = app
         .post(
@@ -675,6 +689,10 @@ async fn a_refund_pending_then_failed_credits_the_amount_back_with_its_event() {
     let report = audit(&app, &stripe).await;
     assert_eq!(report["clean"], true, "{report:#}");
     assert!(proxy.seen().iter().filter(|s| s.path == "/v1/refunds").count() == 1);
+    // The first refund failed: the second key's retry refunds the top-up now.
+    let again = app.refund_top_up(&second_key, &id).await;
+    assert_eq!(again.status, 202, "a second refund, pending in turn: {}", again.body);
+    assert_eq!(again.body["status"], "refund_pending", "{}", again.body);
 }
 
 #[tokio::test]
