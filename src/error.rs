@@ -70,8 +70,13 @@ pub enum ApiError {
     },
     #[error("top-ups need a card processor: the operator has not set ONCEPAY_PROCESSOR_URL")]
     ProcessorNotConfigured,
+    /// Its `Location` names the top-up, as a waiting one's does.
     #[error("the card processor's outcome is not known yet (a timeout, a lost answer); retry with the same Idempotency-Key: the retry resumes this operation, never charges twice, and answers its final result")]
-    ProcessorUnknown,
+    ProcessorUnknown { top_up: TopUpId },
+    /// [`ApiError::ProcessorUnknown`] to a request without a key of its client's: the top-up
+    /// exists and the completer ends it; sent again, the request may be a second charge.
+    #[error("the card processor's outcome for top-up {top_up} is not known yet (a timeout, a lost answer); GET /top-ups/{top_up} shows how it ends (oncepay finishes it on its own). This request carried no Idempotency-Key: do not send it again, which may charge twice")]
+    ProcessorUnknownWithoutKey { top_up: TopUpId },
     /// A top-up whose PaymentIntent waits at the processor (`requires_action`, `processing`):
     /// its end may take minutes, not the second a lost answer takes to look up. Its
     /// `Location` names the top-up, as a 201's would.
@@ -152,9 +157,10 @@ impl ApiError {
             Self::AccountNotFound => ProblemCode::AccountNotFound,
             Self::Declined { decline, .. } | Self::ProcessorDeclined { decline, .. } => decline.code(),
             Self::ProcessorNotConfigured => ProblemCode::ProcessorNotConfigured,
-            Self::ProcessorUnknown | Self::ProcessorWaiting { .. } | Self::ProcessorWaitingWithoutKey { .. } => {
-                ProblemCode::TemporarilyUnavailable
-            }
+            Self::ProcessorUnknown { .. }
+            | Self::ProcessorUnknownWithoutKey { .. }
+            | Self::ProcessorWaiting { .. }
+            | Self::ProcessorWaitingWithoutKey { .. } => ProblemCode::TemporarilyUnavailable,
             Self::KeyReused => ProblemCode::IdempotencyKeyReused,
             Self::KeyExpired => ProblemCode::IdempotencyKeyExpired,
             Self::InProgress
@@ -187,7 +193,8 @@ impl ApiError {
             Self::AccountNotFound => "Account not found",
             Self::Declined { decline, .. } | Self::ProcessorDeclined { decline, .. } => decline.title(),
             Self::ProcessorNotConfigured => "Processor not configured",
-            Self::ProcessorUnknown => "Temporarily unavailable",
+            Self::ProcessorUnknown { .. } => "Temporarily unavailable",
+            Self::ProcessorUnknownWithoutKey { .. } => "Outcome unknown",
             Self::ProcessorWaiting { .. } | Self::ProcessorWaitingWithoutKey { .. } => {
                 "Top-up waiting at the processor"
             }
@@ -220,7 +227,7 @@ impl ApiError {
             } => "not_found",
             Self::Declined { replayed: false, .. } | Self::ProcessorDeclined { replayed: false, .. } => "declined",
             Self::ProcessorNotConfigured => "invalid",
-            Self::ProcessorUnknown => "transient_error",
+            Self::ProcessorUnknown { .. } | Self::ProcessorUnknownWithoutKey { .. } => "transient_error",
             // A cardholder's 3-D Secure is not an outage: counted apart from the 503s of one.
             Self::ProcessorWaiting { .. } | Self::ProcessorWaitingWithoutKey { .. } => "waiting",
             Self::KeyReused => "key_reused",
@@ -260,7 +267,7 @@ impl ApiError {
             | Self::OutcomeUnknown
             | Self::Starting
             | Self::Stopping
-            | Self::ProcessorUnknown => Some(RETRY_AFTER_SECS),
+            | Self::ProcessorUnknown { .. } => Some(RETRY_AFTER_SECS),
             // A top-up ends when the completer or a cardholder's action ends it: seconds to
             // minutes, not the one second a request in flight takes.
             Self::TopUpProcessing | Self::TopUpRefundPending | Self::ProcessorWaiting { .. } => {
@@ -301,7 +308,11 @@ impl ResponseError for ApiError {
         if let Some(secs) = self.retry_after() {
             response.insert_header((header::RETRY_AFTER, secs.to_string()));
         }
-        if let Self::ProcessorWaiting { top_up } | Self::ProcessorWaitingWithoutKey { top_up } = self {
+        if let Self::ProcessorWaiting { top_up }
+        | Self::ProcessorWaitingWithoutKey { top_up }
+        | Self::ProcessorUnknown { top_up }
+        | Self::ProcessorUnknownWithoutKey { top_up } = self
+        {
             response.insert_header((header::LOCATION, routes::GET_TOP_UP.with_id(&top_up.to_string())));
         }
         if let Self::BodyTimeout { .. } = self {

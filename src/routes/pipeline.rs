@@ -207,7 +207,8 @@ pub fn sent_a_key(claim: Option<&Claim>) -> bool {
 /// Idempotency-Key", was resent after its derived key's 60 s and charged the card again).
 pub fn without_key(err: ApiError, keyed: bool) -> ApiError {
     match err {
-        ApiError::OutcomeUnknown | ApiError::ProcessorUnknown if !keyed => ApiError::OutcomeUnknownWithoutKey,
+        ApiError::OutcomeUnknown if !keyed => ApiError::OutcomeUnknownWithoutKey,
+        ApiError::ProcessorUnknown { top_up } if !keyed => ApiError::ProcessorUnknownWithoutKey { top_up },
         ApiError::ProcessorWaiting { top_up } if !keyed => ApiError::ProcessorWaitingWithoutKey { top_up },
         other => other,
     }

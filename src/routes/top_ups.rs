@@ -422,12 +422,13 @@ fn respond(
 fn edge(err: TopUpError) -> ApiError {
     match err {
         TopUpError::Db(err) => err.into(),
-        TopUpError::ProcessorUnknown(why) => {
+        TopUpError::ProcessorUnknown { top_up, why } => {
             tracing::warn!(
+                %top_up,
                 why,
                 "top-up answered 503: the processor's outcome is unknown, the key stays with it"
             );
-            ApiError::ProcessorUnknown
+            ApiError::ProcessorUnknown { top_up }
         }
         TopUpError::Waiting {
             top_up,

@@ -101,9 +101,10 @@ impl TopUps {
                     })
                 }
                 Err(Stop::Lost) => {
-                    return Err(TopUpError::ProcessorUnknown(
-                        "another driver took the top-up's lease".to_owned(),
-                    ))
+                    return Err(TopUpError::ProcessorUnknown {
+                        top_up: TopUpId::from_uuid(drive.row.top_up_id),
+                        why: "another driver took the top-up's lease".to_owned(),
+                    })
                 }
             }
         }

@@ -82,8 +82,8 @@ pub enum TopUpError {
     Db(#[from] DbError),
     /// The processor's outcome is unknown: the key stays with the operation, which a retry
     /// with the same key (or the completer) resumes.
-    #[error("the processor's outcome is unknown: {0}")]
-    ProcessorUnknown(String),
+    #[error("the processor's outcome for top-up {top_up} is unknown: {why}")]
+    ProcessorUnknown { top_up: TopUpId, why: String },
     /// The PaymentIntent waits at the processor (`requires_action`, `requires_capture` before
     /// the action timeout, `processing`): recorded, looked at again later.
     #[error("the PaymentIntent of top-up {top_up} is {processor_status} at the processor")]
@@ -264,7 +264,10 @@ impl TopUps {
         } else if let Err(err) = self.db.run(async |c| top_ups::release(c, row, owner).await).await {
             tracing::warn!(top_up = %row.top_up_id, error = %err, "could not give the lease back; it expires on its own");
         }
-        TopUpError::ProcessorUnknown(why)
+        TopUpError::ProcessorUnknown {
+            top_up: TopUpId::from_uuid(row.top_up_id),
+            why,
+        }
     }
 
     /// Gives the lease back after the completer's look left a top-up's or its refund's outcome

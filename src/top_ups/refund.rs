@@ -15,6 +15,7 @@
 use super::drive::{may_move_series, Stop};
 use super::processor::{CallError, KeyedCall, RefundObject};
 use super::{Answer, Driver, Lease, TopUpError, TopUps, MAX_STEPS};
+use crate::domain::TopUpId;
 use crate::ledger::top_ups;
 use crate::ledger::TopUpRow;
 use crate::operation::Decline;
@@ -85,9 +86,10 @@ impl TopUps {
                 Err(Stop::Unknown(why)) => return Err(self.give_back(&drive.row, lease.owner, why, driver).await),
                 Err(Stop::Waiting) => return Ok(RefundEnd::Pending(drive.row)),
                 Err(Stop::Lost) => {
-                    return Err(TopUpError::ProcessorUnknown(
-                        "another driver took the refund's lease".to_owned(),
-                    ))
+                    return Err(TopUpError::ProcessorUnknown {
+                        top_up: TopUpId::from_uuid(drive.row.top_up_id),
+                        why: "another driver took the refund's lease".to_owned(),
+                    })
                 }
             }
         }

@@ -76,6 +76,11 @@ async fn saved_5xx_scenario(call: Call, action: Action, met_again: bool) -> (Rig
     assert_eq!(last.status, 201, "{action:?} on {call:?}: {}", last.body);
     assert!(!last.replayed());
     let id = last.body["id"].as_str().unwrap().to_owned();
+    assert_eq!(
+        answers[0].header("location"),
+        Some(format!("/top-ups/{id}").as_str()),
+        "the 503 of an unknown outcome names its top-up"
+    );
     let seen = rig.proxy.seen();
     assert_eq!(
         seen.iter().any(|s| s.action == Action::Stripe("saved_5xx_replayed")),
@@ -105,6 +110,12 @@ async fn a_keyless_top_up_whose_outcome_is_unknown_is_not_invited_to_send_it_aga
         "{detail}"
     );
     assert_eq!(answer.header("retry-after"), None, "a retry is not invited");
+    // The top-up is named, to look at rather than send again (found from outside: the client
+    // was told to search `GET /top-ups` newest first).
+    let location = answer.header("location").expect("the top-up named").to_owned();
+    assert!(detail.contains(&location), "{detail}");
+    let shown = rig.app.get_as(&api_key, &location).await;
+    assert_eq!(shown.status, 200, "{}", shown.body);
 
     // Sent again all the same (as the probe's client did): a second top-up, a second charge,
     // which the audit lists among its warnings.
