@@ -14,7 +14,7 @@
 //! measured no change there (docs/bench/README.md). Its pool is the one the handlers' own
 //! reads (`GET /payments/{id}`, key lookups, ...) use too, first in first out, so under mixed
 //! traffic a batch may run on a connection an HTTP worker opened: measured on 2026-12-07
-//! (/work/lab/workerconn/ab.sh, one build, one server first given 320 GETs, which opened only
+//! (two servers of one build, new payments alternated, one first given 320 GETs, which opened only
 //! 4 connections): 0.97x new payments at c=32, p99 1.13x, within the noise. A larger mix may
 //! show more. The webhook deliverer has connections of its own for this reason
 //! (`webhooks::DELIVERER_CONNECTIONS`: at a stop the workers' runtimes end first).
