@@ -271,8 +271,17 @@ pub(super) async fn refund(
                 .balance_after_refund
                 .ok_or_else(|| pipeline::corrupt("a refunded top-up without its balance"))?,
         };
-        let status = if pending { StatusCode::ACCEPTED } else { StatusCode::OK };
-        Ok((status, json_body(&out)?, None))
+        // A pending refund names where to look and when (found from outside: the 202 said
+        // neither); a final one is the top-up's own answer.
+        let (status, location) = if pending {
+            (
+                StatusCode::ACCEPTED,
+                Some(routes::GET_TOP_UP.with_id(&out.id.to_string())),
+            )
+        } else {
+            (StatusCode::OK, None)
+        };
+        Ok((status, json_body(&out)?, location))
     })
 }
 
@@ -405,8 +414,13 @@ fn respond(
         Answer::RefundPending { row } => {
             // Not final: a retry with the key looks at the refund again. The debit was made:
             // counted as made, not yet as refunded.
-            let (status, body, _) = render(&row)?;
-            Ok(pipeline::answer(status, body, None, Replay::of(keyed, false)))
+            let (status, body, location) = render(&row)?;
+            let mut answer = pipeline::answer(status, body, location.as_deref(), Replay::of(keyed, false));
+            answer.headers_mut().insert(
+                actix_web::http::header::RETRY_AFTER,
+                actix_web::http::header::HeaderValue::from(crate::error::TOP_UP_PROCESSING_RETRY_AFTER_SECS),
+            );
+            Ok(answer)
         }
         Answer::Declined { decline, row, replayed } => Err(ApiError::ProcessorDeclined {
             decline,

@@ -638,6 +638,9 @@ async fn pending_refund(end: &'static str) -> (Rig, String, String) {
     let key = new_key();
     let pending = rig.app.refund_top_up(&key, &id).await;
     assert_eq!(pending.status, 202, "{}", pending.body);
+    // Where to look, and when (found from outside: the 202 said neither).
+    assert_eq!(pending.header("location"), Some(format!("/top-ups/{id}").as_str()));
+    assert_eq!(pending.header("retry-after"), Some("5"));
     assert_eq!(
         pending.body,
         json!({"id": id, "status": "refund_pending", "refunded": AMOUNT, "balance": MAIN_BALANCE})
