@@ -349,8 +349,15 @@ impl fmt::Display for Report {
             "warning",
         )?;
         samples(&mut out, &self.warnings.unfinished_top_ups, |u| {
+            // A pending refund's unfinished part is the refund: its PaymentIntent has
+            // succeeded, and "last seen" is the refund's status, named as such.
+            let last_seen = if u.state == "refund_pending" {
+                "its refund last seen"
+            } else {
+                "last seen"
+            };
             format!(
-                "top-up {} (tenant {}) {} for {} s: PaymentIntent {} is {} at the processor (last seen {})",
+                "top-up {} (tenant {}) {} for {} s: PaymentIntent {} is {} at the processor ({last_seen} {})",
                 u.top_up_id,
                 u.tenant_id,
                 u.state,

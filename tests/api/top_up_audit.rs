@@ -73,17 +73,23 @@ impl Case {
             .unwrap();
     }
 
-    /// `oncepay audit --json` of the tenant, reading localstripe: its exit status and report.
-    async fn audit(&self) -> (i32, Value) {
-        let output = Command::new(env!("CARGO_BIN_EXE_oncepay"))
-            .args(["audit", "--json", "--tenant", &self.app.tenant_id.to_string()])
+    /// `oncepay audit` of the tenant, reading localstripe, with `extra` arguments.
+    async fn run_audit(&self, extra: &[&str]) -> std::process::Output {
+        Command::new(env!("CARGO_BIN_EXE_oncepay"))
+            .args(["audit", "--tenant", &self.app.tenant_id.to_string()])
+            .args(extra)
             .env("DATABASE_URL", database_url())
             .env("ONCEPAY_PROCESSOR_URL", &self.stripe.url)
             .env("ONCEPAY_PROCESSOR_API_KEY", API_KEY)
             .env("ONCEPAY_COMPLETER_AFTER_SECS", "30")
             .output()
             .await
-            .unwrap();
+            .unwrap()
+    }
+
+    /// `oncepay audit --json` of the tenant: its exit status and report.
+    async fn audit(&self) -> (i32, Value) {
+        let output = self.run_audit(&["--json"]).await;
         let report = serde_json::from_slice(&output.stdout).unwrap_or_else(|_| {
             panic!(
                 "the audit could not run: {}{}",
@@ -263,6 +269,13 @@ async fn the_audit_reports_a_refund_pending_at_the_processor() {
     assert_eq!(
         report["warnings"]["unfinished_top_ups"]["samples"][0]["last_seen_status"],
         "pending"
+    );
+    // The text names the status it saw last as the refund's, not the PaymentIntent's
+    // (found from outside: "PaymentIntent ... is succeeded (last seen pending)").
+    let text = String::from_utf8(case.run_audit(&[]).await.stdout).unwrap();
+    assert!(
+        text.contains("is succeeded at the processor (its refund last seen pending)"),
+        "{text}"
     );
 }
 
