@@ -71,11 +71,11 @@ pub enum ApiError {
     #[error("top-ups need a card processor: the operator has not set ONCEPAY_PROCESSOR_URL")]
     ProcessorNotConfigured,
     /// Its `Location` names the top-up, as a waiting one's does.
-    #[error("the card processor's outcome is not known yet (a timeout, a lost answer); retry with the same Idempotency-Key: the retry resumes this operation, never charges twice, and answers its final result")]
+    #[error("the card processor's outcome is not known yet (it did not answer, or its answer decided nothing); retry with the same Idempotency-Key: the retry resumes this operation, never charges twice, and answers its final result")]
     ProcessorUnknown { top_up: TopUpId },
     /// [`ApiError::ProcessorUnknown`] to a request without a key of its client's: the top-up
     /// exists and the completer ends it; sent again, the request may be a second charge.
-    #[error("the card processor's outcome for top-up {top_up} is not known yet (a timeout, a lost answer); GET /top-ups/{top_up} shows how it ends (oncepay finishes it on its own). This request carried no Idempotency-Key: do not send it again, which may charge twice")]
+    #[error("the card processor's outcome for top-up {top_up} is not known yet (it did not answer, or its answer decided nothing); GET /top-ups/{top_up} shows how it ends (oncepay finishes it on its own). This request carried no Idempotency-Key: do not send it again, which may charge twice")]
     ProcessorUnknownWithoutKey { top_up: TopUpId },
     /// A top-up whose PaymentIntent waits at the processor (`requires_action`, `processing`):
     /// its end may take minutes, not the second a lost answer takes to look up. Its
