@@ -657,6 +657,38 @@ async fn pending_refund(end: &'static str) -> (Rig, String, String) {
     (rig, id, key)
 }
 
+/// A key stored as a replica before V42 stored a second refund's key while the first was
+/// under way: 409 `already_refunded`, made from the row of the refund under `like` (its
+/// fingerprint: the same request).
+async fn stored_as_before_v42(app: &TestApp, like: &str) -> String {
+    let key = new_key();
+    let made = sqlx::query(
+        "INSERT INTO idempotency_keys (tenant_id, key, fingerprint, method, path, status, resource_id, error_code, created_at, expires_at, operation)
+         SELECT tenant_id, $3, fingerprint, method, path, 409, NULL, 'already_refunded', created_at, expires_at, operation
+           FROM idempotency_keys WHERE tenant_id = $1 AND key = $2",
+    )
+    .bind(app.tenant_id)
+    .bind(like)
+    .bind(&key)
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(made.rows_affected(), 1);
+    let answer = app.get(&format!("/idempotency-keys/{key}")).await;
+    assert_eq!(answer.body["status"], 409, "{}", answer.body);
+    key
+}
+
+/// migrations/V43, run again (it deletes only what no replica stores since V42).
+async fn forget_wrong_already_refunded(app: &TestApp) {
+    sqlx::raw_sql(include_str!(
+        "../../migrations/V43__forget_a_wrong_already_refunded.sql"
+    ))
+    .execute(&app.pool)
+    .await
+    .unwrap();
+}
+
 /// Also: a refund under another key while the first is pending is answered 409 "under way"
 /// and stores nothing (found from outside: it stored 409 `already_refunded`, which its key
 /// kept answering after the first refund failed and was credited back); once the first has
@@ -703,6 +735,16 @@ async fn a_refund_pending_then_failed_credits_the_amount_back_with_its_event() {
     let report = audit(&app, &stripe).await;
     assert_eq!(report["clean"], true, "{report:#}");
     assert!(proxy.seen().iter().filter(|s| s.path == "/v1/refunds").count() == 1);
+    // A key stored "already refunded" before V42 for this top-up, not refunded: V43 forgets
+    // it, and its retry refunds as the second key's does (found from outside: stored under
+    // V40, it kept answering 409 already_refunded after the upgrade).
+    let stale = stored_as_before_v42(&app, &key).await;
+    forget_wrong_already_refunded(&app).await;
+    assert_eq!(
+        app.get(&format!("/idempotency-keys/{stale}")).await.status,
+        404,
+        "forgotten"
+    );
     // The first refund failed: the second key's retry refunds the top-up now.
     let again = app.refund_top_up(&second_key, &id).await;
     assert_eq!(again.status, 202, "a second refund, pending in turn: {}", again.body);
@@ -727,6 +769,12 @@ async fn a_refund_pending_then_succeeded_ends_refunded() {
     assert_eq!(answer.body["status"], "refunded");
     assert_eq!(app.balance("main").await, MAIN_BALANCE);
     assert_eq!(audit(&app, &stripe).await["clean"], true);
+    // "Already refunded" of a top-up refunded is right, however it was stored: V43 keeps it.
+    let kept = stored_as_before_v42(&app, &key).await;
+    forget_wrong_already_refunded(&app).await;
+    let again = app.refund_top_up(&kept, &id).await;
+    again.assert_problem(409, "already_refunded");
+    assert!(again.replayed(), "{}", again.body);
 }
 
 /// The CLI prints a 202 `refund_pending` as any answer, but exits 4 with the key to look again
