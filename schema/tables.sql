@@ -233,7 +233,7 @@ CREATE TABLE public.webhook_endpoints (
     created_sequence bigint,
     failing_since timestamp with time zone,
     secret_from_key text,
-    CONSTRAINT webhook_endpoints_event_types_check CHECK ((event_types <@ ARRAY['payment.succeeded'::text, 'payment.refunded'::text, 'deposit.succeeded'::text, 'transfer.succeeded'::text, 'top_up.succeeded'::text, 'top_up.failed'::text, 'top_up.refunded'::text]))
+    CONSTRAINT webhook_endpoints_event_types_check CHECK (((event_types IS NULL) OR ((event_types)::public.oncepay_webhook_event_type[] IS NOT NULL)))
 );
 
 
