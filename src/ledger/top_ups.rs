@@ -95,6 +95,53 @@ pub async fn refund_begin(
     })
 }
 
+/// What a top-up's (or its refund's) key has stored, read without claiming anything: for a
+/// replica without a card processor, whose retries are replays or nothing (a request that
+/// would be new is `None`: a keyless one, a key never used, a derived key past its window).
+/// As [`begin`] would find it, the lease aside: `Expired` past the replay window, `KeyReused`
+/// under another fingerprint, else `Replayed` with the key's decline and its top-up's row.
+/// A replay's result is answered as committed, as `oncepay_claim` answers it: with synchronous
+/// standbys, the read writes a record, so that it returns once they hold the key row.
+pub async fn stored(
+    conn: &mut PgConnection,
+    tenant: TenantId,
+    claim: &ClaimArgs,
+) -> Result<Option<Begun>, sqlx::Error> {
+    let Some(key) = claim.key.as_deref() else {
+        return Ok(None);
+    };
+    let r = sqlx::query!(
+        r#"SELECT CASE WHEN k.expires_at <= now() THEN 'expired'
+                       WHEN k.fingerprint <> $3 THEN 'key_reused'
+                       ELSE 'replayed' END::oncepay_outcome AS "outcome!: ClaimOutcome",
+                  k.error_code AS "decline: Decline", k.expires_at,
+                  (SELECT t FROM top_ups t
+                    WHERE t.tenant_id = k.tenant_id
+                      AND t.top_up_id = CASE WHEN k.operation IN ('top_up', 'refund_top_up')
+                                             THEN k.resource_id::uuid END) AS "resource: TopUpRow"
+             FROM idempotency_keys k
+            WHERE k.tenant_id = $1 AND k.key = $2
+              AND (current_setting('synchronous_standby_names') = ''
+                   OR pg_logical_emit_message(true, 'oncepay', 'replay') IS NOT NULL)"#,
+        tenant.get(),
+        key,
+        claim.fingerprint.as_deref(),
+    )
+    .fetch_optional(conn)
+    .await?;
+    Ok(r.and_then(|r| {
+        let begun = Begun {
+            outcome: r.outcome,
+            decline: r.decline,
+            expires_at: Some(r.expires_at),
+            row: r.resource,
+            owned: false,
+        };
+        // A derived key past its window starts afresh (`oncepay_claim`): a new request.
+        (!(claim.derived && begun.outcome == ClaimOutcome::Expired)).then_some(begun)
+    }))
+}
+
 /// Commits the PaymentIntent's id (if the owner still holds the lease and none was
 /// committed); the row as it is now.
 pub async fn intent_created(

@@ -26,7 +26,7 @@ use super::schemas::{
 use crate::domain::{time, AccountId, Amount, TenantId, TopUpId};
 use crate::error::ApiError;
 use crate::ledger::top_ups::NewTopUp;
-use crate::ledger::{self, TopUpRow};
+use crate::ledger::{self, ClaimArgs, TopUpRow};
 use crate::operation::{Operation, Spec};
 use crate::state::{AppState, WorkerLists};
 use crate::top_ups::{Answer, TopUpError, TopUps};
@@ -113,8 +113,24 @@ pub struct TopUpRefundOut {
 #[serde(deny_unknown_fields)]
 pub struct TopUpRefundIn {}
 
-fn processor(state: &AppState) -> Result<&TopUps, ApiError> {
-    state.top_ups.as_ref().ok_or(ApiError::ProcessorNotConfigured)
+/// The replica's top-ups, or, without a card processor, the stored answer of a retry (a
+/// replay needs no processor: found from outside, a finished top-up replayed through such a
+/// replica answered 501, final to a client, though the card was charged), else 501.
+async fn processor_or_stored(
+    state: &AppState,
+    tenant: TenantId,
+    args: &ClaimArgs,
+    refund: bool,
+) -> Result<Result<TopUps, Answer>, ApiError> {
+    if let Some(top_ups) = &state.top_ups {
+        return Ok(Ok(top_ups.clone()));
+    }
+    let mut conn = state.conn().await?;
+    let stored = conn
+        .run(async |c| ledger::top_ups::stored(c, tenant, args).await)
+        .await?
+        .ok_or(ApiError::ProcessorNotConfigured)?;
+    crate::top_ups::stored_answer(stored, refund).map(Err).map_err(edge)
 }
 
 /// Charges a card at the processor and credits the account by the same amount.
@@ -169,7 +185,13 @@ pub(super) async fn create(
     .await?;
     let keyed = claim.is_some();
     let sent_a_key = pipeline::sent_a_key(claim.as_ref());
-    let top_ups = processor(&state)?.clone();
+    let top_ups = match processor_or_stored(&state, tenant.id, &args, false)
+        .await
+        .map_err(|err| pipeline::without_key(err, sent_a_key))?
+    {
+        Ok(top_ups) => top_ups,
+        Err(stored) => return respond(spec, stored, keyed, render_top_up),
+    };
     // Driven in a task of its own: a client that hangs up does not stop the top-up between
     // two phases (its lease would keep a retry waiting until it expires).
     let answer = tokio::spawn(async move {
@@ -186,25 +208,27 @@ pub(super) async fn create(
     .map_err(|e| ApiError::Internal(e.into()))?
     // A second keyless top-up is a second charge: no "retry with the same key" for it.
     .map_err(|err| pipeline::without_key(edge(err), sent_a_key))?;
-    respond(spec, answer, keyed, |row| {
-        let out = TopUpOut {
-            id: TopUpId::from_uuid(row.top_up_id),
-            account: row.account_id.0.clone(),
-            amount: row.amount.0,
-            currency: row.currency.clone(),
-            status: "succeeded",
-            processor_payment_id: row.processor_payment_id.clone(),
-            balance: row
-                .balance_after
-                .ok_or_else(|| pipeline::corrupt("a succeeded top-up without its balance"))?,
-            created_at: row.created_at,
-        };
-        Ok((
-            StatusCode::CREATED,
-            json_body(&out)?,
-            Some(routes::GET_TOP_UP.with_id(&out.id.to_string())),
-        ))
-    })
+    respond(spec, answer, keyed, render_top_up)
+}
+
+fn render_top_up(row: &TopUpRow) -> Result<Rendered, ApiError> {
+    let out = TopUpOut {
+        id: TopUpId::from_uuid(row.top_up_id),
+        account: row.account_id.0.clone(),
+        amount: row.amount.0,
+        currency: row.currency.clone(),
+        status: "succeeded",
+        processor_payment_id: row.processor_payment_id.clone(),
+        balance: row
+            .balance_after
+            .ok_or_else(|| pipeline::corrupt("a succeeded top-up without its balance"))?,
+        created_at: row.created_at,
+    };
+    Ok((
+        StatusCode::CREATED,
+        json_body(&out)?,
+        Some(routes::GET_TOP_UP.with_id(&out.id.to_string())),
+    ))
 }
 
 /// Debits the top-up's amount, then refunds the card at the processor.
@@ -250,7 +274,10 @@ pub(super) async fn refund(
     )
     .await?;
     let keyed = claim.is_some();
-    let top_ups = processor(&state)?.clone();
+    let top_ups = match processor_or_stored(&state, tenant.id, &args, true).await? {
+        Ok(top_ups) => top_ups,
+        Err(stored) => return respond(spec, stored, keyed, render_refund),
+    };
     let answer = match tokio::spawn(async move { top_ups.refund(tenant.id, &args, id).await })
         .await
         .map_err(|e| ApiError::Internal(e.into()))?
@@ -261,28 +288,30 @@ pub(super) async fn refund(
         Err(ApiError::InProgress) => return Err(in_progress_or_processing(&state, tenant.id, id).await),
         answer => answer?,
     };
-    respond(spec, answer, keyed, |row| {
-        let pending = row.refund_debited();
-        let out = TopUpRefundOut {
-            id: TopUpId::from_uuid(row.top_up_id),
-            status: if pending { "refund_pending" } else { "refunded" },
-            refunded: row.amount.0,
-            balance: row
-                .balance_after_refund
-                .ok_or_else(|| pipeline::corrupt("a refunded top-up without its balance"))?,
-        };
-        // A pending refund names where to look and when (found from outside: the 202 said
-        // neither); a final one is the top-up's own answer.
-        let (status, location) = if pending {
-            (
-                StatusCode::ACCEPTED,
-                Some(routes::GET_TOP_UP.with_id(&out.id.to_string())),
-            )
-        } else {
-            (StatusCode::OK, None)
-        };
-        Ok((status, json_body(&out)?, location))
-    })
+    respond(spec, answer, keyed, render_refund)
+}
+
+fn render_refund(row: &TopUpRow) -> Result<Rendered, ApiError> {
+    let pending = row.refund_debited();
+    let out = TopUpRefundOut {
+        id: TopUpId::from_uuid(row.top_up_id),
+        status: if pending { "refund_pending" } else { "refunded" },
+        refunded: row.amount.0,
+        balance: row
+            .balance_after_refund
+            .ok_or_else(|| pipeline::corrupt("a refunded top-up without its balance"))?,
+    };
+    // A pending refund names where to look and when (found from outside: the 202 said
+    // neither); a final one is the top-up's own answer.
+    let (status, location) = if pending {
+        (
+            StatusCode::ACCEPTED,
+            Some(routes::GET_TOP_UP.with_id(&out.id.to_string())),
+        )
+    } else {
+        (StatusCode::OK, None)
+    };
+    Ok((status, json_body(&out)?, location))
 }
 
 /// Why a refund found its top-up in use: the top-up is still `processing` (409 naming it, a

@@ -363,6 +363,30 @@ enum Settled {
     Busy,
 }
 
+/// The answer of a replica without a card processor to a retry whose key stored one
+/// ([`top_ups::stored`]; found from outside: a finished top-up's replay through such a replica
+/// answered 501 "not configured", which a client takes for final, though the card was
+/// charged): a final answer as any replica gives it; a refund still pending its 202; a top-up
+/// still processing an unknown outcome (503 naming it: the replicas with a processor, and
+/// their completer, end it).
+pub fn stored_answer(begun: Begun, refund: bool) -> Result<Answer, TopUpError> {
+    if let (ClaimOutcome::Replayed, None, Some(row)) = (begun.outcome, begun.decline, begun.row.as_ref()) {
+        if refund && row.refund_debited() {
+            return Ok(Answer::RefundPending { row: row.clone() });
+        }
+        if !refund && *row.status == "processing" {
+            return Err(TopUpError::ProcessorUnknown {
+                top_up: TopUpId::from_uuid(row.top_up_id),
+                why: "this replica has no card processor (ONCEPAY_PROCESSOR_URL) to drive it".to_owned(),
+            });
+        }
+    }
+    match if refund { settle_refund(begun)? } else { settle(begun)? } {
+        Settled::Final(answer) => Ok(answer),
+        Settled::Owned(_) | Settled::Busy => Err(impossible("a stored answer owned or busy".to_owned())),
+    }
+}
+
 fn settle(begun: Begun) -> Result<Settled, TopUpError> {
     Ok(match (begun.outcome, begun.decline, begun.row, begun.owned) {
         (ClaimOutcome::KeyReused, ..) => Settled::Final(Answer::KeyReused),

@@ -657,6 +657,71 @@ async fn pending_refund(end: &'static str) -> (Rig, String, String) {
     (rig, id, key)
 }
 
+/// A replica without a card processor (ONCEPAY_PROCESSOR_URL unset, as during a rollout or on
+/// one misconfigured replica) answers a retry whose key stored an answer as any replica does:
+/// found from outside, a charged top-up's replay there answered 501, which a client takes for
+/// a final refusal. A new request there is still 501, with nothing claimed.
+#[tokio::test]
+async fn a_replica_without_a_processor_answers_what_a_key_stored() {
+    let Rig {
+        stripe,
+        app,
+        proxy: _proxy,
+    } = rig(|_: &Incoming| Action::Forward, |_| {}).await;
+    let bare = TestApp::builder()
+        .with_tenant(app.tenant_id, app.api_key.clone())
+        .spawn()
+        .await;
+    let key = new_key();
+    let made = app.top_up(&key, "main", AMOUNT, VISA).await;
+    assert_eq!(made.status, 201, "{}", made.body);
+    let replay = bare.top_up(&key, "main", AMOUNT, VISA).await;
+    assert_eq!(replay.status, 201, "{}", replay.body);
+    assert!(replay.replayed());
+    assert_eq!(replay.body, made.body);
+    assert_eq!(replay.header("location"), made.header("location"));
+    bare.top_up(&key, "main", AMOUNT + 1, VISA)
+        .await
+        .assert_problem(422, "idempotency_key_reused");
+    // A stored decline, and a refund.
+    let declined = new_key();
+    app.top_up(&declined, "nobody", AMOUNT, VISA)
+        .await
+        .assert_problem(404, "account_not_found");
+    let again = bare.top_up(&declined, "nobody", AMOUNT, VISA).await;
+    again.assert_problem(404, "account_not_found");
+    assert!(again.replayed());
+    let id = made.body["id"].as_str().unwrap().to_owned();
+    let refund_key = new_key();
+    let refunded = app.refund_top_up(&refund_key, &id).await;
+    assert_eq!(refunded.status, 200, "{}", refunded.body);
+    let replay = bare.refund_top_up(&refund_key, &id).await;
+    assert_eq!((replay.status, &replay.body), (200, &refunded.body));
+    assert!(replay.replayed());
+    // A top-up still processing (3-D Secure): not known here, named, never 501.
+    let card = stripe.card(AUTHENTICATION_REQUIRED).await;
+    let waiting = new_key();
+    app.top_up(&waiting, "main", AMOUNT, &card)
+        .await
+        .assert_problem(503, "temporarily_unavailable");
+    let (waiting_id, _) = app.top_up_of_key(&waiting).await.unwrap();
+    let unknown = bare.top_up(&waiting, "main", AMOUNT, &card).await;
+    unknown.assert_problem(503, "temporarily_unavailable");
+    assert_eq!(
+        unknown.header("location"),
+        Some(format!("/top-ups/{waiting_id}").as_str())
+    );
+    // New requests: nothing to replay, nothing claimed.
+    let keys = app.key_count().await;
+    bare.top_up(&new_key(), "main", AMOUNT, VISA)
+        .await
+        .assert_problem(501, "processor_not_configured");
+    bare.refund_top_up(&new_key(), &waiting_id)
+        .await
+        .assert_problem(501, "processor_not_configured");
+    assert_eq!(app.key_count().await, keys, "nothing claimed");
+}
+
 /// A key stored as a replica before V42 stored a second refund's key while the first was
 /// under way: 409 `already_refunded`, made from the row of the refund under `like` (its
 /// fingerprint: the same request).
