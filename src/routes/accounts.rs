@@ -19,8 +19,8 @@ use crate::state::{AppState, WorkerLists};
 pub fn configure(cfg: &mut web::ServiceConfig) {
     route::<OpenAccount>(cfg);
     route::<CreateDeposit>(cfg);
-    cfg.route(routes::GET_ACCOUNT.path, web::get().to(show));
-    cfg.route(routes::LIST_ACCOUNTS.path, web::get().to(list));
+    cfg.route(routes::GET_ACCOUNT.path, super::get().to(show));
+    cfg.route(routes::LIST_ACCOUNTS.path, super::get().to(list));
 }
 
 /// Body of `POST /accounts`.

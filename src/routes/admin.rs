@@ -24,7 +24,7 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
     cfg.route("/admin/tenants", web::post().to(create_tenant))
         .route("/admin/tenants/{id}", web::patch().to(update_tenant))
         .route("/admin/tenants/{id}/api-keys", web::post().to(create_api_key))
-        .route("/admin/tenants/{id}/api-keys", web::get().to(list_api_keys))
+        .route("/admin/tenants/{id}/api-keys", super::get().to(list_api_keys))
         .route(
             "/admin/tenants/{id}/api-keys/{key_id}",
             web::delete().to(revoke_api_key),

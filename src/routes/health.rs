@@ -11,14 +11,14 @@ use crate::state::AppState;
 
 /// The probes of the API listener.
 pub fn configure(cfg: &mut web::ServiceConfig) {
-    cfg.route("/healthz", web::get().to(healthz))
-        .route("/readyz", web::get().to(readyz));
+    cfg.route("/healthz", super::get().to(healthz))
+        .route("/readyz", super::get().to(readyz));
 }
 
 /// The operations listener: the probes and the metrics; anything else is 404.
 pub fn configure_operations(cfg: &mut web::ServiceConfig) {
     configure(cfg);
-    cfg.route("/metrics", web::get().to(metrics));
+    cfg.route("/metrics", super::get().to(metrics));
     cfg.default_service(web::to(|| async { Err::<HttpResponse, _>(ApiError::NotFound) }));
 }
 

@@ -16,7 +16,7 @@ use crate::ledger::{self, KeyHeld};
 use crate::state::AppState;
 
 pub fn configure(cfg: &mut web::ServiceConfig) {
-    cfg.route(routes::GET_IDEMPOTENCY_KEY.path, web::get().to(show));
+    cfg.route(routes::GET_IDEMPOTENCY_KEY.path, super::get().to(show));
 }
 
 /// An idempotency key and what its requests did.

@@ -16,7 +16,7 @@ mod top_ups;
 mod transfers;
 mod webhooks;
 
-use actix_web::{web, HttpResponse};
+use actix_web::{guard, web, HttpResponse};
 
 use crate::error::ApiError;
 
@@ -24,6 +24,13 @@ pub use openapi::document as openapi_document;
 
 /// The operations listener's routes (`ONCEPAY_METRICS_BIND`).
 pub use health::configure_operations;
+
+/// A route for `GET` and `HEAD`: a server answering GET answers HEAD alike, without the
+/// content (RFC 9110, 9.3.2; actix-http writes no body to a HEAD). Found from outside: a load
+/// balancer's HEAD health check got 404 from `/healthz` and `/readyz`.
+fn get() -> actix_web::Route {
+    web::route().guard(guard::Any(guard::Get()).or(guard::Head()))
+}
 
 pub fn configure(cfg: &mut web::ServiceConfig) {
     payments::configure(cfg);

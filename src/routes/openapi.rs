@@ -248,7 +248,7 @@ async fn openapi_json() -> HttpResponse {
 }
 
 pub fn configure(cfg: &mut web::ServiceConfig) {
-    cfg.route("/openapi.json", web::get().to(openapi_json));
+    cfg.route("/openapi.json", super::get().to(openapi_json));
 }
 
 #[cfg(test)]

@@ -23,9 +23,9 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
     route::<CreatePayment>(cfg);
     // Before the paths with an id: actix tries each route in turn, and matching one with an
     // id costs a regex run (12k instructions a request for the two ahead of it).
-    cfg.route(routes::LIST_PAYMENTS.path, web::get().to(list));
+    cfg.route(routes::LIST_PAYMENTS.path, super::get().to(list));
     route::<RefundPayment>(cfg);
-    cfg.route(routes::GET_PAYMENT.path, web::get().to(show));
+    cfg.route(routes::GET_PAYMENT.path, super::get().to(show));
 }
 
 /// Body of `POST /payments` and `POST /pay`.

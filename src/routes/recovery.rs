@@ -25,8 +25,8 @@ use crate::webhooks::recovery::{self, AttemptOutcome, AttemptsRefused, Recover, 
 pub fn configure(cfg: &mut web::ServiceConfig) {
     route::<ResendWebhookEvent>(cfg);
     route::<RecoverWebhookEndpoint>(cfg);
-    cfg.route(routes::LIST_EVENTS.path, web::get().to(list_events));
-    cfg.route(routes::LIST_WEBHOOK_ATTEMPTS.path, web::get().to(list_attempts));
+    cfg.route(routes::LIST_EVENTS.path, super::get().to(list_events));
+    cfg.route(routes::LIST_WEBHOOK_ATTEMPTS.path, super::get().to(list_attempts));
 }
 
 fn endpoint_id(req: &HttpRequest) -> Result<EndpointId, ApiError> {

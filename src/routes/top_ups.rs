@@ -33,9 +33,9 @@ use crate::top_ups::{Answer, TopUpError, TopUps};
 
 pub fn configure(cfg: &mut web::ServiceConfig) {
     cfg.route(routes::CREATE_TOP_UP.path, web::post().to(create));
-    cfg.route(routes::GET_TOP_UP.path, web::get().to(show));
+    cfg.route(routes::GET_TOP_UP.path, super::get().to(show));
     cfg.route(routes::REFUND_TOP_UP.path, web::post().to(refund));
-    cfg.route(routes::LIST_TOP_UPS.path, web::get().to(list));
+    cfg.route(routes::LIST_TOP_UPS.path, super::get().to(list));
 }
 
 /// Longest payment method id accepted (Stripe's are about 30 characters).

@@ -17,8 +17,8 @@ use crate::state::{AppState, WorkerLists};
 
 pub fn configure(cfg: &mut web::ServiceConfig) {
     route::<CreateTransfer>(cfg);
-    cfg.route(routes::GET_TRANSFER.path, web::get().to(show));
-    cfg.route(routes::LIST_TRANSFERS.path, web::get().to(list));
+    cfg.route(routes::GET_TRANSFER.path, super::get().to(show));
+    cfg.route(routes::LIST_TRANSFERS.path, super::get().to(list));
 }
 
 /// Body of `POST /transfers`: two different accounts of the tenant.

@@ -21,9 +21,9 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
     route::<CreateWebhookEndpoint>(cfg);
     route::<RotateWebhookSecret>(cfg);
     route::<EnableWebhookEndpoint>(cfg);
-    cfg.route(routes::LIST_WEBHOOK_ENDPOINTS.path, web::get().to(list));
+    cfg.route(routes::LIST_WEBHOOK_ENDPOINTS.path, super::get().to(list));
     cfg.route(routes::DELETE_WEBHOOK_ENDPOINT.path, web::delete().to(delete));
-    cfg.route(routes::GET_EVENT.path, web::get().to(show_event));
+    cfg.route(routes::GET_EVENT.path, super::get().to(show_event));
 }
 
 /// Body of `POST /webhook-endpoints`.

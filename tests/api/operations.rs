@@ -114,6 +114,40 @@ async fn health_and_readiness_answer() {
     assert_eq!(app.client.get(app.url("/readyz")).send().await.unwrap().status(), 200);
 }
 
+/// HEAD answers as GET does, without the content (found from outside: a balancer's HEAD
+/// health check got 404), on the probes and on the API's reads; an unknown path stays 404.
+#[tokio::test]
+async fn head_answers_as_get_without_the_content() {
+    let app = spawn_app().await;
+    for path in ["/healthz", "/readyz", "/openapi.json"] {
+        let head = app.client.head(app.url(path)).send().await.unwrap();
+        assert_eq!(head.status(), 200, "{path}");
+        assert!(head.bytes().await.unwrap().is_empty(), "{path}: no content");
+    }
+    let get = app
+        .client
+        .get(app.url("/accounts/main"))
+        .bearer_auth(&app.api_key)
+        .send()
+        .await
+        .unwrap();
+    let length = get.headers()["content-length"].clone();
+    let head = app
+        .client
+        .head(app.url("/accounts/main"))
+        .bearer_auth(&app.api_key)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(head.status(), 200);
+    assert_eq!(head.headers()["content-length"], length, "the GET's length");
+    assert!(head.bytes().await.unwrap().is_empty());
+    let unauthenticated = app.client.head(app.url("/accounts/main")).send().await.unwrap();
+    assert_eq!(unauthenticated.status(), 401);
+    let unknown = app.client.head(app.url("/nowhere")).send().await.unwrap();
+    assert_eq!(unknown.status(), 404);
+}
+
 #[tokio::test]
 async fn readiness_is_503_when_the_database_is_unreachable() {
     // The database lost after start (one not reached yet: tests/api/startup.rs): the server
