@@ -221,9 +221,10 @@ async fn run(command: ServerCommand) -> anyhow::Result<()> {
             main_balance,
         }) => {
             let main_balance = OpeningBalance::new(main_balance).map_err(|e| anyhow::anyhow!("--main-balance: {e}"))?;
+            let name = tenants::check_name(&name).map_err(|e| anyhow::anyhow!("--name: {e}"))?;
             let db = db::Db::new(&settings)?;
             db::check_schema(&db).await?;
-            let created = tenants::create(&db, &name, missing_key_policy.into(), main_balance)
+            let created = tenants::create(&db, name, missing_key_policy.into(), main_balance)
                 .await
                 .context("cannot create the tenant")?;
             println!("{}", serde_json::to_string(&created)?);

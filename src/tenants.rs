@@ -87,6 +87,17 @@ pub struct TenantView {
     pub missing_key_policy: MissingKeyPolicy,
 }
 
+/// Checks a tenant's name as the admin API and `oncepay tenant create` both take it: not
+/// blank, at most 200 bytes, no control character (PostgreSQL refuses NUL in text). Found from
+/// outside: the command took a blank name the API refused, and answered an empty or long one
+/// with the database's CHECK violation, printed twice.
+pub fn check_name(name: &str) -> Result<&str, String> {
+    if name.trim().is_empty() || name.len() > 200 || name.chars().any(char::is_control) {
+        return Err("`name` must be a non-blank string of at most 200 bytes without control characters".to_owned());
+    }
+    Ok(name)
+}
+
 /// Creates a tenant with its `main` account, in one transaction.
 pub async fn create(
     db: &Db,

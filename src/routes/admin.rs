@@ -211,13 +211,7 @@ pub(super) async fn create_tenant(
     let bytes = read_body(&req, payload, state.settings.max_body_bytes).await?;
     let key = IdempotencyKey::from_headers(req.headers()).map_err(ApiError::InvalidIdempotencyKey)?;
     let (value, body): (_, TenantIn) = parse_body(&bytes, EmptyBody::Refused)?;
-    let name = body.name.as_str();
-    // PostgreSQL refuses NUL in text (a 500 if it got there): no control character passes.
-    if name.trim().is_empty() || name.len() > 200 || name.chars().any(char::is_control) {
-        return Err(ApiError::InvalidRequest(
-            "`name` must be a non-blank string of at most 200 bytes without control characters".to_owned(),
-        ));
-    }
+    let name = tenants::check_name(&body.name).map_err(ApiError::InvalidRequest)?;
     let policy = body.missing_key_policy.unwrap_or(MissingKeyPolicy::Reject);
     let main_balance = body.main_balance.unwrap_or_default();
     let Some(key) = key else {

@@ -117,6 +117,22 @@ async fn migrate_then_tenant_create_prints_one_json_object_with_a_working_key() 
     assert_eq!(balance, 500);
     let refused = oncepay(&["tenant", "create", "--name", "x", "--main-balance", "-1"], &url).await;
     assert_ne!(refused.status, 0);
+    // A name the admin API refuses, the command refuses alike, naming the rule (found from
+    // outside: a blank name was taken).
+    for name in ["", " ", "a\u{7}b", &"n".repeat(201)] {
+        let refused = oncepay(&["tenant", "create", "--name", name], &url).await;
+        assert_ne!(refused.status, 0, "{name:?}");
+        assert!(
+            refused.stderr.contains("--name: `name` must be a non-blank string"),
+            "{name:?}: {}",
+            refused.stderr
+        );
+    }
+    let tenants: i64 = sqlx::query_scalar("SELECT count(*) FROM tenants")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(tenants, 1, "only the shop");
     pool.close().await;
     drop_database(&url).await;
 }
