@@ -915,6 +915,48 @@ async fn a_tenants_hanging_endpoints_leave_a_share_of_its_slots_to_its_healthy_e
     drop_database(&url).await;
 }
 
+/// Found from outside: with more hanging endpoints than its share of the slots, a tenant's
+/// endpoint created after them got 1 of 240 events in 60 s: the claim visited the tenant's
+/// endpoints oldest first, and each freed slot went back to a hanging one. Healthy endpoints
+/// now go first within the tenant (V45): here 6 hanging endpoints (a 1 s timeout) and a
+/// healthy one created last share the tenant's 4 slots, and the healthy one's 10 events
+/// arrive while the hanging ones are still being tried.
+#[tokio::test]
+async fn a_tenants_healthy_endpoint_gets_slots_before_more_hanging_siblings_than_its_share() {
+    let (app, url) = spawn_app_on_own_database_with("endpoint_order", |s| {
+        delivering(s);
+        s.webhooks.concurrency = 8;
+        s.webhooks.timeout = Duration::from_secs(1);
+    })
+    .await;
+    let hanging = Receiver::start().await;
+    hanging.set_delay(Duration::from_secs(30));
+    for _ in 0..6 {
+        subscribe(&app, &hanging, None).await;
+    }
+    let healthy = Receiver::start().await;
+    subscribe(&app, &healthy, None).await;
+    for _ in 0..10 {
+        pay(&app, 10).await;
+    }
+    healthy.wait_for_acknowledged(10, Duration::from_secs(15)).await;
+    assert!(hanging.acknowledged().is_empty(), "a hanging attempt answered");
+    // (The receiver's own count of requests in flight keeps those oncepay gave up on after
+    // its 1 s: the share's bound is the test above's.)
+    // A healthy endpoint takes at most half the share while none is busy (V39): the other
+    // half went to hanging ones.
+    let tried: i64 = sqlx::query_scalar(
+        "SELECT count(DISTINCT endpoint_id) FROM webhook_deliveries d JOIN webhook_endpoints e USING (tenant_id, endpoint_id)
+          WHERE e.url = $1 AND d.attempts > 0",
+    )
+    .bind(hanging.url())
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert!(tried >= 2, "the hanging endpoints were tried meanwhile ({tried} of 6)");
+    drop_database(&url).await;
+}
+
 /// Two replicas: a replayed creation answers the same body on both (the replay cache of the
 /// one that answered first holds none of it), with the first answer's secret until the
 /// secret is rotated, and `secret: null` after; a rotation's replay likewise shows its secret

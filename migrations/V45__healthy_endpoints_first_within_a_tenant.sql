@@ -1,0 +1,161 @@
+-- Within a tenant's share of a replica's delivery slots, its healthy endpoints go first (found
+-- from outside, 2026-12-07).
+--
+-- V39 split a tenant's share between its endpoints, but the claim still visited them in id
+-- order (UUIDv7: oldest first), and an endpoint takes at least one slot. A tenant with more
+-- hanging (or merely slow) endpoints than its share had them fill the share, oldest first, and
+-- took every slot they freed back for them: an endpoint created after 12 hanging siblings got
+-- 1 of 240 events in 60 s (after 12 answering 200 in 2 s: 2), with slots of the replica idle.
+--
+-- The claim now visits each tenant's endpoints with pending deliveries in this order: those
+-- not failing before those failing (`failing_since`: an attempt failed, timeouts included,
+-- since the last success), then the fewest attempts in flight on this replica, then at random.
+-- A slot freed in a tenant whose share is full so goes to the endpoint that answers, and a
+-- healthy endpoint keeps one while its failing siblings wait their turn (until the first of
+-- their attempts has failed, nothing tells them apart: that first timeout is the longest a
+-- healthy endpoint waits behind them). The shares and the split are V39's. Replicas of the
+-- previous version call the same function (through either signature).
+
+CREATE OR REPLACE FUNCTION oncepay_webhook_claim_scheduled(p_limit integer, p_per_endpoint integer, p_lease_ms integer, p_fan_out boolean, p_tenants uuid[], p_tenant_rooms integer[], p_room integer,
+                                                           p_tenant_shares integer[], p_tenant_busy integer[], p_endpoints uuid[], p_endpoint_in_flight integer[])
+ RETURNS TABLE(tenant_id uuid, event_id uuid, endpoint_id uuid, attempt integer, url text, secret_encrypted bytea, previous_secret_encrypted bytea, event_type text, data jsonb, created_at timestamp with time zone, schedule_attempt integer)
+ LANGUAGE plpgsql
+AS $$
+#variable_conflict use_column
+DECLARE
+    v_pivot uuid := gen_random_uuid();
+    v_nil uuid := '00000000-0000-0000-0000-000000000000';
+    v_past uuid := 'ffffffff-ffff-ffff-ffff-ffffffffffff';
+    v_tenant uuid := v_pivot;
+    v_wrapped boolean := false;
+    v_next record;
+    cand record;
+    ep record;
+    v_in_flight int;
+    v_taken int := 0;
+    v_n int;
+    -- Endpoints looked at: bounds a claim's work when many endpoints are at their bound.
+    v_seen int := 0;
+    v_room int;
+    -- The tenant's share of this replica's slots, how many of its endpoints have attempts in
+    -- flight here (those claimed in this call included), and how many it has enabled.
+    v_share int;
+    v_busy int;
+    v_endpoints int;
+    -- This endpoint's attempts in flight here, and what it may take.
+    v_mine int;
+    v_endpoint_room int;
+BEGIN
+    PERFORM set_config('synchronous_commit', 'off', true);
+    IF p_fan_out THEN
+        PERFORM oncepay_webhook_fan_out(1000);
+    END IF;
+    WHILE v_taken < p_limit AND v_seen < 1000 LOOP
+        -- The next tenant with pending deliveries after v_tenant: one descent.
+        SELECT d.tenant_id INTO v_next FROM webhook_deliveries d
+         WHERE d.state = 'pending' AND (d.tenant_id, d.endpoint_id) > (v_tenant, v_past)
+         ORDER BY d.tenant_id, d.endpoint_id
+         LIMIT 1;
+        IF NOT FOUND THEN
+            EXIT WHEN v_wrapped;
+            -- From the start, up to the pivot. The nil tenant itself is no tenant.
+            v_wrapped := true;
+            v_tenant := v_nil;
+            CONTINUE;
+        END IF;
+        EXIT WHEN v_wrapped AND v_next.tenant_id >= v_pivot;
+        v_tenant := v_next.tenant_id;
+        v_room := coalesce(p_tenant_rooms[array_position(p_tenants, v_tenant)], p_room);
+        -- The tenant has its share: to the next tenant.
+        CONTINUE WHEN v_room <= 0;
+        v_share := coalesce(p_tenant_shares[array_position(p_tenants, v_tenant)], p_room);
+        v_busy := coalesce(p_tenant_busy[array_position(p_tenants, v_tenant)], 0);
+        SELECT greatest(count(*), 1) INTO v_endpoints FROM webhook_endpoints e
+         WHERE e.tenant_id = v_tenant AND e.disabled_at IS NULL AND e.deleted_at IS NULL;
+
+        FOR cand IN
+            SELECT e.endpoint_id FROM webhook_endpoints e
+             WHERE e.tenant_id = v_tenant
+               AND EXISTS (SELECT FROM webhook_deliveries d
+                            WHERE d.tenant_id = e.tenant_id AND d.endpoint_id = e.endpoint_id
+                              AND d.state = 'pending')
+             ORDER BY e.failing_since IS NOT NULL,
+                      coalesce(p_endpoint_in_flight[array_position(p_endpoints, e.endpoint_id)], 0),
+                      random()
+        LOOP
+            EXIT WHEN v_room <= 0 OR v_taken >= p_limit OR v_seen >= 1000;
+            v_seen := v_seen + 1;
+
+            -- Another replica claiming for this endpoint holds its row: skip it this time.
+            SELECT e.tenant_id, e.endpoint_id, e.url, e.secret_encrypted,
+                   CASE WHEN e.previous_secret_expires_at > now() THEN e.previous_secret_encrypted END AS previous,
+                   e.disabled_at, e.deleted_at
+              INTO ep
+              FROM webhook_endpoints e
+             WHERE e.tenant_id = v_tenant AND e.endpoint_id = cand.endpoint_id
+               FOR NO KEY UPDATE SKIP LOCKED;
+            CONTINUE WHEN NOT FOUND;
+            IF ep.disabled_at IS NOT NULL OR ep.deleted_at IS NOT NULL THEN
+                -- Pending deliveries of a disabled or deleted endpoint: fanned out by a
+                -- transaction that saw it enabled while the disable (or delete) committed,
+                -- whose UPDATE of the pending rows could not see them. Left, they waited for
+                -- ever (V37). Held or cancelled now, as the disable would have left them; its
+                -- row lock is ours.
+                UPDATE webhook_deliveries d
+                   SET state = CASE WHEN ep.deleted_at IS NOT NULL THEN 'cancelled' ELSE 'held' END,
+                       finished_at = now(), leased_until = NULL
+                 WHERE d.tenant_id = v_tenant AND d.endpoint_id = cand.endpoint_id AND d.state = 'pending';
+                CONTINUE;
+            END IF;
+
+            SELECT count(*) INTO v_in_flight FROM webhook_deliveries d
+             WHERE d.tenant_id = v_tenant AND d.endpoint_id = cand.endpoint_id
+               AND d.state = 'pending' AND d.leased_until IS NOT NULL AND d.leased_until > now();
+            -- Within its tenant's share, an endpoint is what a tenant is within the replica's
+            -- slots: with m of the tenant's endpoints busy here, each holds at most
+            -- share/(m+1), and an endpoint not busy may take share/(m+2), so a share stays free
+            -- for the next one (V39); never split in more parts than the tenant has endpoints
+            -- (one alone takes the whole share).
+            v_mine := coalesce(p_endpoint_in_flight[array_position(p_endpoints, cand.endpoint_id)], 0);
+            v_endpoint_room := CASE WHEN v_mine > 0 THEN greatest(1, v_share / least(v_busy + 1, v_endpoints)) - v_mine
+                                    ELSE greatest(1, v_share / least(v_busy + 2, v_endpoints)) END;
+            v_n := least(p_per_endpoint - v_in_flight, p_limit - v_taken, v_room, v_endpoint_room);
+            CONTINUE WHEN v_n <= 0;
+
+            RETURN QUERY
+            WITH picked AS (
+                SELECT d.tenant_id, d.event_id, d.endpoint_id FROM webhook_deliveries d
+                 WHERE d.tenant_id = v_tenant AND d.endpoint_id = cand.endpoint_id
+                   AND d.state = 'pending' AND d.next_attempt_at <= now()
+                   -- The first unfinished delivery of its resource to this endpoint, by the
+                   -- resource's index alone (V11, V16).
+                   AND (SELECT min(o.sequence) FROM webhook_deliveries o
+                         WHERE o.tenant_id = d.tenant_id AND o.endpoint_id = d.endpoint_id
+                           AND o.resource_id = d.resource_id AND o.finished_at IS NULL) = d.sequence
+                 ORDER BY d.sequence
+                 LIMIT v_n
+                   FOR UPDATE SKIP LOCKED),
+            leased AS (
+                UPDATE webhook_deliveries d
+                   SET attempts = d.attempts + 1,
+                       leased_until = now() + make_interval(secs => p_lease_ms / 1000.0),
+                       next_attempt_at = now() + make_interval(secs => p_lease_ms / 1000.0)
+                  FROM picked
+                 WHERE d.tenant_id = picked.tenant_id AND d.event_id = picked.event_id
+                   AND d.endpoint_id = picked.endpoint_id
+                RETURNING d.tenant_id, d.event_id, d.endpoint_id, d.attempts, d.schedule_start)
+            SELECT l.tenant_id, l.event_id, l.endpoint_id, l.attempts, ep.url, ep.secret_encrypted,
+                   ep.previous, ev.event_type, coalesce(ev.data, oncepay_event_data(ev)), ev.created_at,
+                   l.attempts - l.schedule_start
+              FROM leased l
+              JOIN webhook_events ev ON ev.tenant_id = l.tenant_id AND ev.event_id = l.event_id;
+            GET DIAGNOSTICS v_n = ROW_COUNT;
+            v_taken := v_taken + v_n;
+            v_room := v_room - v_n;
+            IF v_n > 0 AND v_mine = 0 THEN
+                v_busy := v_busy + 1;
+            END IF;
+        END LOOP;
+    END LOOP;
+END
+$$;
