@@ -98,12 +98,13 @@ pub enum ApiError {
     KeyInFlight,
     /// A refund of a top-up that is still `processing`: nothing was claimed or stored, so a
     /// retry with the same key refunds it once it has succeeded.
-    #[error("the top-up is still processing at the card processor (GET /top-ups/{{id}} shows when it ends: a wait for the cardholder's action may last ONCEPAY_TOPUP_ACTION_TIMEOUT_SECS); it can be refunded once it has succeeded. Nothing was stored under this Idempotency-Key")]
+    #[error("the top-up is still processing at the card processor (GET /top-ups/{{id}} shows when it ends: a wait for the cardholder's action may last ONCEPAY_TOPUP_ACTION_TIMEOUT_SECS); it can be refunded once it has succeeded: a retry then refunds it. Nothing was done or stored")]
     TopUpProcessing,
-    /// A refund of a top-up (under another key) while a refund of it is under way at the
-    /// processor: nothing was claimed or stored, so a retry with the same key answers once that
-    /// refund has ended.
-    #[error("a refund of this top-up is under way at the card processor (GET /top-ups/{{id}}: refund_pending); once it ends, a retry with this Idempotency-Key answers 409 already_refunded if it succeeded, or refunds the top-up if it failed. Nothing was stored under this key")]
+    /// A refund of a top-up (under another key, or none) while a refund of it is under way at
+    /// the processor: nothing was claimed or stored, so a retry answers once that refund has
+    /// ended. Its words name no key: a keyless request (policy `allow`) has none (found from
+    /// outside: "a retry with this Idempotency-Key" to a request without one).
+    #[error("a refund of this top-up is under way at the card processor (GET /top-ups/{{id}}: refund_pending); once it ends, a retry answers 409 already_refunded if it succeeded, or refunds the top-up if it failed. Nothing was done or stored")]
     TopUpRefundPending,
     /// A resend while an attempt of the event to the endpoint is out (the key is new, or
     /// free: nothing was stored under it).

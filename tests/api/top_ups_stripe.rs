@@ -766,6 +766,9 @@ async fn a_refund_pending_then_failed_credits_the_amount_back_with_its_event() {
     second.assert_problem(409, "request_in_progress");
     assert_eq!(second.body["title"], "Refund under way", "{}", second.body);
     assert!(second.header("retry-after").is_some(), "{}", second.body);
+    // The same words to a keyless refund (policy `allow`): they name no key it lacks.
+    let detail = second.body["detail"].as_str().unwrap();
+    assert!(!detail.contains("Idempotency-Key"), "{detail}");
     assert_eq!(
         app.get(&format!("/idempotency-keys/{second_key}")).await.status,
         404,
