@@ -388,7 +388,7 @@ impl fmt::Display for Report {
             &mut out,
             top_up_dups,
             &format!(
-                "suspected duplicates among top-ups without a client's key, not failed (same tenant, account, amount within {} s)",
+                "suspected duplicates among top-ups without a client's key, not failed (same tenant, account, amount within {} s, or while the earlier was unfinished)",
                 s.duplicate_window_secs
             ),
             "warning",

@@ -128,6 +128,53 @@ async fn a_keyless_top_up_whose_outcome_is_unknown_is_not_invited_to_send_it_aga
     assert_eq!(report["clean"], true, "a suspicion, not a broken invariant: {report:#}");
 }
 
+/// Found from outside (a rollout: replicas of an older build told a keyless `fingerprint` top-up
+/// waiting for 3-D Secure to "retry with the same Idempotency-Key"): sent again after its
+/// derived key's 60 s it was a second top-up, and the audit, which looked for keyless pairs
+/// within 5 s, said nothing. A pair whose later top-up was made while the earlier was still
+/// unfinished is suspected whatever the time between them.
+#[tokio::test]
+async fn the_audit_suspects_a_keyless_top_up_made_while_an_identical_one_was_unfinished() {
+    let rig = rig(|_: &Incoming| Action::Forward, |_| {}).await;
+    let (tenant, api_key) =
+        crate::support::helpers::new_tenant(&rig.app.pool, oncepay::domain::MissingKeyPolicy::Fingerprint).await;
+    let card = rig.stripe.card(AUTHENTICATION_REQUIRED).await;
+    keyless_top_up(&rig.app, &api_key, &card)
+        .await
+        .assert_problem(503, "temporarily_unavailable");
+    // 65 s ago: past the derived key's window and the audit's 5 s.
+    for table in ["top_ups", "idempotency_keys"] {
+        sqlx::query(&format!(
+            "UPDATE {table} SET created_at = created_at - interval '65 seconds' WHERE tenant_id = $1"
+        ))
+        .bind(tenant)
+        .execute(&rig.app.pool)
+        .await
+        .unwrap();
+    }
+    sqlx::query("UPDATE idempotency_keys SET expires_at = expires_at - interval '65 seconds' WHERE tenant_id = $1")
+        .bind(tenant)
+        .execute(&rig.app.pool)
+        .await
+        .unwrap();
+    keyless_top_up(&rig.app, &api_key, &card)
+        .await
+        .assert_problem(503, "temporarily_unavailable");
+    let made: i64 = sqlx::query_scalar("SELECT count(*) FROM top_ups WHERE tenant_id = $1")
+        .bind(tenant)
+        .fetch_one(&rig.app.pool)
+        .await
+        .unwrap();
+    assert_eq!(made, 2, "a second top-up, as the probe's");
+    let report = crate::top_ups::audit_of(tenant, &rig.stripe).await;
+    let duplicates = &report["warnings"]["suspected_keyless_top_up_duplicates"];
+    assert_eq!(duplicates["count"], 1, "{report:#}");
+    assert!(
+        duplicates["samples"][0]["seconds_apart"].as_f64().unwrap() >= 65.0,
+        "{report:#}"
+    );
+}
+
 /// The key series `column` of top-up `id` (`confirm_key_series`, `refund_key_series`, ...):
 /// how many keys of that call a saved 5xx has spent.
 async fn key_series(app: &TestApp, id: &str, column: &str) -> i32 {
