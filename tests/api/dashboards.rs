@@ -21,17 +21,27 @@ const TARGET_LABELS: &[&str] = &["job", "instance"];
 
 #[tokio::test]
 async fn every_series_the_rules_and_the_dashboard_read_is_exported() {
-    let app = spawn_app_with(|s| {
-        s.inflight_wait = Duration::from_millis(300);
-        s.db_pool_size = 2;
-        // Two statements out at once, whatever the machine: the adaptive limit, lowered by a
-        // loaded host's slow statements, would keep the second payment below from reaching
-        // the database while the first one waits on its lock.
-        s.db_batches_in_flight = Some(2);
-        s.db_acquire_timeout = Duration::from_millis(300);
-    })
+    // A card processor (localstripe; refunds pending for two looks) for the top-ups' outcomes.
+    let crate::top_ups::Rig {
+        stripe,
+        proxy: _proxy,
+        app,
+    } = crate::top_ups::rig_with(
+        crate::stripe_rules::StripeRules::with_refunds_pending_then(2, "succeeded"),
+        |_: &crate::support::fault_proxy::Incoming| crate::support::fault_proxy::Action::Forward,
+        |s| {
+            s.inflight_wait = Duration::from_millis(300);
+            s.db_pool_size = 2;
+            // Two statements out at once, whatever the machine: the adaptive limit, lowered by a
+            // loaded host's slow statements, would keep the second payment below from reaching
+            // the database while the first one waits on its lock.
+            s.db_batches_in_flight = Some(2);
+            s.db_acquire_timeout = Duration::from_millis(300);
+        },
+    )
     .await;
     requests_of_every_kind(&app).await;
+    top_ups_not_finished(&app, &stripe).await;
 
     let exported = Exposition::parse(&app.metrics().await);
 
@@ -190,6 +200,18 @@ async fn requests_of_every_kind(app: &TestApp) {
         .assert_problem(503, "temporarily_unavailable");
     sqlx::query("ROLLBACK").execute(&mut lock).await.unwrap();
     assert_eq!(Answer::from(second.await.unwrap()).await.status, 201);
+}
+
+/// A top-up waiting for 3-D Secure (503, outcome `waiting`) and a refund pending at the
+/// processor (202, outcome `pending`): the keyed requests' recording rule names both.
+async fn top_ups_not_finished(app: &TestApp, stripe: &crate::support::stripe::Localstripe) {
+    let card = stripe.card("4000002760003184").await;
+    let waiting = app.top_up(&new_key(), "main", 500, &card).await;
+    waiting.assert_problem(503, "temporarily_unavailable");
+    let made = app.top_up(&new_key(), "main", 500, "pm_card_visa").await;
+    assert_eq!(made.status, 201, "{}", made.body);
+    let refund = app.refund_top_up(&new_key(), made.body["id"].as_str().unwrap()).await;
+    assert_eq!(refund.status, 202, "{}", refund.body);
 }
 
 fn spawn_payment(app: &TestApp, key: &str, account: &str) -> tokio::task::JoinHandle<reqwest::Response> {
