@@ -29,7 +29,18 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
             "/admin/tenants/{id}/api-keys/{key_id}",
             web::delete().to(revoke_api_key),
         )
-        .route("/admin/purge", web::post().to(run_purge));
+        .route("/admin/purge", web::post().to(run_purge))
+        // Last: any other admin path or method is judged by the admin token first, as the
+        // contract's "admin calls without the bearer: 401" reads (found from outside: 404
+        // before any check).
+        .route("/admin/{tail:.*}", web::route().to(unknown));
+}
+
+/// An admin path or method that is none of the above: 401 or 403 as every admin call, then
+/// 404 as an unknown route.
+async fn unknown(req: HttpRequest, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+    state.admin(&req)?;
+    Err(ApiError::NotFound)
 }
 
 /// The tenant id of an admin path (an unknown or malformed one: 404, as for any resource).

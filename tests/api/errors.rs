@@ -102,6 +102,22 @@ async fn admin_calls_are_403_without_a_configured_token_and_401_with_a_wrong_one
             "names the bearer wanted: {detail}"
         );
     }
+    // An admin path or method that does not exist is judged by the token first (found from
+    // outside: 404 before any check), then 404 as any unknown route.
+    disabled
+        .admin(Method::GET, "/admin/nope", None)
+        .await
+        .assert_problem(403, "admin_disabled");
+    let unknown = Answer::from(enabled.client.get(enabled.url("/admin/nope")).send().await.unwrap()).await;
+    unknown.assert_problem(401, "unauthorized");
+    enabled
+        .admin(Method::GET, "/admin/nope", None)
+        .await
+        .assert_problem(404, "not_found");
+    enabled
+        .admin(Method::DELETE, "/admin/purge", None)
+        .await
+        .assert_problem(404, "not_found");
 }
 
 #[tokio::test]
