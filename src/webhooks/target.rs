@@ -31,6 +31,10 @@ pub enum Refused {
     /// Found from outside: `http://127.0.0.1:0/x` was stored, and every delivery failed.
     #[error("`url`'s port must be from 1 to 65535 (0 names no port a receiver can listen on)")]
     PortZero,
+    /// Found from outside: `https://host/x#frag` was stored as it was; HTTP never sends a
+    /// fragment, so the receiver never saw what the merchant named.
+    #[error("`url` must not carry a fragment (`#...`): HTTP never sends it to the receiver")]
+    Fragment,
     #[error("`url` must not contain control characters (NUL, CR, LF, tab, ...) or begin or end with a space")]
     ControlCharacters,
     #[error("`url` resolves to an address that is not global unicast ({0}: loopback, private, link-local or another special-purpose range), which webhooks may not target")]
@@ -63,6 +67,9 @@ pub fn parse(raw: &str) -> Result<Url, Refused> {
     }
     if url.port() == Some(0) {
         return Err(Refused::PortZero);
+    }
+    if url.fragment().is_some() {
+        return Err(Refused::Fragment);
     }
     Ok(url)
 }
@@ -298,6 +305,10 @@ mod tests {
             assert_eq!(parse(zero).unwrap_err(), Refused::PortZero, "{zero}");
         }
         assert!(parse("https://example.com:65535/").is_ok());
+        for fragment in ["https://example.com/x#frag", "https://example.com/#"] {
+            assert_eq!(parse(fragment).unwrap_err(), Refused::Fragment, "{fragment}");
+        }
+        assert!(parse("https://example.com/x?a=1").is_ok(), "a query is sent: kept");
         let longest = format!("https://example.com/{}", "a".repeat(MAX_URL_BYTES - 20));
         assert!(parse(&longest).is_ok());
         assert_eq!(parse(&format!("{longest}a")).unwrap_err(), Refused::TooLong);
