@@ -13,7 +13,6 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::Context;
 use prometheus::IntCounterVec;
 use sqlx::postgres::PgConnectOptions;
 use sqlx::{ConnectOptions, Connection, PgConnection};
@@ -59,9 +58,30 @@ const ANSWER_MARGIN: Duration = Duration::from_secs(5);
 /// transaction to any server connection, so the start-up packet carries nothing but the
 /// application name, and no statement is cached: the settings travel in each call's
 /// `BEGIN` instead (see [`Conn::run`]).
+/// `DATABASE_URL` parsed, its refusal said once, and an `sslrootcert` that names no file
+/// named at once (found from outside: sqlx's message for `sslmode=bogus` came three times,
+/// through its error's sources, and a missing certificate file only at the first connection,
+/// as "No such file or directory", without its path).
+pub fn parse_url(database_url: &str) -> anyhow::Result<PgConnectOptions> {
+    let options = PgConnectOptions::from_str(database_url).map_err(|err| {
+        let mut innermost: &dyn std::error::Error = &err;
+        while let Some(source) = innermost.source() {
+            innermost = source;
+        }
+        anyhow::anyhow!("DATABASE_URL is not a valid PostgreSQL URL: {innermost}")
+    })?;
+    if let Ok(url) = reqwest::Url::parse(database_url) {
+        if let Some((_, file)) = url.query_pairs().find(|(name, _)| name == "sslrootcert") {
+            if file != "system" && !std::path::Path::new(file.as_ref()).is_file() {
+                anyhow::bail!("DATABASE_URL's sslrootcert {file:?} is not a file that can be read");
+            }
+        }
+    }
+    Ok(options)
+}
+
 fn connect_options(settings: &Settings, extra: &[(&str, &str)]) -> anyhow::Result<PgConnectOptions> {
-    let options =
-        PgConnectOptions::from_str(&settings.database_url).context("DATABASE_URL is not a valid PostgreSQL URL")?;
+    let options = parse_url(&settings.database_url)?;
     let options = if options.get_application_name().is_some() {
         options
     } else {
@@ -317,6 +337,19 @@ impl Db {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_refused_url_is_said_once_and_a_missing_certificate_is_named() {
+        assert!(parse_url("postgres://u@127.0.0.1:5432/db?sslmode=require").is_ok());
+        let bogus = parse_url("postgres://u@127.0.0.1/db?sslmode=bogus")
+            .unwrap_err()
+            .to_string();
+        assert_eq!(bogus.matches("bogus").count(), 1, "{bogus}");
+        let missing = parse_url("postgres://u@127.0.0.1/db?sslmode=verify-full&sslrootcert=/nonexistent/ca.pem")
+            .unwrap_err()
+            .to_string();
+        assert!(missing.contains("/nonexistent/ca.pem"), "{missing}");
+    }
 
     #[tokio::test]
     async fn debug_shows_no_password_of_the_pool_nor_of_what_holds_it() {

@@ -2,7 +2,6 @@
 //! the database is not behind this build (retried until the database answers:
 //! [`wait_for_schema`]).
 
-use std::str::FromStr;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
@@ -10,7 +9,6 @@ use anyhow::Context;
 use backon::{ExponentialBuilder, Retryable};
 use refinery::{AsyncMigrate, Migration};
 use refinery_core::traits::r#async::{AsyncQuery, AsyncTransaction};
-use sqlx::postgres::PgConnectOptions;
 use sqlx::{Connection, Executor, PgConnection, Row};
 use time::format_description::well_known::Rfc3339;
 use time::OffsetDateTime;
@@ -29,7 +27,7 @@ const MIGRATION_LOCK: i64 = 0x006f_6e63_6570_6179;
 /// other instead of racing on `refinery_schema_history`. The connection is sqlx's, like every
 /// other of the service's, so `DATABASE_URL`'s `sslmode` and `sslrootcert` hold here too.
 pub async fn migrate(database_url: &str) -> anyhow::Result<usize> {
-    let options = PgConnectOptions::from_str(database_url).context("DATABASE_URL is not a valid PostgreSQL URL")?;
+    let options = super::parse_url(database_url)?;
     let conn = PgConnection::connect_with(&options)
         .await
         .map_err(|err| anyhow::anyhow!("cannot connect to DATABASE_URL: {err}"))?;
