@@ -9,11 +9,12 @@
 --
 -- The claim now visits each tenant's endpoints with pending deliveries in this order: those
 -- not failing before those failing (`failing_since`: an attempt failed, timeouts included,
--- since the last success), then the fewest attempts in flight on this replica, then at random.
--- A slot freed in a tenant whose share is full so goes to the endpoint that answers, and a
--- healthy endpoint keeps one while its failing siblings wait their turn (until the first of
--- their attempts has failed, nothing tells them apart: that first timeout is the longest a
--- healthy endpoint waits behind them). The shares and the split are V39's. Replicas of the
+-- since the last success), then the fewest attempts in flight on this replica, then the
+-- oldest (as before: at random instead, an endpoint answering at once lost its turn to
+-- siblings answering in 2 s, measured from outside). A slot freed in a tenant whose share is
+-- full so goes to an endpoint that answers: behind failing siblings, a healthy endpoint with
+-- work waits at most until one of their attempts ends (its timeout); until the first of them
+-- has failed, nothing tells them apart. The shares and the split are V39's. Replicas of the
 -- previous version call the same function (through either signature).
 
 CREATE OR REPLACE FUNCTION oncepay_webhook_claim_scheduled(p_limit integer, p_per_endpoint integer, p_lease_ms integer, p_fan_out boolean, p_tenants uuid[], p_tenant_rooms integer[], p_room integer,
@@ -81,7 +82,7 @@ BEGIN
                               AND d.state = 'pending')
              ORDER BY e.failing_since IS NOT NULL,
                       coalesce(p_endpoint_in_flight[array_position(p_endpoints, e.endpoint_id)], 0),
-                      random()
+                      e.endpoint_id
         LOOP
             EXIT WHEN v_room <= 0 OR v_taken >= p_limit OR v_seen >= 1000;
             v_seen := v_seen + 1;

@@ -72,7 +72,7 @@ BEGIN
                               AND d.state = 'pending')
              ORDER BY e.failing_since IS NOT NULL,
                       coalesce(p_endpoint_in_flight[array_position(p_endpoints, e.endpoint_id)], 0),
-                      random()
+                      e.endpoint_id
         LOOP
             EXIT WHEN v_room <= 0 OR v_taken >= p_limit OR v_seen >= 1000;
             v_seen := v_seen + 1;
