@@ -48,16 +48,6 @@ const CLOSE_WAIT: Duration = Duration::from_secs(2);
 /// primary's sockets open), lets a call reach this.
 const ANSWER_MARGIN: Duration = Duration::from_secs(5);
 
-/// The connection options for `settings.db_pooler`.
-///
-/// `none`: connections carry their statement timeout from the start-up packet, so no
-/// request pays a round trip for a `SET`, and sqlx keeps each statement prepared (named)
-/// per connection: one round trip per call.
-///
-/// `transaction`: a transaction-mode pooler refuses start-up options and hands each
-/// transaction to any server connection, so the start-up packet carries nothing but the
-/// application name, and no statement is cached: the settings travel in each call's
-/// `BEGIN` instead (see [`Conn::run`]).
 /// `DATABASE_URL` parsed, its refusal said once, and an `sslrootcert` that names no file
 /// named at once (found from outside: sqlx's message for `sslmode=bogus` came three times,
 /// through its error's sources, and a missing certificate file only at the first connection,
@@ -73,13 +63,23 @@ pub fn parse_url(database_url: &str) -> anyhow::Result<PgConnectOptions> {
     if let Ok(url) = reqwest::Url::parse(database_url) {
         if let Some((_, file)) = url.query_pairs().find(|(name, _)| name == "sslrootcert") {
             if file != "system" && !std::path::Path::new(file.as_ref()).is_file() {
-                anyhow::bail!("DATABASE_URL's sslrootcert {file:?} is not a file that can be read");
+                anyhow::bail!("DATABASE_URL's sslrootcert {file:?} names no file");
             }
         }
     }
     Ok(options)
 }
 
+/// The connection options for `settings.db_pooler`.
+///
+/// `none`: connections carry their statement timeout from the start-up packet, so no
+/// request pays a round trip for a `SET`, and sqlx keeps each statement prepared (named)
+/// per connection: one round trip per call.
+///
+/// `transaction`: a transaction-mode pooler refuses start-up options and hands each
+/// transaction to any server connection, so the start-up packet carries nothing but the
+/// application name, and no statement is cached: the settings travel in each call's
+/// `BEGIN` instead (see [`Conn::run`]).
 fn connect_options(settings: &Settings, extra: &[(&str, &str)]) -> anyhow::Result<PgConnectOptions> {
     let options = parse_url(&settings.database_url)?;
     let options = if options.get_application_name().is_some() {
