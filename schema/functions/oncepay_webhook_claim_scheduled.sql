@@ -20,7 +20,10 @@ DECLARE
     v_tenant uuid := v_pivot;
     v_wrapped boolean := false;
     v_next record;
-    cand record;
+    v_after record;
+    -- The tenant's endpoints with pending deliveries, in the order they are visited.
+    v_cands uuid[];
+    v_endpoint uuid;
     ep record;
     v_in_flight int;
     v_taken int := 0;
@@ -42,8 +45,9 @@ BEGIN
         PERFORM oncepay_webhook_fan_out(1000);
     END IF;
     WHILE v_taken < p_limit AND v_seen < 1000 LOOP
-        -- The next tenant with pending deliveries after v_tenant: one descent.
-        SELECT d.tenant_id INTO v_next FROM webhook_deliveries d
+        -- The next tenant with pending deliveries after v_tenant, and its first endpoint
+        -- with some: one descent.
+        SELECT d.tenant_id, d.endpoint_id INTO v_next FROM webhook_deliveries d
          WHERE d.state = 'pending' AND (d.tenant_id, d.endpoint_id) > (v_tenant, v_past)
          ORDER BY d.tenant_id, d.endpoint_id
          LIMIT 1;
@@ -64,15 +68,28 @@ BEGIN
         SELECT greatest(count(*), 1) INTO v_endpoints FROM webhook_endpoints e
          WHERE e.tenant_id = v_tenant AND e.disabled_at IS NULL AND e.deleted_at IS NULL;
 
-        FOR cand IN
-            SELECT e.endpoint_id FROM webhook_endpoints e
-             WHERE e.tenant_id = v_tenant
-               AND EXISTS (SELECT FROM webhook_deliveries d
-                            WHERE d.tenant_id = e.tenant_id AND d.endpoint_id = e.endpoint_id
-                              AND d.state = 'pending')
-             ORDER BY e.failing_since IS NOT NULL,
-                      coalesce(p_endpoint_in_flight[array_position(p_endpoints, e.endpoint_id)], 0),
-                      e.endpoint_id
+        -- Its other endpoints with pending deliveries: one descent each.
+        v_cands := ARRAY[v_next.endpoint_id];
+        LOOP
+            SELECT d.tenant_id, d.endpoint_id INTO v_after FROM webhook_deliveries d
+             WHERE d.state = 'pending'
+               AND (d.tenant_id, d.endpoint_id) > (v_tenant, v_cands[cardinality(v_cands)])
+             ORDER BY d.tenant_id, d.endpoint_id
+             LIMIT 1;
+            EXIT WHEN NOT FOUND OR v_after.tenant_id <> v_tenant OR cardinality(v_cands) >= 1000;
+            v_cands := v_cands || v_after.endpoint_id;
+        END LOOP;
+        IF cardinality(v_cands) > 1 THEN
+            SELECT array_agg(e.endpoint_id
+                             ORDER BY e.failing_since IS NOT NULL,
+                                      coalesce(p_endpoint_in_flight[array_position(p_endpoints, e.endpoint_id)], 0),
+                                      e.endpoint_id)
+              INTO v_cands
+              FROM webhook_endpoints e
+             WHERE e.tenant_id = v_tenant AND e.endpoint_id = ANY (v_cands);
+        END IF;
+
+        FOREACH v_endpoint IN ARRAY coalesce(v_cands, '{}'::uuid[])
         LOOP
             EXIT WHEN v_room <= 0 OR v_taken >= p_limit OR v_seen >= 1000;
             v_seen := v_seen + 1;
@@ -83,7 +100,7 @@ BEGIN
                    e.disabled_at, e.deleted_at
               INTO ep
               FROM webhook_endpoints e
-             WHERE e.tenant_id = v_tenant AND e.endpoint_id = cand.endpoint_id
+             WHERE e.tenant_id = v_tenant AND e.endpoint_id = v_endpoint
                FOR NO KEY UPDATE SKIP LOCKED;
             CONTINUE WHEN NOT FOUND;
             IF ep.disabled_at IS NOT NULL OR ep.deleted_at IS NOT NULL THEN
@@ -95,19 +112,19 @@ BEGIN
                 UPDATE webhook_deliveries d
                    SET state = CASE WHEN ep.deleted_at IS NOT NULL THEN 'cancelled' ELSE 'held' END,
                        finished_at = now(), leased_until = NULL
-                 WHERE d.tenant_id = v_tenant AND d.endpoint_id = cand.endpoint_id AND d.state = 'pending';
+                 WHERE d.tenant_id = v_tenant AND d.endpoint_id = v_endpoint AND d.state = 'pending';
                 CONTINUE;
             END IF;
 
             SELECT count(*) INTO v_in_flight FROM webhook_deliveries d
-             WHERE d.tenant_id = v_tenant AND d.endpoint_id = cand.endpoint_id
+             WHERE d.tenant_id = v_tenant AND d.endpoint_id = v_endpoint
                AND d.state = 'pending' AND d.leased_until IS NOT NULL AND d.leased_until > now();
             -- Within its tenant's share, an endpoint is what a tenant is within the replica's
             -- slots: with m of the tenant's endpoints busy here, each holds at most
             -- share/(m+1), and an endpoint not busy may take share/(m+2), so a share stays free
             -- for the next one (V39); never split in more parts than the tenant has endpoints
             -- (one alone takes the whole share).
-            v_mine := coalesce(p_endpoint_in_flight[array_position(p_endpoints, cand.endpoint_id)], 0);
+            v_mine := coalesce(p_endpoint_in_flight[array_position(p_endpoints, v_endpoint)], 0);
             v_endpoint_room := CASE WHEN v_mine > 0 THEN greatest(1, v_share / least(v_busy + 1, v_endpoints)) - v_mine
                                     ELSE greatest(1, v_share / least(v_busy + 2, v_endpoints)) END;
             v_n := least(p_per_endpoint - v_in_flight, p_limit - v_taken, v_room, v_endpoint_room);
@@ -116,7 +133,7 @@ BEGIN
             RETURN QUERY
             WITH picked AS (
                 SELECT d.tenant_id, d.event_id, d.endpoint_id FROM webhook_deliveries d
-                 WHERE d.tenant_id = v_tenant AND d.endpoint_id = cand.endpoint_id
+                 WHERE d.tenant_id = v_tenant AND d.endpoint_id = v_endpoint
                    AND d.state = 'pending' AND d.next_attempt_at <= now()
                    -- The first unfinished delivery of its resource to this endpoint, by the
                    -- resource's index alone (V11, V16).
