@@ -10,8 +10,10 @@
 -- The claim now visits each tenant's endpoints with pending deliveries in this order: those
 -- not failing before those failing (`failing_since`: an attempt failed, timeouts included,
 -- since the last success), then the fewest attempts in flight on this replica, then the
--- oldest (as before: at random instead, an endpoint answering at once lost its turn to
--- siblings answering in 2 s, measured from outside). A slot freed in a tenant whose share is
+-- oldest among those not failing (as before: at random instead, an endpoint answering at once
+-- lost its turn to siblings answering in 2 s, measured from outside) and at random among
+-- those failing (oldest first, the two newest of 12 hanging endpoints got 1 attempt each in
+-- 60 s, the others 19-22). A slot freed in a tenant whose share is
 -- full so goes to an endpoint that answers: behind failing siblings, a healthy endpoint with
 -- work waits at most until one of their attempts ends (its timeout); until the first of them
 -- has failed, nothing tells them apart. The shares and the split are V39's. Replicas of the
@@ -98,6 +100,7 @@ BEGIN
             SELECT array_agg(e.endpoint_id
                              ORDER BY e.failing_since IS NOT NULL,
                                       coalesce(p_endpoint_in_flight[array_position(p_endpoints, e.endpoint_id)], 0),
+                                      CASE WHEN e.failing_since IS NOT NULL THEN random() END,
                                       e.endpoint_id)
               INTO v_cands
               FROM webhook_endpoints e

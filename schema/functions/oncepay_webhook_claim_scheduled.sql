@@ -83,6 +83,7 @@ BEGIN
             SELECT array_agg(e.endpoint_id
                              ORDER BY e.failing_since IS NOT NULL,
                                       coalesce(p_endpoint_in_flight[array_position(p_endpoints, e.endpoint_id)], 0),
+                                      CASE WHEN e.failing_since IS NOT NULL THEN random() END,
                                       e.endpoint_id)
               INTO v_cands
               FROM webhook_endpoints e
