@@ -21,6 +21,9 @@ DECLARE
     v_wrapped boolean := false;
     v_next record;
     v_after record;
+    -- What the last descent found past v_tenant: 0 nothing known, 1 v_next holds the next
+    -- tenant's first endpoint with pending deliveries, 2 there is none.
+    v_ahead smallint := 0;
     -- The tenant's endpoints with pending deliveries, in the order they are visited.
     v_cands uuid[];
     v_endpoint uuid;
@@ -46,18 +49,23 @@ BEGIN
     END IF;
     WHILE v_taken < p_limit AND v_seen < 1000 LOOP
         -- The next tenant with pending deliveries after v_tenant, and its first endpoint
-        -- with some: one descent.
-        SELECT d.tenant_id, d.endpoint_id INTO v_next FROM webhook_deliveries d
-         WHERE d.state = 'pending' AND (d.tenant_id, d.endpoint_id) > (v_tenant, v_past)
-         ORDER BY d.tenant_id, d.endpoint_id
-         LIMIT 1;
-        IF NOT FOUND THEN
+        -- with some: one descent, unless the previous tenant's collection ended on it.
+        IF v_ahead = 0 THEN
+            SELECT d.tenant_id, d.endpoint_id INTO v_next FROM webhook_deliveries d
+             WHERE d.state = 'pending' AND (d.tenant_id, d.endpoint_id) > (v_tenant, v_past)
+             ORDER BY d.tenant_id, d.endpoint_id
+             LIMIT 1;
+            v_ahead := CASE WHEN FOUND THEN 1 ELSE 2 END;
+        END IF;
+        IF v_ahead = 2 THEN
+            v_ahead := 0;
             EXIT WHEN v_wrapped;
             -- From the start, up to the pivot. The nil tenant itself is no tenant.
             v_wrapped := true;
             v_tenant := v_nil;
             CONTINUE;
         END IF;
+        v_ahead := 0;
         EXIT WHEN v_wrapped AND v_next.tenant_id >= v_pivot;
         v_tenant := v_next.tenant_id;
         v_room := coalesce(p_tenant_rooms[array_position(p_tenants, v_tenant)], p_room);
@@ -68,15 +76,28 @@ BEGIN
         SELECT greatest(count(*), 1) INTO v_endpoints FROM webhook_endpoints e
          WHERE e.tenant_id = v_tenant AND e.disabled_at IS NULL AND e.deleted_at IS NULL;
 
-        -- Its other endpoints with pending deliveries: one descent each.
+        -- Its other endpoints with pending deliveries: one descent each. The descent that
+        -- ends the list finds what follows the tenant: the outer loop takes it from there
+        -- (claiming this tenant's deliveries changes no other tenant's rows; a row another
+        -- replica finished meanwhile costs a visit that claims nothing, as a stale descent
+        -- would).
         v_cands := ARRAY[v_next.endpoint_id];
         LOOP
+            EXIT WHEN cardinality(v_cands) >= 1000;
             SELECT d.tenant_id, d.endpoint_id INTO v_after FROM webhook_deliveries d
              WHERE d.state = 'pending'
                AND (d.tenant_id, d.endpoint_id) > (v_tenant, v_cands[cardinality(v_cands)])
              ORDER BY d.tenant_id, d.endpoint_id
              LIMIT 1;
-            EXIT WHEN NOT FOUND OR v_after.tenant_id <> v_tenant OR cardinality(v_cands) >= 1000;
+            IF NOT FOUND THEN
+                v_ahead := 2;
+                EXIT;
+            END IF;
+            IF v_after.tenant_id <> v_tenant THEN
+                v_next := v_after;
+                v_ahead := 1;
+                EXIT;
+            END IF;
             v_cands := v_cands || v_after.endpoint_id;
         END LOOP;
         IF cardinality(v_cands) > 1 THEN
