@@ -113,24 +113,34 @@ pub struct TopUpRefundOut {
 #[serde(deny_unknown_fields)]
 pub struct TopUpRefundIn {}
 
+/// Who answers a top-up request on this replica.
+enum Answerer<'a> {
+    /// The card processor, through the replica's top-ups.
+    Processor(&'a TopUps),
+    /// No processor here, and the key's answer is stored: its replay.
+    Stored(Box<Answer>),
+}
+
 /// The replica's top-ups, or, without a card processor, the stored answer of a retry (a
 /// replay needs no processor: found from outside, a finished top-up replayed through such a
 /// replica answered 501, final to a client, though the card was charged), else 501.
-async fn processor_or_stored(
-    state: &AppState,
+async fn processor_or_stored<'a>(
+    state: &'a AppState,
     tenant: TenantId,
     args: &ClaimArgs,
     refund: bool,
-) -> Result<Result<TopUps, Answer>, ApiError> {
+) -> Result<Answerer<'a>, ApiError> {
     if let Some(top_ups) = &state.top_ups {
-        return Ok(Ok(top_ups.clone()));
+        return Ok(Answerer::Processor(top_ups));
     }
     let mut conn = state.conn().await?;
     let stored = conn
         .run(async |c| ledger::top_ups::stored(c, tenant, args).await)
         .await?
         .ok_or(ApiError::ProcessorNotConfigured)?;
-    crate::top_ups::stored_answer(stored, refund).map(Err).map_err(edge)
+    crate::top_ups::stored_answer(stored, refund)
+        .map(|answer| Answerer::Stored(Box::new(answer)))
+        .map_err(edge)
 }
 
 /// Charges a card at the processor and credits the account by the same amount.
@@ -189,8 +199,8 @@ pub(super) async fn create(
         .await
         .map_err(|err| pipeline::without_key(err, sent_a_key))?
     {
-        Ok(top_ups) => top_ups,
-        Err(stored) => return respond(spec, stored, keyed, render_top_up),
+        Answerer::Processor(top_ups) => top_ups.clone(),
+        Answerer::Stored(stored) => return respond(spec, *stored, keyed, render_top_up),
     };
     // Driven in a task of its own: a client that hangs up does not stop the top-up between
     // two phases (its lease would keep a retry waiting until it expires).
@@ -275,8 +285,8 @@ pub(super) async fn refund(
     .await?;
     let keyed = claim.is_some();
     let top_ups = match processor_or_stored(&state, tenant.id, &args, true).await? {
-        Ok(top_ups) => top_ups,
-        Err(stored) => return respond(spec, stored, keyed, render_refund),
+        Answerer::Processor(top_ups) => top_ups.clone(),
+        Answerer::Stored(stored) => return respond(spec, *stored, keyed, render_refund),
     };
     let answer = match tokio::spawn(async move { top_ups.refund(tenant.id, &args, id).await })
         .await
