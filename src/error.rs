@@ -112,6 +112,10 @@ pub enum ApiError {
     DeliveryAttemptOut,
     #[error("the service is at capacity; retry after the Retry-After delay")]
     Overloaded,
+    /// A bearer of an API key's form that this replica does not know, past the rate at which
+    /// it looks such bearers up (`auth::TenantCache`): nothing was looked at.
+    #[error("too many requests with API keys this server does not know; nothing was looked at: retry after the Retry-After delay (a key created in the last seconds is known within 5 s)")]
+    UnknownKeysThrottled,
     /// A payment refused unrun after waiting behind an earlier one of its account that is
     /// still running: the account's row is in use, not the whole service.
     #[error("an earlier payment of this account is still running (its row is in use, as by a long transaction or a payment waiting on it); nothing was done: retry after the Retry-After delay")]
@@ -169,7 +173,7 @@ impl ApiError {
             | Self::TopUpProcessing
             | Self::TopUpRefundPending
             | Self::DeliveryAttemptOut => ProblemCode::RequestInProgress,
-            Self::Overloaded | Self::AccountBusy => ProblemCode::Overloaded,
+            Self::Overloaded | Self::UnknownKeysThrottled | Self::AccountBusy => ProblemCode::Overloaded,
             Self::Unavailable
             | Self::OutcomeUnknown
             | Self::Starting
@@ -205,7 +209,7 @@ impl ApiError {
             Self::TopUpProcessing => "Top-up still processing",
             Self::TopUpRefundPending => "Refund under way",
             Self::DeliveryAttemptOut => "Delivery attempt in progress",
-            Self::Overloaded => "Overloaded",
+            Self::Overloaded | Self::UnknownKeysThrottled => "Overloaded",
             Self::AccountBusy => "Account busy",
             Self::Unavailable | Self::OutcomeUnknown | Self::Starting | Self::Stopping => "Temporarily unavailable",
             Self::OutcomeUnknownWithoutKey => "Outcome unknown",
@@ -239,6 +243,7 @@ impl ApiError {
             | Self::TopUpRefundPending
             | Self::DeliveryAttemptOut => "in_progress",
             Self::Overloaded
+            | Self::UnknownKeysThrottled
             | Self::AccountBusy
             | Self::Unavailable
             | Self::OutcomeUnknown
@@ -263,6 +268,7 @@ impl ApiError {
             | Self::KeyInFlight
             | Self::DeliveryAttemptOut
             | Self::Overloaded
+            | Self::UnknownKeysThrottled
             | Self::AccountBusy
             | Self::Unavailable
             | Self::OutcomeUnknown

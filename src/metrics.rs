@@ -32,6 +32,9 @@ pub struct Metrics {
     pub errors: IntCounterVec,
     pub purged_keys: IntCounter,
     pub purge_runs: IntCounter,
+    /// Look-ups of bearers this process did not know as API keys, by outcome: `looked_up`, or
+    /// `refused` (429) past their rate (`auth::TenantCache`): a flood of random bearers.
+    pub unknown_key_lookups: IntCounterVec,
     pool_connections: IntGaugeVec,
     /// The list pool's connections by state (`Db::for_lists`).
     list_pool_connections: IntGaugeVec,
@@ -153,6 +156,14 @@ impl Metrics {
         let errors = series.counters("oncepay_errors_total", "Error answers by problem code", &["code"]);
         let purged_keys = series.counter("oncepay_purged_keys_total", "Idempotency-key rows deleted by purges");
         let purge_runs = series.counter("oncepay_purge_runs_total", "Purge runs completed by this process");
+        let unknown_key_lookups = series.counters(
+            "oncepay_unknown_api_key_lookups_total",
+            "Look-ups of bearers this process did not know as API keys: looked_up, or refused (429) past their rate",
+            &["outcome"],
+        );
+        for outcome in ["looked_up", "refused"] {
+            unknown_key_lookups.with_label_values(&[outcome]);
+        }
         let pool_connections = series.int_gauges(
             "oncepay_db_pool_connections",
             "Database pool connections by state",
@@ -363,6 +374,7 @@ impl Metrics {
             errors,
             purged_keys,
             purge_runs,
+            unknown_key_lookups,
             pool_connections,
             list_pool_connections,
             pool_waiting,

@@ -17,7 +17,7 @@ use anyhow::Context;
 use tokio::task::{AbortHandle, JoinError, JoinHandle};
 use tokio_util::sync::CancellationToken;
 
-use crate::auth::TenantCache;
+use crate::auth::{self, TenantCache};
 use crate::batch::{Batcher, Limits};
 use crate::config::Settings;
 use crate::db;
@@ -126,7 +126,7 @@ impl Application {
             db,
             lists,
             settings,
-            tenants: TenantCache::new(),
+            tenants: TenantCache::new(metrics.unknown_key_lookups.clone()),
             metrics,
             replays,
             payments,
@@ -280,6 +280,7 @@ fn start_workers(
     stopping: &CancellationToken,
 ) -> Workers {
     let mut workers = Vec::new();
+    workers.push(tokio::spawn(auth::keep_known_keys(state.db.clone(), state.tenants.clone())).abort_handle());
     // The keys this server makes are kept its retention, whoever purges them.
     let declared = tokio::spawn(purge::declaring(state.db.clone(), state.settings.retention));
     workers.push(declared.abort_handle());

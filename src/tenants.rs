@@ -4,6 +4,8 @@
 
 use std::time::Duration;
 
+use chrono::{DateTime, Utc};
+
 use rand::RngCore;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
@@ -265,6 +267,29 @@ pub async fn find_by_key_hash(
         ))
     })
     .transpose()
+}
+
+/// The hashes of the API keys not revoked that were created after `since` (all of them
+/// without it), each with its `created_at`: what a replica knows to exist
+/// ([`crate::auth::TenantCache`]).
+pub async fn key_hashes(
+    conn: &mut PgConnection,
+    since: Option<DateTime<Utc>>,
+) -> Result<Vec<(ApiKeyHash, DateTime<Utc>)>, sqlx::Error> {
+    let rows = sqlx::query!(
+        "SELECT key_hash, created_at FROM api_keys
+          WHERE revoked_at IS NULL AND created_at > coalesce($1, '-infinity'::timestamptz)",
+        since,
+    )
+    .fetch_all(conn)
+    .await?;
+    rows.into_iter()
+        .map(|r| {
+            let hash = ApiKeyHash::try_from(r.key_hash.as_slice())
+                .map_err(|_| sqlx::Error::Decode("an API key hash of other than 32 bytes".into()))?;
+            Ok((hash, r.created_at))
+        })
+        .collect()
 }
 
 /// Records that the key was used (best effort: called when a replica looks the key up, at

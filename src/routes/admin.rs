@@ -77,6 +77,7 @@ pub(super) async fn create_api_key(
     let created = tenants::create_key(&state.db, tenant)
         .await?
         .ok_or(ApiError::NotFound)?;
+    state.tenants.know_key(&created.api_key);
     Ok(HttpResponse::Created().json(created))
 }
 
@@ -227,6 +228,7 @@ pub(super) async fn create_tenant(
     let main_balance = body.main_balance.unwrap_or_default();
     let Some(key) = key else {
         let created = tenants::create(&state.db, name, policy, main_balance).await?;
+        state.tenants.know_key(&created.api_key);
         return Ok(HttpResponse::Created().json(created));
     };
     let creation = tenants::CreationKey {
@@ -235,15 +237,18 @@ pub(super) async fn create_tenant(
         window: state.settings.replay_window,
     };
     let (created, replay) = match tenants::create_keyed(&state.db, name, policy, main_balance, &creation).await? {
-        KeyedCreation::New(created) => (
-            TenantCreatedOut {
-                tenant_id: created.tenant_id,
-                name: created.name,
-                api_key: Some(created.api_key),
-                missing_key_policy: created.missing_key_policy,
-            },
-            Replay::New,
-        ),
+        KeyedCreation::New(created) => {
+            state.tenants.know_key(&created.api_key);
+            (
+                TenantCreatedOut {
+                    tenant_id: created.tenant_id,
+                    name: created.name,
+                    api_key: Some(created.api_key),
+                    missing_key_policy: created.missing_key_policy,
+                },
+                Replay::New,
+            )
+        }
         // The same fingerprint: the same body, so the same name and policy.
         KeyedCreation::Replayed(tenant_id) => (
             TenantCreatedOut {

@@ -4,6 +4,7 @@
 
 use std::time::{Duration, Instant};
 
+use futures_util::future::join_all;
 use reqwest::Method;
 
 use crate::commands::oncepay;
@@ -227,4 +228,89 @@ async fn admin_calls_without_a_body_refuse_one_before_acting() {
         assert_eq!(purged.status, 200, "{body:?}: {}", purged.body);
     }
     assert_eq!(keys(&app).await.body.as_array().unwrap().len(), 3);
+}
+
+/// A bearer of an API key's form that names no key.
+fn random_bearer() -> String {
+    format!("opk_{}{}", uuid::Uuid::new_v4().simple(), uuid::Uuid::new_v4().simple())
+}
+
+#[tokio::test]
+async fn a_flood_of_unknown_bearers_is_looked_up_at_a_bounded_rate_while_known_keys_are_served() {
+    // Found from outside: random bearers of the key's form, with no credential, cost a
+    // database transaction each and five times a malformed bearer's CPU. Bearers this replica
+    // does not know are now looked up at most 200 a second after a burst of 1,000; past that,
+    // 429 `overloaded` with Retry-After; known keys are looked up at once.
+    let app = TestApp::builder().spawn().await;
+    let counted = |outcome: &str| {
+        app.state
+            .metrics
+            .unknown_key_lookups
+            .with_label_values(&[outcome])
+            .get()
+    };
+    // The start-up read of the keys ends soon after readiness; until then every bearer is
+    // looked up.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while counted("looked_up") == 0 {
+        assert!(Instant::now() < deadline, "unknown bearers never counted");
+        assert_eq!(app.get_as(&random_bearer(), "/accounts/main").await.status, 401);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(app.get("/accounts/main").await.status, 200, "the tenant's key");
+
+    let (before_looked_up, before_refused) = (counted("looked_up"), counted("refused"));
+    let started = Instant::now();
+    let (mut unauthorized, mut throttled, mut known_ok) = (0, 0, 0);
+    for _ in 0..100 {
+        let flood = join_all((0..30).map(|_| async {
+            let answer = app.get_as(&random_bearer(), "/accounts/main").await;
+            if answer.status == 429 {
+                answer.assert_problem(429, "overloaded");
+                assert_eq!(answer.headers["retry-after"], "1");
+            }
+            answer.status
+        }));
+        let (statuses, known) = tokio::join!(flood, app.get("/accounts/main"));
+        assert_eq!(known.status, 200, "a known key during the flood: {}", known.body);
+        known_ok += 1;
+        for status in statuses {
+            match status {
+                401 => unauthorized += 1,
+                429 => throttled += 1,
+                other => panic!("a random bearer answered {other}"),
+            }
+        }
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    let (looked_up, refused) = (
+        counted("looked_up") - before_looked_up,
+        counted("refused") - before_refused,
+    );
+    assert_eq!(
+        (unauthorized, throttled),
+        (looked_up, refused),
+        "each bearer counted once"
+    );
+    assert!(throttled > 0, "3,000 unknown bearers in {elapsed:.1} s, none refused");
+    assert!(
+        (looked_up as f64) <= 1_000.0 + 200.0 * (elapsed + 1.0),
+        "{looked_up} unknown bearers looked up in {elapsed:.1} s"
+    );
+    assert_eq!(known_ok, 100);
+
+    // A key made now by another process (as the CLI makes one, in the database): this replica
+    // does not know it, and its bucket of look-ups may be empty: 429 until a look-up is
+    // allowed or the next read of the keys (every 5 s) has it, then 200.
+    let (_, new_key) = crate::support::helpers::new_tenant(&app.pool, oncepay::domain::MissingKeyPolicy::Reject).await;
+    let deadline = Instant::now() + Duration::from_secs(7);
+    loop {
+        let status = app.get_as(&new_key, "/accounts/main").await.status;
+        if status == 200 {
+            break;
+        }
+        assert_eq!(status, 429, "a new key is refused only for the rate");
+        assert!(Instant::now() < deadline, "a new key still refused after 7 s");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
