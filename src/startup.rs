@@ -91,7 +91,7 @@ impl Application {
                      when the processor's URL or key changes (docs/top-ups.md)"
                 );
                 Some(TopUps::new(
-                    db.clone(),
+                    db.sibling(crate::top_ups::TOP_UP_CONNECTIONS),
                     client,
                     settings.currency.clone(),
                     processor.name.clone(),

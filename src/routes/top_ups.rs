@@ -202,22 +202,22 @@ pub(super) async fn create(
         Answerer::Processor(top_ups) => top_ups.clone(),
         Answerer::Stored(stored) => return respond(spec, *stored, keyed, render_top_up),
     };
-    // Driven in a task of its own: a client that hangs up does not stop the top-up between
-    // two phases (its lease would keep a retry waiting until it expires).
-    let answer = tokio::spawn(async move {
-        let new = NewTopUp {
-            account: &account,
-            amount: input.amount,
-            currency: top_ups.currency(),
-            payment_method: &input.payment_method,
-            processor: top_ups.processor(),
-        };
-        top_ups.create(tenant.id, &args, &new).await
-    })
-    .await
-    .map_err(|e| ApiError::Internal(e.into()))?
-    // A second keyless top-up is a second charge: no "retry with the same key" for it.
-    .map_err(|err| pipeline::without_key(edge(err), sent_a_key))?;
+    let driver = top_ups.clone();
+    let answer = driver
+        .drive(async move {
+            let new = NewTopUp {
+                account: &account,
+                amount: input.amount,
+                currency: top_ups.currency(),
+                payment_method: &input.payment_method,
+                processor: top_ups.processor(),
+            };
+            top_ups.create(tenant.id, &args, &new).await
+        })
+        .await
+        .map_err(|e| ApiError::Internal(e.into()))?
+        // A second keyless top-up is a second charge: no "retry with the same key" for it.
+        .map_err(|err| pipeline::without_key(edge(err), sent_a_key))?;
     respond(spec, answer, keyed, render_top_up)
 }
 
@@ -288,7 +288,9 @@ pub(super) async fn refund(
         Answerer::Processor(top_ups) => top_ups.clone(),
         Answerer::Stored(stored) => return respond(spec, *stored, keyed, render_refund),
     };
-    let answer = match tokio::spawn(async move { top_ups.refund(tenant.id, &args, id).await })
+    let driver = top_ups.clone();
+    let answer = match driver
+        .drive(async move { top_ups.refund(tenant.id, &args, id).await })
         .await
         .map_err(|e| ApiError::Internal(e.into()))?
         .map_err(edge)

@@ -1078,3 +1078,81 @@ async fn each_final_state_of_a_top_up_is_one_event_delivered_in_order() {
     fields_sent.sort();
     assert_eq!(fields_sent, fields_shown);
 }
+
+/// Found from outside (replicas stopped under traffic): at a graceful stop, a top-up whose call
+/// to the processor was out got 503 "outcome unknown" for a call the processor ran ("dispatch
+/// task is gone: runtime dropped the dispatch task"). Each HTTP worker is a runtime of its
+/// own; the processor client's pooled connection had been opened by another worker, whose
+/// runtime ended at once, being idle. Top-ups are now driven on the main runtime, with
+/// database connections of their own: the top-up held at the processor across the signal gets
+/// its real answer.
+#[tokio::test]
+async fn a_graceful_stop_lets_a_top_up_whose_processor_call_is_out_get_its_answer() {
+    use crate::commands::{free_port, serve_logged, sigterm, stop_logged, wait_until_ready};
+    use crate::support::tcp_relay::TcpRelay;
+    let stripe = Localstripe::start().await;
+    let relay = TcpRelay::start(stripe.url.trim_start_matches("http://").to_owned()).await;
+    let processor = format!("http://127.0.0.1:{}", relay.port);
+    let app = crate::support::helpers::spawn_app().await;
+    let port = free_port();
+    let (mut server, logs) = serve_logged(&[
+        ("DATABASE_URL", server_url(&database_url())),
+        ("ONCEPAY_BIND", format!("127.0.0.1:{port}")),
+        ("ONCEPAY_METRICS_BIND", "127.0.0.1:0".to_owned()),
+        ("ONCEPAY_WORKERS", "2".to_owned()),
+        ("ONCEPAY_WEBHOOK_CONCURRENCY", "0".to_owned()),
+        ("ONCEPAY_PROCESSOR_URL", processor.clone()),
+        ("ONCEPAY_PROCESSOR_API_KEY", API_KEY.to_owned()),
+        ("ONCEPAY_PROCESSOR_NAME", processor_name(&processor)),
+        ("ONCEPAY_PROCESSOR_TIMEOUT_MS", "10000".to_owned()),
+        ("ONCEPAY_COMPLETER_AFTER_SECS", "3600".to_owned()),
+    ]);
+    wait_until_ready(&reqwest::Client::new(), port).await;
+    let top_up = |client: reqwest::Client, key: String| {
+        let api_key = app.api_key.clone();
+        async move {
+            client
+                .post(format!("http://127.0.0.1:{port}/accounts/main/top-ups"))
+                .bearer_auth(api_key)
+                .header("Idempotency-Key", key)
+                .json(&json!({ "amount": AMOUNT, "payment_method": VISA }))
+                .send()
+                .await
+        }
+    };
+    // One connection, one worker: its top-up leaves the processor connection it opened in
+    // the server's pool; the connection to the server then closes, and that worker has
+    // nothing more to do.
+    let first = reqwest::Client::new();
+    let done = top_up(first.clone(), new_key()).await.unwrap();
+    assert_eq!(done.status(), 201, "{}", done.text().await.unwrap());
+    drop(first);
+    // Another connection, the other worker; its calls to the processor held at the relay.
+    relay.silence();
+    let key = new_key();
+    let held = tokio::spawn(top_up(reqwest::Client::new(), key.clone()));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    sigterm(&server);
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    relay.resume();
+    let answer = held.await.unwrap();
+    let stopped = tokio::time::timeout(Duration::from_secs(20), server.wait()).await;
+    let logs = if stopped.is_ok() {
+        logs.await.unwrap()
+    } else {
+        stop_logged(&mut server, logs).await
+    };
+    let (status, body) = match answer {
+        Ok(answer) => (answer.status().as_u16(), answer.text().await.unwrap_or_default()),
+        Err(err) => (0, err.to_string()),
+    };
+    assert_eq!(status, 201, "the top-up held across the signal: {body}\n{logs}");
+    assert!(!logs.contains("dispatch task is gone"), "{logs}");
+    let (id, _) = app.top_up_of_key(&key).await.expect("the top-up's row");
+    assert_eq!(stripe.succeeded_of(&id).await, 1, "charged once");
+    assert_eq!(
+        app.balance("main").await,
+        MAIN_BALANCE + 2 * AMOUNT,
+        "both credited once"
+    );
+}
