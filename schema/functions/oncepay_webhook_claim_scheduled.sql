@@ -168,6 +168,12 @@ BEGIN
             leased AS (
                 UPDATE webhook_deliveries d
                    SET attempts = d.attempts + 1,
+                       -- A lease that ran out unrecorded: that attempt was lost with its
+                       -- process. This one takes its step of the schedule (its number is
+                       -- new, so a late record of the lost one is not applied to it); under
+                       -- a schedule restarted while it was out (V33), the new schedule's first.
+                       schedule_start = CASE WHEN d.leased_until IS NOT NULL AND d.schedule_start < d.attempts
+                                             THEN d.schedule_start + 1 ELSE d.schedule_start END,
                        leased_until = now() + make_interval(secs => p_lease_ms / 1000.0),
                        next_attempt_at = now() + make_interval(secs => p_lease_ms / 1000.0)
                   FROM picked

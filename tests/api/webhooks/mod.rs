@@ -4,8 +4,9 @@
 //! rotation), `delivery` (every committed change's event arrives, signed, once acknowledged,
 //! in order per resource, through every fault of a receiver), `outbox` (what the operations'
 //! transactions write, late commits, fan-out, batches, retention), `planner` (the queue
-//! tables' statements stay index lookups whatever the statistics saw), and `hardening`
-//! (receivers and tenants as they really behave). The kill -9 of a replica and the
+//! tables' statements stay index lookups whatever the statistics saw), `schedule` (the retry
+//! schedule's steps when an attempt is lost), and `hardening` (receivers and tenants as they
+//! really behave). The kill -9 of a replica and the
 //! PostgreSQL restart are in `make chaos` (tests/chaos/webhooks.rs). What the submodules
 //! share is here.
 
@@ -23,6 +24,7 @@ mod endpoints;
 mod hardening;
 mod outbox;
 mod planner;
+mod schedule;
 mod signing;
 
 pub(crate) const WAIT: Duration = Duration::from_secs(60);

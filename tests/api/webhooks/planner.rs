@@ -25,7 +25,7 @@ async fn delivery_fetches(conn: &mut sqlx::PgConnection) -> i64 {
 
 /// A migrated database of its own for a test of the planner's choices, autovacuum off on the
 /// outbox's tables (the test decides when they are analysed), and a connection to it.
-async fn planner_database(name: &str) -> (String, sqlx::PgConnection) {
+pub(super) async fn planner_database(name: &str) -> (String, sqlx::PgConnection) {
     let url = empty_database(name).await;
     oncepay::db::migrate(&url).await.unwrap();
     let mut conn = sqlx::PgConnection::connect(&url).await.unwrap();
@@ -40,7 +40,7 @@ async fn planner_database(name: &str) -> (String, sqlx::PgConnection) {
 
 /// `n` deliveries in `state` to the endpoint, of distinct resources, due in `due_in_secs`, in
 /// this order, with their events.
-async fn insert_deliveries(
+pub(super) async fn insert_deliveries(
     conn: &mut sqlx::PgConnection,
     (tenant, endpoint): (Uuid, Uuid),
     n: i32,
@@ -69,7 +69,7 @@ async fn insert_deliveries(
 }
 
 /// A tenant with one endpoint, registered an hour ago: (tenant, endpoint).
-async fn tenant_with_endpoint(conn: &mut sqlx::PgConnection) -> (Uuid, Uuid) {
+pub(super) async fn tenant_with_endpoint(conn: &mut sqlx::PgConnection) -> (Uuid, Uuid) {
     let (tenant, endpoint) = (Uuid::new_v4(), Uuid::new_v4());
     sqlx::query(
         "WITH t AS (
