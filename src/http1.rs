@@ -41,6 +41,7 @@ use actix_service::{fn_service, map_config, IntoServiceFactory, Service, Service
 use actix_web::dev::{AppConfig, Server};
 use memchr::memmem;
 use oncepay_protocol::ProblemCode;
+use prometheus::IntCounterVec;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio_rustls::TlsAcceptor;
@@ -135,6 +136,7 @@ where
                 let peer = io.peer_addr().ok();
                 let slot = gate.admit(peer.map(|peer| peer.ip()));
                 let wake = wake.clone();
+                let rejected = gate.rejected();
                 async move {
                     let Some(slot) = slot else {
                         // Past its address's cap: closed now, before TLS or any read, with a
@@ -154,7 +156,7 @@ where
                             Either::Right(stream)
                         }
                     };
-                    let io = ProblemIo::new(StallTimeout::new(io, WRITE_STALL_TIMEOUT));
+                    let io = ProblemIo::new(StallTimeout::new(io, WRITE_STALL_TIMEOUT), rejected);
                     Ok((IdleClose::new(io, slot, wake), peer))
                 }
             })
@@ -229,15 +231,18 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for StallTimeout<T> {
 /// A connection whose dispatcher-made error heads are rewritten as problem+json answers.
 pub struct ProblemIo<T> {
     io: T,
+    /// `oncepay_requests_rejected_total{code}`: each rewritten answer counted by its code.
+    rejected: IntCounterVec,
     /// A rewritten answer, accepted from the dispatcher and not yet all written.
     pending: Vec<u8>,
     written: usize,
 }
 
 impl<T> ProblemIo<T> {
-    pub fn new(io: T) -> Self {
+    pub fn new(io: T, rejected: IntCounterVec) -> Self {
         Self {
             io,
+            rejected,
             pending: Vec::new(),
             written: 0,
         }
@@ -271,6 +276,7 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for ProblemIo<T> {
             // The dispatcher hands over whole heads: the first write that starts with one
             // holds all of it.
             Some(DispatcherError { at: 0, len, problem }) => {
+                self.rejected.with_label_values(&[problem.code]).inc();
                 self.pending = problem_answer(&buf[..len], problem);
                 // Written now as far as the socket takes it; the rest on flush.
                 if let Poll::Ready(Err(err)) = self.drain(cx) {

@@ -349,8 +349,18 @@ impl Metrics {
                  ONCEPAY_MAX_CONNECTIONS_PER_PEER open already)",
                 &["reason"],
             ),
+            rejected: series.counters(
+                "oncepay_requests_rejected_total",
+                "Requests the HTTP layer answered itself before any route, by problem code: invalid_request \
+                 (400, a head it cannot parse), headers_too_large (431), request_timeout (408, a head that did \
+                 not arrive within 5 s)",
+                &["code"],
+            ),
         };
         connections.refused.with_label_values(&["per_peer"]);
+        for code in ["invalid_request", "headers_too_large", "request_timeout"] {
+            connections.rejected.with_label_values(&[code]);
+        }
         let ready = series.int_gauge(
             "oncepay_ready",
             "1 when the database answered the scrape's probe (as /readyz), else 0 (also while serve \

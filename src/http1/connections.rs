@@ -65,6 +65,10 @@ pub struct ConnectionCounters {
     /// `oncepay_connections_refused_total{reason}`: `per_peer`, past
     /// `ONCEPAY_MAX_CONNECTIONS_PER_PEER`.
     pub refused: IntCounterVec,
+    /// `oncepay_requests_rejected_total{code}`: heads the HTTP layer answered itself, before
+    /// any route (`ProblemIo`): `invalid_request` (400), `headers_too_large` (431),
+    /// `request_timeout` (408, a head that did not arrive: a slowloris shows here).
+    pub rejected: IntCounterVec,
 }
 
 /// The process's open connections and its pressure; shared by every worker.
@@ -102,6 +106,11 @@ impl Gate {
             refused_per_peer: counters.refused.with_label_values(&["per_peer"]),
             counters,
         })
+    }
+
+    /// The counter of the answers the HTTP layer makes itself (`ProblemIo`).
+    pub fn rejected(&self) -> IntCounterVec {
+        self.counters.rejected.clone()
     }
 
     /// The wake-up for the connections of the worker that asks: each worker asks once, when
@@ -355,6 +364,7 @@ mod tests {
             max: IntGauge::new("max", "max").unwrap(),
             idle_closed: IntCounter::new("idle_closed", "idle closed").unwrap(),
             refused: IntCounterVec::new(prometheus::Opts::new("refused", "refused"), &["reason"]).unwrap(),
+            rejected: IntCounterVec::new(prometheus::Opts::new("rejected", "rejected"), &["code"]).unwrap(),
         }
     }
 

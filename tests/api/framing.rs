@@ -68,6 +68,13 @@ async fn malformed_framing_is_a_400_invalid_request_problem() {
 
     still_serving(&app).await;
     assert_eq!(app.payment_count().await, 0);
+    // Found from outside: such answers showed in no metric (nor, at `warn`, in any log).
+    assert_eq!(rejected(&app, "invalid_request"), 6, "each counted");
+}
+
+/// `oncepay_requests_rejected_total{code}` of the app.
+pub fn rejected(app: &TestApp, code: &str) -> u64 {
+    app.state.metrics.connections.rejected.with_label_values(&[code]).get()
 }
 
 /// A URL longer than 65,534 bytes (the `http` crate's limit on a URI) cannot be parsed: its
@@ -109,6 +116,7 @@ async fn a_head_that_does_not_arrive_is_a_408_request_timeout_problem() {
     .await;
 
     problem(&answer, 408, "request_timeout");
+    assert_eq!(rejected(&app, "request_timeout"), 1, "a slowloris's head counted");
     let waited = started.elapsed();
     assert!(
         waited >= Duration::from_secs(4) && waited < Duration::from_secs(9),

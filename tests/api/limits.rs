@@ -28,6 +28,7 @@ async fn an_oversized_header_is_431_and_the_server_keeps_serving() {
         let answer = raw_http(&app, request, Duration::from_secs(5)).await;
         crate::framing::problem(&answer, 431, "headers_too_large");
     }
+    assert_eq!(crate::framing::rejected(&app, "headers_too_large"), 2, "each counted");
     let health = Answer::from(app.client.get(app.url("/healthz")).send().await.unwrap()).await;
     assert_eq!(health.status, 200);
 }
