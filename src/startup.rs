@@ -207,11 +207,14 @@ impl Application {
             },
         };
         watcher.abort();
-        operations.stop(true).await;
-        let _ = operations_task.await;
         workers.stop(self.state.ready.stopped_at()).await;
         self.state.db.close().await;
         self.state.lists.close().await;
+        // Last: `/readyz` answers 503 until the process is gone (found from outside: stopped
+        // with the API, the listener refused connections while the deliverer still recorded
+        // its attempts, and a stopping replica looked dead).
+        operations.stop(true).await;
+        let _ = operations_task.await;
         outcome
     }
 

@@ -706,12 +706,12 @@ async fn deliveries_take_no_proxy_from_the_environment() {
 #[tokio::test]
 async fn a_replica_stopped_gracefully_records_the_attempts_in_flight() {
     let (url, pool, tenant, api_key) = database_with_tenant("graceful_stop").await;
-    let port = free_port();
+    let (port, ops) = (free_port(), free_port());
     let base = format!("http://127.0.0.1:{port}");
     let (mut server, logs) = serve_logged(&[
         ("DATABASE_URL", server_url(&url)),
         ("ONCEPAY_BIND", format!("127.0.0.1:{port}")),
-        ("ONCEPAY_METRICS_BIND", "127.0.0.1:0".to_owned()),
+        ("ONCEPAY_METRICS_BIND", format!("127.0.0.1:{ops}")),
         ("ONCEPAY_WEBHOOK_ALLOW_PRIVATE", "1".to_owned()),
         ("ONCEPAY_WEBHOOK_POLL_MS", "50".to_owned()),
     ]);
@@ -730,11 +730,37 @@ async fn a_replica_stopped_gracefully_records_the_attempts_in_flight() {
     }
 
     crate::commands::sigterm(&server);
-    let status = tokio::time::timeout(Duration::from_secs(20), server.wait())
-        .await
-        .expect("serve stops within 20 s of SIGTERM")
-        .unwrap();
+    // Until the process is gone, `/readyz` on the operations listener answers 503 (found from
+    // outside: it refused connections once the requests had drained, while the deliverer
+    // still recorded its attempt, and the stopping replica looked dead).
+    let readyz = format!("http://127.0.0.1:{ops}/readyz");
+    let signalled = Instant::now();
+    let mut not_503 = Vec::new();
+    let status = loop {
+        let answer = client
+            .get(&readyz)
+            .timeout(Duration::from_secs(1))
+            .send()
+            .await
+            .map(|r| r.status().as_u16());
+        if !matches!(answer, Ok(503)) {
+            // Refused as the process leaves: it is gone a moment later.
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            if server.try_wait().unwrap().is_none() {
+                not_503.push(format!("{:?} after SIGTERM: {answer:?}", signalled.elapsed()));
+            }
+        }
+        if let Some(status) = server.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            signalled.elapsed() < Duration::from_secs(20),
+            "serve stops within 20 s of SIGTERM"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
     assert_eq!(status.code(), Some(0), "a clean stop");
+    assert!(not_503.is_empty(), "/readyz while the process stopped: {not_503:#?}");
     assert_eq!(
         receiver.acknowledged().len(),
         1,
