@@ -591,7 +591,7 @@ WITH (fillfactor='80', autovacuum_vacuum_scale_factor='0', autovacuum_vacuum_thr
 -- Name: COLUMN webhook_deliveries.schedule_start; Type: COMMENT; Schema: public; Owner: -
 --
 
-COMMENT ON COLUMN public.webhook_deliveries.schedule_start IS 'attempts made before the delivery was last reopened (resend, recover, enable): its retry schedule starts again after them';
+COMMENT ON COLUMN public.webhook_deliveries.schedule_start IS 'attempts that do not count against the retry schedule: those made before the delivery was last reopened (resend, recover, enable), after which its schedule starts again, and each attempt lost with its process (its lease ran out unrecorded; V47)';
 
 
 --
