@@ -5,7 +5,6 @@
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-
 use rand::RngCore;
 use serde::Serialize;
 use sha2::{Digest, Sha256};

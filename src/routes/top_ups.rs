@@ -199,12 +199,11 @@ pub(super) async fn create(
         .await
         .map_err(|err| pipeline::without_key(err, sent_a_key))?
     {
-        Answerer::Processor(top_ups) => top_ups.clone(),
+        Answerer::Processor(top_ups) => top_ups,
         Answerer::Stored(stored) => return respond(spec, *stored, keyed, render_top_up),
     };
-    let driver = top_ups.clone();
-    let answer = driver
-        .drive(async move {
+    let answer = top_ups
+        .drive(move |top_ups| async move {
             let new = NewTopUp {
                 account: &account,
                 amount: input.amount,
@@ -285,12 +284,11 @@ pub(super) async fn refund(
     .await?;
     let keyed = claim.is_some();
     let top_ups = match processor_or_stored(&state, tenant.id, &args, true).await? {
-        Answerer::Processor(top_ups) => top_ups.clone(),
+        Answerer::Processor(top_ups) => top_ups,
         Answerer::Stored(stored) => return respond(spec, *stored, keyed, render_refund),
     };
-    let driver = top_ups.clone();
-    let answer = match driver
-        .drive(async move { top_ups.refund(tenant.id, &args, id).await })
+    let answer = match top_ups
+        .drive(move |top_ups| async move { top_ups.refund(tenant.id, &args, id).await })
         .await
         .map_err(|e| ApiError::Internal(e.into()))?
         .map_err(edge)

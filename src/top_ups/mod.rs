@@ -177,14 +177,15 @@ impl TopUps {
         }
     }
 
-    /// Runs `drive` (a request's top-up or refund) on [`Self::runtime`], to its end even if
-    /// the client hangs up: a drive cut between two phases would leave its lease to keep a
-    /// retry waiting until it expires.
-    pub async fn drive<T: Send + 'static>(
-        &self,
-        drive: impl std::future::Future<Output = T> + Send + 'static,
-    ) -> Result<T, tokio::task::JoinError> {
-        self.runtime.spawn(drive).await
+    /// Runs `drive` (a request's top-up or refund, given these top-ups) on
+    /// [`Self::runtime`], to its end even if the client hangs up: a drive cut between two
+    /// phases would leave its lease to keep a retry waiting until it expires.
+    pub async fn drive<T, F>(&self, drive: impl FnOnce(TopUps) -> F) -> Result<T, tokio::task::JoinError>
+    where
+        T: Send + 'static,
+        F: std::future::Future<Output = T> + Send + 'static,
+    {
+        self.runtime.spawn(drive(self.clone())).await
     }
 
     pub fn currency(&self) -> &str {
