@@ -531,16 +531,21 @@ impl Deliverer {
             .body(body);
         // The status decides; the body is read only for the head kept, and only briefly: a
         // receiver that answered 2xx and then stalls (or sends a body without end) has answered.
+        // Both the client's timers (the connection's and the request's) and ours run the
+        // attempt's timeout; whichever fires first, the attempt is listed in the same words.
+        let timeout = self.settings.timeout.as_millis();
         let sent = tokio::time::timeout(self.settings.timeout, request.send()).await;
         let mut response = match sent {
-            Err(_) => {
+            Ok(Ok(response)) => response,
+            Ok(Err(err)) if !err.is_timeout() => {
+                return failed(error_chain(&err), Verdict::Failed { retry_after: None })
+            }
+            Ok(Err(_)) | Err(_) => {
                 return failed(
-                    format!("no answer within {} ms", self.settings.timeout.as_millis()),
+                    format!("no answer within {timeout} ms"),
                     Verdict::Failed { retry_after: None },
                 )
             }
-            Ok(Err(err)) => return failed(error_chain(&err), Verdict::Failed { retry_after: None }),
-            Ok(Ok(response)) => response,
         };
         let status = response.status();
         let mut head = Vec::new();

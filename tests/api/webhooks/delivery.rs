@@ -384,3 +384,81 @@ async fn an_endpoint_at_its_bound_gets_its_next_event_when_an_attempt_ends_not_a
     assert!(took < poll / 2, "twelve events took {took:?}");
     crate::support::helpers::drop_database(&url).await;
 }
+
+/// An attempt that got no answer says why in the attempts list: one past the timeout says so
+/// in oncepay's words, whichever timer fired first (found from outside: reqwest's own timer
+/// usually fires a moment before ours, and the list showed its error chain, "error sending
+/// request for url (...): operation timed out"), also when the connection never opens, and a
+/// refused connection says it was refused. On a database of its own, so that every attempt is this replica's (another
+/// test's replica would time out after its own timeout).
+#[tokio::test]
+async fn an_attempt_without_an_answer_says_why() {
+    let (app, url) = spawn_app_on_own_database_with("attempt_errors", |s| {
+        delivering(s);
+        s.webhooks.timeout = Duration::from_millis(300);
+    })
+    .await;
+    let failed = |app: &TestApp, endpoint: &str| {
+        let (app, path) = (
+            app.clone(),
+            format!("/webhook-endpoints/{endpoint}/attempts?outcome=failed&limit=100"),
+        );
+        async move { app.get(&path).await.body["data"].as_array().unwrap().clone() }
+    };
+
+    let slow = Receiver::start().await;
+    slow.set_delay(Duration::from_secs(3));
+    let endpoint = subscribe(&app, &slow, None).await;
+    pay(&app, 10).await;
+    super::wait_until("two attempts time out", WAIT, || async {
+        failed(&app, &endpoint).await.len() >= 2
+    })
+    .await;
+    slow.set_delay(Duration::ZERO);
+    for attempt in failed(&app, &endpoint).await {
+        assert_eq!(attempt["status"], serde_json::Value::Null, "{attempt}");
+        assert_eq!(attempt["error"], "no answer within 300 ms", "{attempt}");
+    }
+
+    let down = Receiver::unstarted().await;
+    let endpoint = subscribe(&app, &down, None).await;
+    pay(&app, 10).await;
+    super::wait_until("an attempt is refused", WAIT, || async {
+        !failed(&app, &endpoint).await.is_empty()
+    })
+    .await;
+    for attempt in failed(&app, &endpoint).await {
+        let error = attempt["error"].as_str().unwrap();
+        assert!(error.contains("refused"), "{attempt}");
+    }
+
+    // A receiver whose accept queue is full: the handshake never completes.
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let full = socket.listen(1).unwrap();
+    let address = full.local_addr().unwrap();
+    let mut queued = Vec::new();
+    while let Ok(stream) = std::net::TcpStream::connect_timeout(&address, Duration::from_millis(200)) {
+        queued.push(stream);
+        assert!(queued.len() < 64, "the accept queue never filled");
+    }
+    let answer = app
+        .post(
+            "/webhook-endpoints",
+            Some(&new_key()),
+            &json!({ "url": format!("http://{address}/hooks") }),
+        )
+        .await;
+    assert_eq!(answer.status, 201, "{}", answer.body);
+    let endpoint = answer.body["id"].as_str().unwrap().to_owned();
+    pay(&app, 10).await;
+    super::wait_until("an attempt gets no connection", WAIT, || async {
+        !failed(&app, &endpoint).await.is_empty()
+    })
+    .await;
+    for attempt in failed(&app, &endpoint).await {
+        assert_eq!(attempt["error"], "no answer within 300 ms", "{attempt}");
+    }
+    drop((full, queued));
+    drop_database(&url).await;
+}
