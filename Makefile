@@ -186,6 +186,10 @@ check: sqlx-check schema-check client-deps-check
 	cargo fmt --all --check
 	cargo clippy --workspace --all-targets --locked -- -D warnings
 	cargo clippy -p oncepay-client --all-targets --locked -- -D warnings
+	# The library alone, without the tests' dev-dependencies, whose features would hide one it
+	# lacks (tokio's `select!` for the CLI did not compile in a program depending on the crate).
+	cargo clippy -p oncepay-client --locked --features cli -- -D warnings
+	cargo clippy -p oncepay-client --locked -- -D warnings
 
 # The client crate, and the protocol crate it shares with the server, compile no server crate
 # (README.md, development): fails if `cargo tree` shows one.
