@@ -94,14 +94,19 @@ impl Client {
         if let Some(account) = account {
             body["account"] = json!(account);
         }
-        self.post(&routes::CREATE_PAYMENT.segments(""), &body, key).await
+        let reply = self.post(&routes::CREATE_PAYMENT.segments(""), &body, key).await?;
+        answers(reply, |p: &Payment| {
+            differs("account", p.account.as_str(), account.unwrap_or(&p.account))
+                .or_else(|| differs("amount", &p.charged, &amount))
+        })
     }
 
     /// Refunds the whole payment.
     pub async fn refund(&self, payment: Uuid, key: &IdempotencyKey) -> Result<Reply<Refund>, ClientError> {
-        let payment = payment.to_string();
-        self.post(&routes::REFUND_PAYMENT.segments(&payment), &json!({}), key)
-            .await
+        let reply = self
+            .post(&routes::REFUND_PAYMENT.segments(&payment.to_string()), &json!({}), key)
+            .await?;
+        answers(reply, |r: &Refund| differs("payment", &r.id, &payment))
     }
 
     /// Credits `amount` to `account`.
@@ -111,12 +116,16 @@ impl Client {
         amount: i64,
         key: &IdempotencyKey,
     ) -> Result<Reply<Deposit>, ClientError> {
-        self.post(
-            &routes::CREATE_DEPOSIT.segments(account),
-            &json!({ "amount": amount }),
-            key,
-        )
-        .await
+        let reply = self
+            .post(
+                &routes::CREATE_DEPOSIT.segments(account),
+                &json!({ "amount": amount }),
+                key,
+            )
+            .await?;
+        answers(reply, |d: &Deposit| {
+            differs("account", d.account.as_str(), account).or_else(|| differs("amount", &d.amount, &amount))
+        })
     }
 
     /// Opens an account with an opening balance (0 when `None`).
@@ -130,7 +139,8 @@ impl Client {
         if let Some(balance) = balance {
             body["balance"] = json!(balance);
         }
-        self.post(&routes::CREATE_ACCOUNT.segments(""), &body, key).await
+        let reply = self.post(&routes::CREATE_ACCOUNT.segments(""), &body, key).await?;
+        answers(reply, |a: &AccountCreated| differs("account", a.id.as_str(), id))
     }
 
     /// The account's current balance.
@@ -214,9 +224,61 @@ impl Client {
     }
 }
 
+/// The answer to an operation, unless it is not this operation's: a success of the right
+/// shape whose `mismatch` names a field that differs from what was asked. Such an answer
+/// (found from outside: a proxy caching POSTs answered a payment of 999 from account `b1`
+/// with another payment's stored 201, and the CLI printed it as done while nothing was) is
+/// taken as a success whose body could not be read: its outcome is unknown, and the same
+/// key resumes the operation. A replay always matches: the key's fingerprint is the body.
+pub(crate) fn answers<T>(
+    reply: Reply<T>,
+    mismatch: impl FnOnce(&T) -> Option<String>,
+) -> Result<Reply<T>, ClientError> {
+    match mismatch(&reply.value) {
+        None => Ok(reply),
+        Some(what) => Err(ClientError::InvalidResponse {
+            status: reply.status,
+            source: serde::de::Error::custom(format!("the answer is another operation's: {what}")),
+        }),
+    }
+}
+
+/// `Some` naming the field when what was answered is not what was asked.
+pub(crate) fn differs<A: PartialEq + std::fmt::Display + ?Sized>(
+    field: &str,
+    answered: &A,
+    asked: &A,
+) -> Option<String> {
+    (answered != asked).then(|| format!("{field} {answered} where {asked} was asked"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_answer_that_differs_from_what_was_asked_is_not_this_operations() {
+        let reply = |account: &str, charged| Reply {
+            value: Deposit {
+                id: Uuid::nil(),
+                account: account.to_owned(),
+                amount: charged,
+                balance: 0,
+            },
+            status: 201,
+            replayed: true,
+            attempts: 1,
+        };
+        let check =
+            |d: &Deposit| differs("account", d.account.as_str(), "u1").or_else(|| differs("amount", &d.amount, &5));
+        assert!(answers(reply("u1", 5), check).is_ok());
+        for (account, amount, what) in [("u2", 5, "account u2 where u1"), ("u1", 6, "amount 6 where 5")] {
+            let err = answers(reply(account, amount), check).unwrap_err();
+            assert_eq!(err.code(), "invalid_response");
+            assert!(err.outcome_unknown(), "a 2xx: the operation may have been done");
+            assert!(err.to_string().contains(what), "{err}");
+        }
+    }
 
     #[test]
     fn an_account_reads_with_or_without_its_opening_time() {

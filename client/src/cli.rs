@@ -9,12 +9,12 @@
 //!
 //! Exit status: 0 success; 1 the answer could not be written to standard output (the operation
 //! was done: stderr names its key); 2 bad usage; 3 the server refused the request (oncepay's
-//! own final problem, or a 4xx page answering a first attempt; never a 5xx oncepay did not
-//! answer) or the client refused the server's TLS certificate;
+//! own final problem; never an answer oncepay did not give, which may come after a proxy
+//! passed the request on) or the client refused the server's TLS certificate;
 //! 4 the outcome is unknown (no final answer within the attempts, the deadline or the budget,
 //! a success whose body could not be read, or `refund-top-up`'s 202 `refund_pending`): run the
 //! command again with the same `--key` (stderr says when nothing was sent); 5 a read had no
-//! answer it could read (a read has no outcome to be unknown); 130 or 143 interrupted by
+//! answer it could read, a proxy's page included (a read has no outcome to be unknown); 130 or 143 interrupted by
 //! SIGINT or SIGTERM, the key named on stderr.
 
 // The answer and the notes on stdout and stderr are what these commands are for.
@@ -559,13 +559,15 @@ fn fail(err: &ClientError, key: Option<&IdempotencyKey>) -> i32 {
             "oncepay: key {key} was first used for a request with another body; if an earlier run with it ended with an unknown outcome, that request may have been done: `oncepay get-idempotency-key {key}` shows what it did, before you take a new key"
         );
     }
-    if err.outcome_unknown() {
-        let Some(key) = key else {
-            // A read (no key) changes nothing: it has no outcome to be unknown, only an answer
-            // that could not be had (found from outside: exit 4, and 5 was never used).
-            eprintln!("oncepay: no answer could be read; a read changes nothing, so running it again is safe");
-            return EXIT_INVALID_RESPONSE;
-        };
+    // A read (no key) changes nothing: it has no outcome to be unknown, only an answer that
+    // could not be had (found from outside: exit 4, and 5 was never used), and a page that
+    // did not come from oncepay is no answer of its (found from outside: a proxy's 404 page
+    // to `get-idempotency-key` was "refused", exit 3).
+    if key.is_none() && (err.outcome_unknown() || err.answered_in_oncepays_place()) {
+        eprintln!("oncepay: no answer could be read; a read changes nothing, so running it again is safe");
+        return EXIT_INVALID_RESPONSE;
+    }
+    if let (true, Some(key)) = (err.outcome_unknown(), key) {
         if err.nothing_sent() {
             // Found from outside: "the outcome is unknown" for a server that refused every
             // connection, when nothing can have been sent.

@@ -118,11 +118,15 @@ pub enum ClientError {
         #[source]
         source: serde_json::Error,
     },
-    /// An earlier attempt's outcome is unknown (`earlier`: its failure), and the last attempt
-    /// ended with an answer that does not tell it: not oncepay's own (a proxy's 4xx page), or
-    /// no answer at all (a certificate refused on a new connection). The operation may have
-    /// been done: resume it with the same key.
-    #[error("the outcome of an earlier attempt is unknown ({earlier}), and the last of {attempts} attempt(s) was not answered by oncepay: {last}")]
+    /// An attempt's outcome is unknown (`earlier`: its failure, or the last attempt itself
+    /// when a first answer to an operation was not oncepay's own), and the last attempt ended
+    /// with an answer that does not tell it: not oncepay's own (a proxy's 4xx page or
+    /// redirect, which may come after the proxy passed the request on), or no answer at all (a
+    /// certificate refused on a new connection). The operation may have been done: resume it
+    /// with the same key.
+    #[error(
+        "the outcome is unknown ({earlier}), and the last of {attempts} attempt(s) was not answered by oncepay: {last}"
+    )]
     Unresolved {
         attempts: u32,
         earlier: String,
@@ -188,6 +192,16 @@ impl ClientError {
                 ))
     }
 
+    /// Whether this is an answer that did not come from oncepay (a proxy's or gateway's page,
+    /// a redirect): it says nothing of what oncepay did.
+    pub(crate) fn answered_in_oncepays_place(&self) -> bool {
+        match self {
+            Self::Problem(problem) => !problem.from_oncepay,
+            Self::Unresolved { last, .. } => last.answered_in_oncepays_place(),
+            _ => false,
+        }
+    }
+
     /// Whether no attempt sent the request: each failed before it could be (the connection
     /// refused or not made, a TLS handshake that failed), so the operation was not done. Only
     /// when certain: a connection closed after the request was written is no such failure.
@@ -218,10 +232,23 @@ impl ClientError {
 }
 
 /// [`ClientError::DeadlineExceeded`]'s words: "exceeded" only when the time did run out.
+/// Who asked for the wait is named (found from outside: a proxy's 503 page was "the server"),
+/// and a wait beyond any deadline is not printed to the nanosecond (`Retry-After:
+/// 99999999999999999999` read `18446744073709551615.999999999s`).
 fn deadline_text(deadline: Duration, attempts: u32, server_wait: Option<Duration>, last: &ClientError) -> String {
     match server_wait {
         Some(wait) => format!(
-            "the server asked to wait {wait:?} before the next attempt, past the deadline of {deadline:?}; stopped after {attempts} attempt(s); last failure: {last}"
+            "{} asked to wait {} before the next attempt, past the deadline of {deadline:?}; stopped after {attempts} attempt(s); last failure: {last}",
+            if last.answered_in_oncepays_place() {
+                "an answer that did not come from oncepay"
+            } else {
+                "the server"
+            },
+            if wait >= Duration::from_secs(366 * 24 * 3600) {
+                "more than a year".to_owned()
+            } else {
+                format!("{wait:?}")
+            }
         ),
         None => format!("deadline of {deadline:?} exceeded after {attempts} attempt(s); last failure: {last}"),
     }

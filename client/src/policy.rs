@@ -7,9 +7,9 @@
 //! | 500, 502, 503, 504 | yes | a transient failure; the server commits nothing on a transient failure (docs/api.md, Idempotency, rule 8) |
 //! | any other 5xx not answered by oncepay (a gateway's 520-524, a 501 or 507 page) | yes | the request may have reached the server (a 524 comes after it did): only the same key can tell |
 //! | 408 `request_timeout` | yes | the request did not arrive whole in time: nothing was processed |
-//! | 429 `overloaded` | yes, after `Retry-After` | the server sheds load |
+//! | 429 (`overloaded`, or a proxy's) | yes, after `Retry-After` | the server, or what stands before it, sheds load |
 //! | 409 `request_in_progress` | yes, after `Retry-After` | the first request with this key is still running |
-//! | 400, 401, 402, 403, 404, 413, 415, 422, other 409s, oncepay's 501 `processor_not_configured`, anything else | no | the same request gets the same answer: the caller must change something |
+//! | 400, 401, 402, 403, 404, 413, 415, 422, other 409s, oncepay's 501 `processor_not_configured`, a redirect, anything else | no | the same request gets the same answer: the caller must change something (one oncepay did not give leaves an operation's outcome unknown: `retry::settled`) |
 //! | a server certificate that does not verify (`ClientError::Tls`) | no | the handshake failed, nothing was sent; the next attempt would meet the same certificate |
 
 use std::time::{Duration, SystemTime};

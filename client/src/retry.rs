@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant, SystemTime};
 
-use reqwest::header::{AUTHORIZATION, CONTENT_TYPE};
+use reqwest::header::{AUTHORIZATION, CONTENT_TYPE, LOCATION};
 use reqwest::{Method, Url};
 use serde::de::DeserializeOwned;
 
@@ -51,8 +51,9 @@ impl Client {
                 Err(failed) => failed,
             };
             let last = failed.error;
+            let keyed = call.key.is_some();
             if !failed.retryable || attempt >= config.max_attempts {
-                return Err(settled(last, unknown, attempt));
+                return Err(settled(last, unknown, attempt, keyed));
             }
             if unknown.is_none() && last.outcome_unknown() && !last.nothing_sent() {
                 unknown = Some(format!("attempt {attempt}: {}: {last}", last.code()));
@@ -65,7 +66,7 @@ impl Client {
                     deadline: config.deadline,
                     attempts: attempt,
                     server_wait: failed.retry_after.filter(|asked| *asked >= backoff),
-                    last: Box::new(settled(last, unknown, attempt)),
+                    last: Box::new(settled(last, unknown, attempt, keyed)),
                 });
             }
             if let Some(observer) = &self.inner.observer {
@@ -82,7 +83,7 @@ impl Client {
             let Some(token_wait) = self.inner.budget.reserve(deadline) else {
                 return Err(ClientError::BudgetExhausted {
                     attempts: attempt,
-                    last: Box::new(settled(last, unknown, attempt)),
+                    last: Box::new(settled(last, unknown, attempt, keyed)),
                 });
             };
             tokio::time::sleep(token_wait).await;
@@ -117,12 +118,23 @@ impl Client {
             .get(CONTENT_TYPE)
             .and_then(|v| v.to_str().ok())
             .map(str::to_owned);
+        // Redirects are not followed (the operation goes only to the base URL given): where
+        // one pointed is what its caller needs to know.
+        let location = (300..400)
+            .contains(&status)
+            .then(|| response.headers().get(LOCATION)?.to_str().ok().map(str::to_owned))
+            .flatten();
         // A connection dropped in the middle of the body is a transport failure too.
         let body = response.bytes().await.map_err(transport)?;
-        read_answer(status, replayed, content_type.as_deref(), &body).map_err(|(error, retryable)| Failed {
-            error,
-            retryable,
-            retry_after,
+        read_answer(status, replayed, content_type.as_deref(), &body).map_err(|(mut error, retryable)| {
+            if let (ClientError::Problem(problem), Some(location)) = (&mut error, location) {
+                problem.detail = format!("a redirect to {location}, not followed: {}", problem.detail);
+            }
+            Failed {
+                error,
+                retryable,
+                retry_after,
+            }
         })
     }
 }
@@ -132,16 +144,28 @@ impl Client {
 /// refused on a new connection, oncepay's own 401 or 400 given before the key is looked at)
 /// does not tell what that attempt did, so the outcome stays unknown (found from outside: a
 /// 524 after dropped answers was reported as refused); nor may a last attempt that sent
-/// nothing make the whole operation "nothing sent".
-fn settled(last: ClientError, unknown: Option<String>, attempts: u32) -> ClientError {
+/// nothing make the whole operation "nothing sent". Nor does a final answer that is not
+/// oncepay's (a 4xx page, a redirect) to an operation (`keyed`) tell, even to a first
+/// attempt: whatever answered in oncepay's place may have passed the request on before it
+/// answered (found from outside: a proxy that forwarded a payment and then answered its own
+/// 403 page, and one that answered a 308, were reported as refused, exit 3, the payment made
+/// under a key never printed). A read has no outcome to be unknown: its page stays a problem.
+fn settled(last: ClientError, unknown: Option<String>, attempts: u32, keyed: bool) -> ClientError {
     let silent = !last.outcome_unknown() || last.nothing_sent();
-    match unknown {
-        Some(earlier) if silent && !last.speaks_for_the_key() => ClientError::Unresolved {
-            attempts,
-            earlier,
-            last: Box::new(last),
-        },
-        _ => last,
+    if !silent || last.speaks_for_the_key() {
+        return last;
+    }
+    let earlier = match unknown {
+        Some(earlier) => earlier,
+        None if keyed && last.answered_in_oncepays_place() => {
+            format!("attempt {attempts} was answered by something other than oncepay, which may have passed the request on first")
+        }
+        None => return last,
+    };
+    ClientError::Unresolved {
+        attempts,
+        earlier,
+        last: Box::new(last),
     }
 }
 
@@ -289,18 +313,26 @@ mod tests {
                 .unwrap_err()
                 .0
         };
-        let settled_page = settled(page(404), unknown.clone(), 2);
+        let settled_page = settled(page(404), unknown.clone(), 2, true);
         assert_eq!(settled_page.code(), "outcome_unknown");
         assert!(settled_page.outcome_unknown());
+        for status in [404, 403, 308] {
+            let first = settled(page(status), None, 1, true);
+            assert_eq!(first.code(), "outcome_unknown", "{status}");
+            assert!(
+                first.outcome_unknown(),
+                "a first attempt's page may come after the request was passed on"
+            );
+        }
         assert_eq!(
-            settled(page(404), None, 1).code(),
+            settled(page(404), None, 1, false).code(),
             "http_404",
-            "a first attempt's page is a refusal"
+            "a read's page is its answer"
         );
         let declined = br#"{"type":"t","title":"t","status":402,"detail":"d","code":"insufficient_funds"}"#;
         let (own, _) =
             read_answer::<serde_json::Value>(402, true, Some("application/problem+json"), declined).unwrap_err();
-        let own = settled(own, unknown.clone(), 2);
+        let own = settled(own, unknown.clone(), 2, true);
         assert_eq!(own.code(), "insufficient_funds");
         assert!(!own.outcome_unknown(), "oncepay's stored decline settles it");
         // oncepay's own answers given before the key is looked at do not: an API key revoked
@@ -310,7 +342,7 @@ mod tests {
             let (before_the_key, _) =
                 read_answer::<serde_json::Value>(status, false, Some("application/problem+json"), body.as_bytes())
                     .unwrap_err();
-            let ended = settled(before_the_key, unknown.clone(), 2);
+            let ended = settled(before_the_key, unknown.clone(), 2, true);
             assert_eq!(ended.code(), "outcome_unknown", "{code}");
             assert!(ended.outcome_unknown(), "{code}");
         }
@@ -318,7 +350,7 @@ mod tests {
         let (stored, _) =
             read_answer::<serde_json::Value>(404, true, Some("application/problem+json"), not_found).unwrap_err();
         assert_eq!(
-            settled(stored, unknown, 2).code(),
+            settled(stored, unknown, 2, true).code(),
             "not_found",
             "a replay speaks for the key"
         );
@@ -331,9 +363,9 @@ mod tests {
         drop(closed);
         let refused = || async { transport(reqwest::get(&url).await.unwrap_err()).error };
 
-        let alone = settled(refused().await, None, 3);
+        let alone = settled(refused().await, None, 3, true);
         assert!(alone.nothing_sent() && alone.outcome_unknown(), "{alone}");
-        let after_a_lost_answer = settled(refused().await, Some("attempt 1: transport_error".to_owned()), 2);
+        let after_a_lost_answer = settled(refused().await, Some("attempt 1: transport_error".to_owned()), 2, true);
         assert_eq!(after_a_lost_answer.code(), "outcome_unknown");
         assert!(!after_a_lost_answer.nothing_sent(), "the first attempt may have paid");
     }

@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 use uuid::Uuid;
 
+use crate::calls::{answers, differs};
 use crate::error::ClientError;
 use crate::key::IdempotencyKey;
 use crate::protocol::routes;
@@ -78,8 +79,12 @@ impl Client {
     ) -> Result<Reply<TopUp>, ClientError> {
         let account = account.unwrap_or("main");
         let body = json!({ "amount": amount, "payment_method": payment_method });
-        self.execute(self.post_call(&routes::CREATE_TOP_UP.segments(account), &body, key)?)
-            .await
+        let reply = self
+            .execute(self.post_call(&routes::CREATE_TOP_UP.segments(account), &body, key)?)
+            .await?;
+        answers(reply, |t: &TopUp| {
+            differs("account", t.account.as_str(), account).or_else(|| differs("amount", &t.amount, &amount))
+        })
     }
 
     /// The top-up's current state.
@@ -90,8 +95,9 @@ impl Client {
 
     /// Debits the top-up's amount from its account, then refunds the card.
     pub async fn refund_top_up(&self, id: Uuid, key: &IdempotencyKey) -> Result<Reply<TopUpRefund>, ClientError> {
-        let id = id.to_string();
-        self.execute(self.post_call(&routes::REFUND_TOP_UP.segments(&id), &json!({}), key)?)
-            .await
+        let reply = self
+            .execute(self.post_call(&routes::REFUND_TOP_UP.segments(&id.to_string()), &json!({}), key)?)
+            .await?;
+        answers(reply, |r: &TopUpRefund| differs("top-up", &r.id, &id))
     }
 }

@@ -6,6 +6,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 use uuid::Uuid;
 
+use crate::calls::{answers, differs};
 use crate::error::ClientError;
 use crate::key::IdempotencyKey;
 use crate::protocol::routes;
@@ -48,7 +49,12 @@ impl Client {
         amount: i64,
         key: &IdempotencyKey,
     ) -> Result<Reply<Transfer>, ClientError> {
-        self.execute(self.transfer_call(from, to, amount, key)?).await
+        let reply = self.execute(self.transfer_call(from, to, amount, key)?).await?;
+        answers(reply, |t: &Transfer| {
+            differs("from", t.from.as_str(), from)
+                .or_else(|| differs("to", t.to.as_str(), to))
+                .or_else(|| differs("amount", &t.amount, &amount))
+        })
     }
 
     /// A transfer, as it was made.

@@ -55,6 +55,132 @@ async fn a_proxys_page_after_a_lost_answer_leaves_the_outcome_unknown() {
     assert_eq!(app.payment_count().await, 1, "the first attempt paid");
 }
 
+/// Found from outside: a proxy that passed a payment on and then answered its own 403 page
+/// (a firewall that inspects answers), or a 308 redirect, made the CLI report "refused", exit
+/// 3, and the key the payment was made under was never printed. A first answer that is not
+/// oncepay's does not say whether the request reached oncepay: the outcome is unknown, exit 4,
+/// with the key (and where a redirect pointed); nothing retried, as the page would come back.
+#[tokio::test]
+async fn a_proxys_page_or_redirect_to_a_first_attempt_leaves_the_outcome_unknown() {
+    let app = spawn_app().await;
+    let pages = [
+        Action::ForwardThenStatus(403),
+        Action::ForwardThenRedirect("https://elsewhere.example/v2/payments"),
+    ];
+    for (n, page) in pages.into_iter().enumerate() {
+        let proxy = FaultProxy::start(&app.address, first_then(page, Action::Forward)).await;
+
+        let run = oncepay(&pay_args(&proxy, &app, &[]), &[]).await;
+
+        let key = unknown_with_the_key(&run, &proxy);
+        assert!(run.stderr.contains("code=outcome_unknown"), "{}", run.stderr);
+        assert_eq!(proxy.seen().len(), 1, "a page is not retried: {}", run.stderr);
+        if n == 1 {
+            assert!(
+                run.stderr
+                    .contains("a redirect to https://elsewhere.example/v2/payments, not followed"),
+                "{}",
+                run.stderr
+            );
+        }
+        resuming_replays(&proxy, &app, &key, n as i64 + 1).await;
+    }
+}
+
+/// Found from outside: a proxy that cached a POST answered a new payment with another
+/// payment's stored 201, and the CLI printed it as done (exit 0) while nothing was paid. An
+/// answer whose account or amount is not what was asked is no answer of this operation's: the
+/// outcome is unknown, exit 4 with the key, and resuming with it pays once.
+#[tokio::test]
+async fn another_operations_answer_is_not_taken_for_this_ones() {
+    let app = spawn_app().await;
+    let stale = r#"{"id":"01a25120-c006-7fda-977b-3a5ce6b1b025","account":"main","charged":231,"balance":992575,"status":"succeeded","created_at":"2026-12-07T15:30:30.532777Z"}"#;
+    let proxy = FaultProxy::start(
+        &app.address,
+        first_then(
+            Action::PlainBody {
+                status: 201,
+                body: stale,
+            },
+            Action::Forward,
+        ),
+    )
+    .await;
+
+    let run = oncepay(&pay_args(&proxy, &app, &[]), &[]).await;
+
+    let key = unknown_with_the_key(&run, &proxy);
+    assert!(run.stdout.is_empty(), "nothing printed as done: {}", run.stdout);
+    assert!(
+        run.stderr
+            .contains("the answer is another operation's: amount 231 where 100 was asked"),
+        "{}",
+        run.stderr
+    );
+    assert_eq!(app.payment_count().await, 0);
+    let resumed = oncepay(&pay_args(&proxy, &app, &["--key", &key]), &[]).await;
+    assert_eq!(resumed.status, 0, "{}", resumed.stderr);
+    assert_eq!(resumed.json()["charged"], 100);
+    assert_eq!(app.payment_count().await, 1);
+}
+
+/// Found from outside: a proxy's 404 page to `get-idempotency-key`, or its 403 page to
+/// `balance`, was "refused", exit 3, where the table promises 5 for a read answered by a
+/// page that is not the JSON promised; oncepay's own 404 stays a refusal. And a list cut
+/// part-way by such a page printed what it had and said nothing of where to go on from.
+#[tokio::test]
+async fn a_proxys_page_to_a_read_is_no_answer_and_a_cut_list_says_where_to_go_on() {
+    let app = spawn_app().await;
+    for _ in 0..12 {
+        assert_eq!(app.pay(Some(&crate::support::helpers::new_key()), 1).await.status, 201);
+    }
+    let proxy = FaultProxy::start(&app.address, |incoming| match incoming.index {
+        0 => Action::PlainError { status: 404 },
+        1 => Action::PlainError { status: 403 },
+        // The list: two pages, then a page of the proxy's.
+        4 => Action::PlainError { status: 403 },
+        _ => Action::Forward,
+    })
+    .await;
+    let read = |args: &[&str], url: &str| {
+        let mut args = args.to_vec();
+        args.extend(server_args(url, &app));
+        args.into_iter().map(str::to_owned).collect::<Vec<_>>()
+    };
+    let run =
+        |args: Vec<String>| async move { oncepay(&args.iter().map(String::as_str).collect::<Vec<_>>(), &[]).await };
+
+    let key_page = run(read(&["get-idempotency-key", "never-used"], &proxy.url)).await;
+    let balance_page = run(read(&["balance", "main"], &proxy.url)).await;
+    let own_404 = run(read(&["get-idempotency-key", "never-used"], &app.address)).await;
+    let cut = run(read(&["payments", "list", "--limit", "5"], &proxy.url)).await;
+
+    for page in [&key_page, &balance_page] {
+        assert_eq!(page.status, 5, "stderr: {}", page.stderr);
+        assert!(page.stderr.contains("no answer could be read"), "{}", page.stderr);
+    }
+    assert_eq!(own_404.status, 3, "oncepay's own 404: {}", own_404.stderr);
+    assert!(own_404.stderr.contains("code=not_found"), "{}", own_404.stderr);
+    assert_eq!(cut.status, 5, "stderr: {}", cut.stderr);
+    let printed: Vec<serde_json::Value> = cut.stdout.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(printed.len(), 10, "{}", cut.stdout);
+    let last = printed[9]["id"].as_str().unwrap();
+    assert!(
+        cut.stderr.contains(&format!(
+            "the list stopped after 10 item(s); to go on from there, run the same command with --starting-after {last}"
+        )),
+        "{}",
+        cut.stderr
+    );
+    let rest = run(read(
+        &["payments", "list", "--limit", "5", "--starting-after", last],
+        &proxy.url,
+    ))
+    .await;
+    assert_eq!(rest.status, 0, "stderr: {}", rest.stderr);
+    assert_eq!(rest.stdout.lines().count(), 2, "{}", rest.stdout);
+}
+
 /// oncepay's own final 5xx keeps its word: a top-up without a card processor is 501
 /// `processor_not_configured`, refused at once (exit 3), not retried as a gateway's 501 is.
 #[tokio::test]

@@ -11,6 +11,7 @@ use serde::Serialize;
 use uuid::Uuid;
 
 use super::{client, line_out, print, print_keyed, Failed, KeyArg, ServerArgs};
+use crate::lists::Listed;
 use crate::{
     AttemptListParams, ClientError, EventListParams, IdempotencyKey, ListParams, PaymentListParams, TopUpListParams,
     TransferListParams,
@@ -179,17 +180,33 @@ pub enum WebhooksCommand {
     },
 }
 
-/// Prints every item of a list, one JSON object a line.
-async fn print_all<T: Serialize>(items: impl Stream<Item = Result<T, ClientError>>) -> Result<(), Failed> {
+/// Prints every item of a list, one JSON object a line. A list that fails part-way says where
+/// to go on from (found from outside: a long export cut at page 3 by a proxy's page had to
+/// start over, as nothing named the last item printed).
+async fn print_all<T: Serialize + Listed>(items: impl Stream<Item = Result<T, ClientError>>) -> Result<(), Failed> {
     let mut items = std::pin::pin!(items);
-    while let Some(item) = items.try_next().await? {
+    let mut printed: Option<(usize, String)> = None;
+    loop {
+        let item = match items.try_next().await {
+            Ok(Some(item)) => item,
+            Ok(None) => return Ok(()),
+            Err(error) => {
+                if let Some((count, cursor)) = &printed {
+                    eprintln!(
+                        "oncepay: the list stopped after {count} item(s); to go on from there, run the same command with --starting-after {cursor}"
+                    );
+                }
+                return Err(error.into());
+            }
+        };
         let json =
             serde_json::to_string(&item).map_err(|source| ClientError::InvalidResponse { status: 200, source })?;
         if !line_out(&json)? {
-            break;
+            return Ok(());
         }
+        let count = printed.as_ref().map_or(0, |(count, _)| *count) + 1;
+        printed = Some((count, item.cursor()));
     }
-    Ok(())
 }
 
 pub(super) async fn payments(command: PaymentsCommand) -> Result<(), Failed> {

@@ -65,6 +65,9 @@ pub enum Action {
     /// Forward, then pass on the server's head without its `Content-Length` and half of its
     /// body, and close: a success cut short, framed by the close.
     ForwardThenCutBody,
+    /// Forward, read the server's whole answer, and answer a 308 to this `Location` instead
+    /// (a proxy that moved the API and passed the request on all the same).
+    ForwardThenRedirect(&'static str),
     /// Answer without forwarding: `status` with this plain-text body.
     PlainBody {
         status: u16,
@@ -294,6 +297,13 @@ async fn serve(mut client: TcpStream, shared: &Shared) -> std::io::Result<()> {
                 }
             }
             Some(plain_error(*status))
+        }
+        Action::ForwardThenRedirect(location) => {
+            let _ = forward(&shared.upstream, &request).await;
+            Some(
+                format!("HTTP/1.1 308 Permanent Redirect\r\nLocation: {location}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+                    .into_bytes(),
+            )
         }
         Action::ServerError => Some(stripe_answer(
             500,
