@@ -467,22 +467,26 @@ impl Metrics {
         if pool.idle == 0 && pool.size >= pool.max {
             return;
         }
-        let age = db
-            .run(async |conn| {
+        let age = tokio::time::timeout(
+            crate::db::PROBE_WITHIN,
+            db.run(async |conn| {
                 sqlx::query_scalar::<_, Option<f64>>(
                     "SELECT extract(epoch FROM now() - min(created_at))::float8 FROM idempotency_keys",
                 )
                 .fetch_one(conn)
                 .await
-            })
-            .await;
+            }),
+        )
+        .await;
         match age {
-            Ok(age) => {
+            Ok(Ok(age)) => {
                 self.ready.set(1);
                 self.oldest_key_age.set(age.unwrap_or(0.0).max(0.0));
             }
-            Err(DbError::Saturated) => {}
-            Err(_) => self.ready.set(0),
+            Ok(Err(DbError::Saturated)) => {}
+            // A database that holds the query (PgBouncer's PAUSE) is not ready, as `/readyz`
+            // says.
+            Ok(Err(_)) | Err(_) => self.ready.set(0),
         }
     }
 }

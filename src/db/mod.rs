@@ -48,6 +48,12 @@ const CLOSE_WAIT: Duration = Duration::from_secs(2);
 /// primary's sockets open), lets a call reach this.
 const ANSWER_MARGIN: Duration = Duration::from_secs(5);
 
+/// The longest a health probe (`/readyz`, the scrape's `oncepay_ready`) waits for the
+/// database: an answer later than a prober waits is no answer, and a database that holds the
+/// query (PgBouncer's `PAUSE`, a partition) is not ready now. A quiet query on a healthy
+/// primary takes milliseconds.
+pub const PROBE_WITHIN: Duration = Duration::from_secs(2);
+
 /// `DATABASE_URL` parsed, its refusal said once, and an `sslrootcert` that names no file
 /// named at once (found from outside: sqlx's message for `sslmode=bogus` came three times,
 /// through its error's sources, and a missing certificate file only at the first connection,

@@ -52,16 +52,25 @@ pub(super) async fn readyz(state: web::Data<AppState>) -> Result<HttpResponse, A
     if state.ready.is_stopping() {
         return Err(ApiError::Stopping);
     }
-    let mut conn = state.conn().await.map_err(|_| ApiError::Unavailable)?;
-    let writable = conn
-        .run(async |c| sqlx::query_scalar::<_, bool>(WRITABLE).fetch_one(c).await)
-        .await
-        .map_err(|_| ApiError::Unavailable)?;
-    if !writable {
-        conn.discard();
-        return Err(ApiError::Unavailable);
+    // Bounded: a database that holds the query without answering (PgBouncer's PAUSE, a
+    // partition) kept the probe open until it answered (found from outside: 200 after 8 s of
+    // a PAUSE, and no answer to 1 s probes for 20 s), where a probe wants 503 now.
+    let writable = tokio::time::timeout(crate::db::PROBE_WITHIN, async {
+        let mut conn = state.conn().await.ok()?;
+        let writable = conn
+            .run(async |c| sqlx::query_scalar::<_, bool>(WRITABLE).fetch_one(c).await)
+            .await
+            .ok()?;
+        if !writable {
+            conn.discard();
+        }
+        Some(writable)
+    })
+    .await;
+    match writable {
+        Ok(Some(true)) => Ok(HttpResponse::Ok().json(StatusOut { status: "ready" })),
+        _ => Err(ApiError::Unavailable),
     }
-    Ok(HttpResponse::Ok().json(StatusOut { status: "ready" }))
 }
 
 /// Prometheus metrics (text exposition format), on the operations listener.

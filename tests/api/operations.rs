@@ -256,6 +256,59 @@ async fn a_database_that_stops_answering_is_answered_within_the_statement_timeou
     );
 }
 
+/// Found from outside: while PgBouncer held every query (`PAUSE`), `/readyz` answered 200 only
+/// when the pause ended (8 s later), and 1 s probes got no answer at all for 20 s. A probe
+/// waits for the database at most `db::PROBE_WITHIN` (2 s), then says 503, and the scrape
+/// says `oncepay_ready 0`; once the database answers again, both are ready.
+#[tokio::test]
+async fn readiness_is_answered_within_its_bound_while_the_database_holds_the_query() {
+    let (relay, url) = TcpRelay::in_front_of(&database_url()).await;
+    let app = TestApp::builder()
+        .settings(|s| {
+            s.database_url = url;
+            s.statement_timeout = Duration::from_secs(30);
+        })
+        .spawn()
+        .await;
+    let readyz = |base: &str| format!("{base}/readyz");
+    let probe = |url: String| {
+        let client = app.client.clone();
+        async move {
+            let started = std::time::Instant::now();
+            let status = client
+                .get(url)
+                .timeout(Duration::from_secs(10))
+                .send()
+                .await
+                .map(|r| r.status().as_u16());
+            (status.ok(), started.elapsed())
+        }
+    };
+    assert_eq!(probe(readyz(&app.address)).await.0, Some(200));
+
+    relay.silence();
+    for base in [&app.address, &app.operations_address] {
+        let (status, took) = probe(readyz(base)).await;
+        assert_eq!(status, Some(503), "{base} after {took:?}");
+        assert!(took < Duration::from_secs(4), "{base}: {took:?}");
+    }
+    let started = std::time::Instant::now();
+    let metrics = app.metrics().await;
+    assert!(started.elapsed() < Duration::from_secs(4), "{:?}", started.elapsed());
+    assert_eq!(metric_value(&metrics, "oncepay_ready"), 0.0, "{metrics}");
+
+    relay.resume();
+    let mut status = None;
+    for _ in 0..50 {
+        status = probe(readyz(&app.address)).await.0;
+        if status == Some(200) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(status, Some(200), "ready again once the database answers");
+}
+
 #[tokio::test]
 async fn metrics_count_a_new_request_and_its_replay_apart() {
     let app = spawn_app().await;
