@@ -72,6 +72,7 @@ max_db_connections = 200
 server_lifetime = 3600
 server_idle_timeout = 60
 query_wait_timeout = 30
+server_login_retry = 1
 log_connections = 0
 admin_users = oncepay
 log_disconnections = 0

@@ -82,6 +82,8 @@ impl From<sqlx::Error> for DbError {
             } else {
                 Self::InProgress
             }
+        } else if is_pooler_refusal(&err) {
+            Self::Transient(err)
         } else if is_outcome_unknown(&err) {
             Self::Unknown(err)
         } else if is_transient(&err) {
@@ -154,6 +156,23 @@ pub(super) fn is_connection_broken(err: &sqlx::Error) -> bool {
     matches!(err, sqlx::Error::Io(_) | sqlx::Error::Protocol(_) | sqlx::Error::Tls(_)) || is_node_failure(err)
 }
 
+/// PgBouncer's words when it refuses a call it never passed to PostgreSQL: in transaction
+/// mode a server connection is taken only when a call arrives, and these say none could be
+/// (logins to PostgreSQL failing, none made, or none free within `query_wait_timeout`).
+const POOLER_REFUSALS: [&str; 3] = [
+    "server login has been failing",
+    "pgbouncer cannot connect to server",
+    "query_wait_timeout",
+];
+
+/// PgBouncer refused the call before any of it reached PostgreSQL (SQLSTATE 08P01, the code
+/// it gives its own errors, with one of [`POOLER_REFUSALS`]): nothing ran. Found from outside:
+/// a restart of PostgreSQL behind PgBouncer logged 171 of these as "outcome unknown: the call
+/// may have committed".
+fn is_pooler_refusal(err: &sqlx::Error) -> bool {
+    sqlstate(err).as_deref() == Some("08P01") && POOLER_REFUSALS.iter().any(|m| message(err).starts_with(m))
+}
+
 /// The call was out when its connection failed, or its rows arrived and could not be read:
 /// PostgreSQL may have committed it. A server that shuts down or crashes (57P01, 57P02)
 /// while a commit waits for its standbys may have committed it locally, so they count too.
@@ -181,5 +200,68 @@ fn is_transient(err: &sqlx::Error) -> bool {
                 })
         }
         _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An error as PostgreSQL (or PgBouncer, which speaks its protocol) reports it.
+    #[derive(Debug)]
+    struct Reported {
+        code: &'static str,
+        message: &'static str,
+    }
+
+    impl std::fmt::Display for Reported {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str(self.message)
+        }
+    }
+
+    impl std::error::Error for Reported {}
+
+    impl sqlx::error::DatabaseError for Reported {
+        fn message(&self) -> &str {
+            self.message
+        }
+        fn code(&self) -> Option<Cow<'_, str>> {
+            Some(Cow::Borrowed(self.code))
+        }
+        fn as_error(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
+            self
+        }
+        fn as_error_mut(&mut self) -> &mut (dyn std::error::Error + Send + Sync + 'static) {
+            self
+        }
+        fn into_error(self: Box<Self>) -> Box<dyn std::error::Error + Send + Sync + 'static> {
+            self
+        }
+        fn kind(&self) -> sqlx::error::ErrorKind {
+            sqlx::error::ErrorKind::Other
+        }
+    }
+
+    fn reported(code: &'static str, message: &'static str) -> DbError {
+        DbError::from(sqlx::Error::Database(Box::new(Reported { code, message })))
+    }
+
+    #[test]
+    fn pgbouncers_refusals_before_postgresql_are_transient_and_its_other_errors_unknown() {
+        for message in [
+            "server login has been failing, try again later (server_login_retry)",
+            "pgbouncer cannot connect to server",
+            "query_wait_timeout",
+        ] {
+            let err = reported("08P01", message);
+            assert!(matches!(err, DbError::Transient(_)), "{message}: {err:?}");
+        }
+        // The server connection died while the call was out: it may have committed.
+        assert!(matches!(reported("08P01", "server conn crashed?"), DbError::Unknown(_)));
+        assert!(matches!(
+            reported("08006", "server login has been failing"),
+            DbError::Unknown(_)
+        ));
     }
 }
