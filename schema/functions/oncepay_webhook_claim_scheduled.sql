@@ -42,6 +42,16 @@ DECLARE
     -- This endpoint's attempts in flight here, and what it may take.
     v_mine int;
     v_endpoint_room int;
+    -- How many of the tenant's endpoints a claim looks at (V49); where the walk starts in a
+    -- window (NULL: at the tenant's first endpoint, no window), where the next descent starts,
+    -- whether the walk came round past the tenant's last endpoint, and what follows the tenant
+    -- (0 not seen, 1 in v_following, 2 nothing).
+    v_window int;
+    v_start uuid;
+    v_from uuid;
+    v_round boolean;
+    v_following record;
+    v_follows smallint;
 BEGIN
     PERFORM set_config('synchronous_commit', 'off', true);
     IF p_fan_out THEN
@@ -80,26 +90,50 @@ BEGIN
         -- ends the list finds what follows the tenant: the outer loop takes it from there
         -- (claiming this tenant's deliveries changes no other tenant's rows; a row another
         -- replica finished meanwhile costs a visit that claims nothing, as a stale descent
-        -- would).
-        v_cands := ARRAY[v_next.endpoint_id];
+        -- would). More endpoints than the claim can use: a window of them, from a random
+        -- id on and round (V49).
+        v_window := least(1000, greatest(64, 4 * least(v_room, p_limit)));
+        IF v_endpoints <= v_window THEN
+            v_cands := ARRAY[v_next.endpoint_id];
+            v_start := NULL;
+            v_window := 1000;
+        ELSE
+            v_cands := '{}';
+            v_start := gen_random_uuid();
+        END IF;
+        v_from := coalesce(v_start, v_next.endpoint_id);
+        v_round := false;
+        v_follows := 0;
         LOOP
-            EXIT WHEN cardinality(v_cands) >= 1000;
+            EXIT WHEN cardinality(v_cands) >= v_window;
             SELECT d.tenant_id, d.endpoint_id INTO v_after FROM webhook_deliveries d
-             WHERE d.state = 'pending'
-               AND (d.tenant_id, d.endpoint_id) > (v_tenant, v_cands[cardinality(v_cands)])
+             WHERE d.state = 'pending' AND (d.tenant_id, d.endpoint_id) > (v_tenant, v_from)
              ORDER BY d.tenant_id, d.endpoint_id
              LIMIT 1;
-            IF NOT FOUND THEN
-                v_ahead := 2;
-                EXIT;
+            IF NOT FOUND OR v_after.tenant_id <> v_tenant THEN
+                IF FOUND THEN
+                    v_following := v_after;
+                    v_follows := 1;
+                ELSE
+                    v_follows := 2;
+                END IF;
+                EXIT WHEN v_start IS NULL OR v_round;
+                -- Round to the tenant's first endpoint, which the outer descent found; the
+                -- window ends where it began.
+                v_round := true;
+                EXIT WHEN v_next.endpoint_id > v_start;
+                v_cands := v_cands || v_next.endpoint_id;
+                v_from := v_next.endpoint_id;
+                CONTINUE;
             END IF;
-            IF v_after.tenant_id <> v_tenant THEN
-                v_next := v_after;
-                v_ahead := 1;
-                EXIT;
-            END IF;
+            EXIT WHEN v_round AND v_after.endpoint_id > v_start;
             v_cands := v_cands || v_after.endpoint_id;
+            v_from := v_after.endpoint_id;
         END LOOP;
+        IF v_follows = 1 THEN
+            v_next := v_following;
+        END IF;
+        v_ahead := v_follows;
         IF cardinality(v_cands) > 1 THEN
             SELECT array_agg(e.endpoint_id
                              ORDER BY e.failing_since IS NOT NULL,
