@@ -314,8 +314,13 @@ pub async fn touch_key(db: &Db, tenant: TenantId, key_id: uuid::Uuid) {
 #[derive(Clone, Debug, Serialize, utoipa::ToSchema)]
 pub struct KeyView {
     pub key_id: uuid::Uuid,
+    // Six digits of fraction, as every time in an answer (found by a flaky test: chrono's own
+    // `Serialize` wrote `.12Z` for a time of 120,000 µs).
+    #[serde(serialize_with = "crate::domain::time::rfc3339")]
     pub created_at: chrono::DateTime<chrono::Utc>,
+    #[serde(serialize_with = "crate::domain::time::rfc3339_opt")]
     pub last_used_at: Option<chrono::DateTime<chrono::Utc>>,
+    #[serde(serialize_with = "crate::domain::time::rfc3339_opt")]
     pub revoked_at: Option<chrono::DateTime<chrono::Utc>>,
 }
 
@@ -324,6 +329,7 @@ pub struct KeyView {
 pub struct CreatedKey {
     pub key_id: uuid::Uuid,
     pub api_key: String,
+    #[serde(serialize_with = "crate::domain::time::rfc3339")]
     pub created_at: chrono::DateTime<chrono::Utc>,
 }
 

@@ -64,6 +64,38 @@ async fn a_new_key_works_beside_the_old_one_and_the_list_shows_no_secret() {
     }
 }
 
+/// Found by a flaky run of the test below: the admin API wrote a key's times as chrono does,
+/// with as few digits as a time needs (`.12Z` for 120,000 µs, none for a whole second), where
+/// every time in an answer has six (docs/api.md). Times that end in zeros, written by hand.
+#[tokio::test]
+async fn a_keys_times_are_written_with_six_digits_whatever_they_end_in() {
+    let app = TestApp::builder().spawn().await;
+    sqlx::query(
+        "UPDATE api_keys SET created_at = '2026-12-07 10:00:00.12+00', last_used_at = '2026-12-07 10:00:01+00',
+                             revoked_at = '2026-12-07 10:00:02.5+00'
+          WHERE tenant_id = $1",
+    )
+    .bind(app.tenant_id)
+    .execute(&app.pool)
+    .await
+    .unwrap();
+
+    let listed = keys(&app).await;
+
+    assert_eq!(listed.status, 200, "{}", listed.body);
+    let key = &listed.body[0];
+    assert_eq!(
+        (&key["created_at"], &key["last_used_at"], &key["revoked_at"]),
+        (
+            &serde_json::json!("2026-12-07T10:00:00.120000Z"),
+            &serde_json::json!("2026-12-07T10:00:01.000000Z"),
+            &serde_json::json!("2026-12-07T10:00:02.500000Z")
+        ),
+        "{}",
+        listed.body
+    );
+}
+
 #[tokio::test]
 async fn a_revoked_key_is_refused_on_every_replica_within_one_second() {
     let apps = TestApp::builder().spawn_instances(2).await;
