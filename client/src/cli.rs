@@ -14,8 +14,8 @@
 //! 4 the outcome is unknown (no final answer within the attempts, the deadline or the budget,
 //! a success whose body could not be read, or `refund-top-up`'s 202 `refund_pending`): run the
 //! command again with the same `--key` (stderr says when nothing was sent); 5 a read had no
-//! answer it could read, a proxy's page included (a read has no outcome to be unknown); 130 or 143 interrupted by
-//! SIGINT or SIGTERM, the key named on stderr.
+//! answer it could read, a proxy's page included (a read has no outcome to be unknown); 130 or
+//! 143 interrupted by SIGINT or SIGTERM, the key named on stderr.
 
 // The answer and the notes on stdout and stderr are what these commands are for.
 #![allow(clippy::print_stdout, clippy::print_stderr)]
