@@ -8,10 +8,15 @@
 -- a delivery 0.46-0.60 ms against 0.20-0.27 ms with 100 endpoints. A claim takes at most its
 -- limit, and each endpoint visited takes one delivery at least while the tenant has room: when
 -- the tenant has more enabled endpoints than four times what the claim may take (at least
--- 64), it collects a window of that many, from a random endpoint id on and round the tenant's
--- ids, and orders those as before. Another claim looks at another window, so every endpoint
--- is looked at, and none is always first in line as the lowest ids were. A tenant of fewer
--- endpoints is walked whole, as before. Replicas of every version call this function.
+-- 64), it collects a window of that many and orders those as before: every other claim the
+-- endpoints not failing from one of them taken at random on and round, the others the
+-- endpoints with deliveries pending from one of its endpoints taken at random on and round.
+-- Another claim looks at another window, so every endpoint is looked at, none is always
+-- first in line as the lowest ids were, and endpoints that fail never hide the healthy ones. A tenant of fewer endpoints is walked
+-- whole, as before. Replicas of every version call this function. (Edited before its
+-- release, after a probe of it: its first form started the window at a random uuid, which
+-- lies outside a tenant's time-ordered ids, so every window was the tenant's oldest 64
+-- endpoints, and 50 healthy endpoints behind 300 older failing ones got nothing in 50 s.)
 
 CREATE OR REPLACE FUNCTION oncepay_webhook_claim_scheduled(p_limit integer, p_per_endpoint integer, p_lease_ms integer, p_fan_out boolean, p_tenants uuid[], p_tenant_rooms integer[], p_room integer,
                                                            p_tenant_shares integer[], p_tenant_busy integer[], p_endpoints uuid[], p_endpoint_in_flight integer[])
@@ -58,6 +63,9 @@ DECLARE
     v_round boolean;
     v_following record;
     v_follows smallint;
+    -- The tenant's enabled endpoints not failing, and where a window of them starts.
+    v_healthy int;
+    v_offset int;
 BEGIN
     PERFORM set_config('synchronous_commit', 'off', true);
     IF p_fan_out THEN
@@ -89,27 +97,56 @@ BEGIN
         CONTINUE WHEN v_room <= 0;
         v_share := coalesce(p_tenant_shares[array_position(p_tenants, v_tenant)], p_room);
         v_busy := coalesce(p_tenant_busy[array_position(p_tenants, v_tenant)], 0);
-        SELECT greatest(count(*), 1) INTO v_endpoints FROM webhook_endpoints e
+        SELECT greatest(count(*), 1), count(*) FILTER (WHERE e.failing_since IS NULL)
+          INTO v_endpoints, v_healthy
+          FROM webhook_endpoints e
          WHERE e.tenant_id = v_tenant AND e.disabled_at IS NULL AND e.deleted_at IS NULL;
 
         -- Its other endpoints with pending deliveries: one descent each. The descent that
         -- ends the list finds what follows the tenant: the outer loop takes it from there
         -- (claiming this tenant's deliveries changes no other tenant's rows; a row another
         -- replica finished meanwhile costs a visit that claims nothing, as a stale descent
-        -- would). More endpoints than the claim can use: a window of them, from a random
-        -- id on and round (V49).
+        -- would). More endpoints than the claim can use: a window of them, from one taken
+        -- at random on and round (V49).
         v_window := least(1000, greatest(64, 4 * least(v_room, p_limit)));
+        v_round := false;
+        v_follows := 0;
         IF v_endpoints <= v_window THEN
             v_cands := ARRAY[v_next.endpoint_id];
             v_start := NULL;
             v_window := 1000;
+        ELSIF v_healthy > 0 AND random() < 0.5 THEN
+            -- Every other claim: a window of the endpoints that are not failing, from one
+            -- taken at random on and round, whether they have deliveries pending or not (the
+            -- visit finds out), so that they never wait behind windows of failing ones.
+            v_offset := floor(random() * v_healthy)::int;
+            SELECT array_agg(w.endpoint_id) INTO v_cands FROM (
+                (SELECT e.endpoint_id FROM webhook_endpoints e
+                  WHERE e.tenant_id = v_tenant AND e.disabled_at IS NULL AND e.deleted_at IS NULL
+                    AND e.failing_since IS NULL
+                  ORDER BY e.endpoint_id OFFSET v_offset LIMIT v_window)
+                UNION ALL
+                (SELECT e.endpoint_id FROM webhook_endpoints e
+                  WHERE e.tenant_id = v_tenant AND e.disabled_at IS NULL AND e.deleted_at IS NULL
+                    AND e.failing_since IS NULL
+                  ORDER BY e.endpoint_id LIMIT greatest(0, least(v_window, v_healthy) - (v_healthy - v_offset)))) w;
+            v_cands := coalesce(v_cands, '{}'::uuid[]);
+            v_start := NULL;
+            v_window := 0;
         ELSE
-            v_cands := '{}';
-            v_start := gen_random_uuid();
+            -- The other claims: a window of the endpoints with deliveries pending, from one of
+            -- the tenant's enabled endpoints taken at random (ids are ordered by time: a random
+            -- uuid lies before or after all of them) on and round. The start is visited
+            -- whether it has deliveries pending or not.
+            SELECT e.endpoint_id INTO v_start FROM webhook_endpoints e
+             WHERE e.tenant_id = v_tenant AND e.disabled_at IS NULL AND e.deleted_at IS NULL
+             ORDER BY e.endpoint_id
+            OFFSET floor(random() * v_endpoints)::int
+             LIMIT 1;
+            v_start := coalesce(v_start, v_next.endpoint_id);
+            v_cands := ARRAY[v_start];
         END IF;
         v_from := coalesce(v_start, v_next.endpoint_id);
-        v_round := false;
-        v_follows := 0;
         LOOP
             EXIT WHEN cardinality(v_cands) >= v_window;
             SELECT d.tenant_id, d.endpoint_id INTO v_after FROM webhook_deliveries d
@@ -127,12 +164,12 @@ BEGIN
                 -- Round to the tenant's first endpoint, which the outer descent found; the
                 -- window ends where it began.
                 v_round := true;
-                EXIT WHEN v_next.endpoint_id > v_start;
+                EXIT WHEN v_next.endpoint_id >= v_start;
                 v_cands := v_cands || v_next.endpoint_id;
                 v_from := v_next.endpoint_id;
                 CONTINUE;
             END IF;
-            EXIT WHEN v_round AND v_after.endpoint_id > v_start;
+            EXIT WHEN v_round AND v_after.endpoint_id >= v_start;
             v_cands := v_cands || v_after.endpoint_id;
             v_from := v_after.endpoint_id;
         END LOOP;

@@ -397,27 +397,17 @@ async fn a_claim_looks_at_a_window_of_a_large_tenants_endpoints_and_another_clai
     // claim now looks at a window of four times what it may take (at least 64), from a random
     // endpoint on; the next claim at another window, so that every endpoint is reached.
     let (url, mut conn) = planner_database("claim_window").await;
-    let (tenant, first) = tenant_with_endpoint(&mut conn).await;
+    let (tenant, _) = tenant_with_endpoint(&mut conn).await;
     let endpoints = 300;
-    sqlx::query(
-        "INSERT INTO webhook_endpoints (tenant_id, endpoint_id, url, secret_encrypted, created_at)
-         SELECT $1, gen_random_uuid(), 'https://example.com/hooks/' || g, '\\x00', now() - interval '1 hour'
-           FROM generate_series(2, $2) g",
-    )
-    .bind(tenant)
-    .bind(endpoints)
-    .execute(&mut conn)
-    .await
-    .unwrap();
-    let ids: Vec<Uuid> = sqlx::query_scalar("SELECT endpoint_id FROM webhook_endpoints WHERE tenant_id = $1")
-        .bind(tenant)
-        .fetch_all(&mut conn)
-        .await
-        .unwrap();
-    assert!(ids.contains(&first));
+    let ids = add_endpoints(&mut conn, tenant, endpoints, false).await;
     for endpoint in &ids {
         insert_deliveries(&mut conn, (tenant, *endpoint), 1, "pending", 0).await;
     }
+    // The first few claims reach past the oldest endpoints: the window starts anywhere
+    // (a window started at a random uuid, outside the tenant's time-ordered ids, was always
+    // the oldest 64: found by a probe of V49's first form).
+    let newest_half: std::collections::HashSet<Uuid> = ids[ids.len() / 2..].iter().copied().collect();
+    let mut early = 0;
 
     let limit = 8;
     let scans = "SELECT pg_stat_get_xact_numscans('webhook_deliveries_endpoint_idx'::regclass)";
@@ -439,8 +429,15 @@ async fn a_claim_looks_at_a_window_of_a_large_tenants_endpoints_and_another_clai
         let descents = sqlx::query_scalar::<_, i64>(scans).fetch_one(&mut conn).await.unwrap() - before;
         sqlx::query("COMMIT").execute(&mut conn).await.unwrap();
         most_scans = most_scans.max(descents);
+        if claims <= 10 {
+            early += claimed.iter().filter(|e| newest_half.contains(e)).count();
+        }
         reached.extend(claimed);
     }
+    assert!(
+        early > 0,
+        "the first 10 claims took none of the newest 150 endpoints' deliveries"
+    );
 
     assert_eq!(
         reached.len(),
@@ -454,6 +451,67 @@ async fn a_claim_looks_at_a_window_of_a_large_tenants_endpoints_and_another_clai
     assert!(
         most_scans <= 3 * 64 + 2,
         "{most_scans} scans of the pending index in a claim of {limit} from a tenant of {endpoints} endpoints"
+    );
+    drop(conn);
+    drop_database(&url).await;
+}
+
+/// `n` more endpoints of the tenant, with time-ordered ids as the API makes them, failing
+/// since an hour ago or not; their ids, oldest first.
+async fn add_endpoints(conn: &mut sqlx::PgConnection, tenant: Uuid, n: i32, failing: bool) -> Vec<Uuid> {
+    sqlx::query_scalar(
+        "INSERT INTO webhook_endpoints (tenant_id, endpoint_id, url, secret_encrypted, created_at, failing_since)
+         SELECT $1, oncepay_uuid7(), 'https://example.com/hooks/' || g, '\\x00', now() - interval '1 hour',
+                CASE WHEN $3 THEN now() - interval '1 hour' END
+           FROM generate_series(1, $2) g
+         RETURNING endpoint_id",
+    )
+    .bind(tenant)
+    .bind(n)
+    .bind(failing)
+    .fetch_all(conn)
+    .await
+    .map(|mut ids: Vec<Uuid>| {
+        ids.sort();
+        ids
+    })
+    .unwrap()
+}
+
+#[tokio::test]
+async fn healthy_endpoints_behind_many_older_failing_ones_are_claimed_at_once() {
+    // Found by a probe of V49's first form: a tenant of 300 endpoints that fail, created first,
+    // and 50 healthy ones after them got none of the healthy ones' 150 due deliveries in 50 s
+    // (every window was the oldest endpoints, whose deliveries wait for their retries). V45's
+    // promise holds with the window: the healthy ones are reached at once.
+    let (url, mut conn) = planner_database("claim_window_failing").await;
+    let (tenant, first) = tenant_with_endpoint(&mut conn).await;
+    insert_deliveries(&mut conn, (tenant, first), 1, "pending", 3_600).await;
+    for failing in add_endpoints(&mut conn, tenant, 300, true).await {
+        // A retry an hour away: pending, not due.
+        insert_deliveries(&mut conn, (tenant, failing), 1, "pending", 3_600).await;
+    }
+    let healthy = add_endpoints(&mut conn, tenant, 50, false).await;
+    for endpoint in &healthy {
+        insert_deliveries(&mut conn, (tenant, *endpoint), 1, "pending", 0).await;
+    }
+
+    let (mut claimed, mut claims) = (0, 0);
+    while claimed < 50 && claims < 40 {
+        claims += 1;
+        claimed += sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM oncepay_webhook_claim_scheduled(8, 4, 600000, false, '{}', '{}', 8,
+                                                                '{}', '{}', '{}', '{}')",
+        )
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+    }
+
+    // Every other claim, at random, looks at the healthy ones: seven such claims take all 50.
+    assert_eq!(
+        claimed, 50,
+        "the healthy endpoints' due deliveries claimed in {claims} claims of 8"
     );
     drop(conn);
     drop_database(&url).await;
