@@ -42,19 +42,6 @@ DECLARE
     -- This endpoint's attempts in flight here, and what it may take.
     v_mine int;
     v_endpoint_room int;
-    -- How many of the tenant's endpoints a claim looks at (V49); where the walk starts in a
-    -- window (NULL: at the tenant's first endpoint, no window), where the next descent starts,
-    -- whether the walk came round past the tenant's last endpoint, and what follows the tenant
-    -- (0 not seen, 1 in v_following, 2 nothing).
-    v_window int;
-    v_start uuid;
-    v_from uuid;
-    v_round boolean;
-    v_following record;
-    v_follows smallint;
-    -- The tenant's enabled endpoints not failing, and where a window of them starts.
-    v_healthy int;
-    v_offset int;
 BEGIN
     PERFORM set_config('synchronous_commit', 'off', true);
     IF p_fan_out THEN
@@ -86,86 +73,33 @@ BEGIN
         CONTINUE WHEN v_room <= 0;
         v_share := coalesce(p_tenant_shares[array_position(p_tenants, v_tenant)], p_room);
         v_busy := coalesce(p_tenant_busy[array_position(p_tenants, v_tenant)], 0);
-        SELECT greatest(count(*), 1), count(*) FILTER (WHERE e.failing_since IS NULL)
-          INTO v_endpoints, v_healthy
-          FROM webhook_endpoints e
+        SELECT greatest(count(*), 1) INTO v_endpoints FROM webhook_endpoints e
          WHERE e.tenant_id = v_tenant AND e.disabled_at IS NULL AND e.deleted_at IS NULL;
 
         -- Its other endpoints with pending deliveries: one descent each. The descent that
         -- ends the list finds what follows the tenant: the outer loop takes it from there
         -- (claiming this tenant's deliveries changes no other tenant's rows; a row another
         -- replica finished meanwhile costs a visit that claims nothing, as a stale descent
-        -- would). More endpoints than the claim can use: a window of them, from one taken
-        -- at random on and round (V49).
-        v_window := least(1000, greatest(64, 4 * least(v_room, p_limit)));
-        v_round := false;
-        v_follows := 0;
-        IF v_endpoints <= v_window THEN
-            v_cands := ARRAY[v_next.endpoint_id];
-            v_start := NULL;
-            v_window := 1000;
-        ELSIF v_healthy > 0 AND random() < 0.5 THEN
-            -- Every other claim: a window of the endpoints that are not failing, from one
-            -- taken at random on and round, whether they have deliveries pending or not (the
-            -- visit finds out), so that they never wait behind windows of failing ones.
-            v_offset := floor(random() * v_healthy)::int;
-            SELECT array_agg(w.endpoint_id) INTO v_cands FROM (
-                (SELECT e.endpoint_id FROM webhook_endpoints e
-                  WHERE e.tenant_id = v_tenant AND e.disabled_at IS NULL AND e.deleted_at IS NULL
-                    AND e.failing_since IS NULL
-                  ORDER BY e.endpoint_id OFFSET v_offset LIMIT v_window)
-                UNION ALL
-                (SELECT e.endpoint_id FROM webhook_endpoints e
-                  WHERE e.tenant_id = v_tenant AND e.disabled_at IS NULL AND e.deleted_at IS NULL
-                    AND e.failing_since IS NULL
-                  ORDER BY e.endpoint_id LIMIT greatest(0, least(v_window, v_healthy) - (v_healthy - v_offset)))) w;
-            v_cands := coalesce(v_cands, '{}'::uuid[]);
-            v_start := NULL;
-            v_window := 0;
-        ELSE
-            -- The other claims: a window of the endpoints with deliveries pending, from one of
-            -- the tenant's enabled endpoints taken at random (ids are ordered by time: a random
-            -- uuid lies before or after all of them) on and round. The start is visited
-            -- whether it has deliveries pending or not.
-            SELECT e.endpoint_id INTO v_start FROM webhook_endpoints e
-             WHERE e.tenant_id = v_tenant AND e.disabled_at IS NULL AND e.deleted_at IS NULL
-             ORDER BY e.endpoint_id
-            OFFSET floor(random() * v_endpoints)::int
-             LIMIT 1;
-            v_start := coalesce(v_start, v_next.endpoint_id);
-            v_cands := ARRAY[v_start];
-        END IF;
-        v_from := coalesce(v_start, v_next.endpoint_id);
+        -- would).
+        v_cands := ARRAY[v_next.endpoint_id];
         LOOP
-            EXIT WHEN cardinality(v_cands) >= v_window;
+            EXIT WHEN cardinality(v_cands) >= 1000;
             SELECT d.tenant_id, d.endpoint_id INTO v_after FROM webhook_deliveries d
-             WHERE d.state = 'pending' AND (d.tenant_id, d.endpoint_id) > (v_tenant, v_from)
+             WHERE d.state = 'pending'
+               AND (d.tenant_id, d.endpoint_id) > (v_tenant, v_cands[cardinality(v_cands)])
              ORDER BY d.tenant_id, d.endpoint_id
              LIMIT 1;
-            IF NOT FOUND OR v_after.tenant_id <> v_tenant THEN
-                IF FOUND THEN
-                    v_following := v_after;
-                    v_follows := 1;
-                ELSE
-                    v_follows := 2;
-                END IF;
-                EXIT WHEN v_start IS NULL OR v_round;
-                -- Round to the tenant's first endpoint, which the outer descent found; the
-                -- window ends where it began.
-                v_round := true;
-                EXIT WHEN v_next.endpoint_id >= v_start;
-                v_cands := v_cands || v_next.endpoint_id;
-                v_from := v_next.endpoint_id;
-                CONTINUE;
+            IF NOT FOUND THEN
+                v_ahead := 2;
+                EXIT;
             END IF;
-            EXIT WHEN v_round AND v_after.endpoint_id >= v_start;
+            IF v_after.tenant_id <> v_tenant THEN
+                v_next := v_after;
+                v_ahead := 1;
+                EXIT;
+            END IF;
             v_cands := v_cands || v_after.endpoint_id;
-            v_from := v_after.endpoint_id;
         END LOOP;
-        IF v_follows = 1 THEN
-            v_next := v_following;
-        END IF;
-        v_ahead := v_follows;
         IF cardinality(v_cands) > 1 THEN
             SELECT array_agg(e.endpoint_id
                              ORDER BY e.failing_since IS NOT NULL,
