@@ -95,8 +95,10 @@ impl Client {
             body["account"] = json!(account);
         }
         let reply = self.post(&routes::CREATE_PAYMENT.segments(""), &body, key).await?;
+        // Without an account the server's default was charged, whichever it is.
         answers(reply, |p: &Payment| {
-            differs("account", p.account.as_str(), account.unwrap_or(&p.account))
+            account
+                .and_then(|asked| differs("account", p.account.as_str(), asked))
                 .or_else(|| differs("amount", &p.charged, &amount))
         })
     }
