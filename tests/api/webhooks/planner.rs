@@ -362,21 +362,14 @@ async fn a_claim_descends_the_pending_index_once_per_endpoint_it_visits_not_once
         insert_deliveries(&mut conn, (tenant, sibling), 1, "pending", 0).await;
     }
 
-    sqlx::query("BEGIN").execute(&mut conn).await.unwrap();
-    let scans = "SELECT pg_stat_get_xact_numscans('webhook_deliveries_endpoint_idx'::regclass)";
-    let before: i64 = sqlx::query_scalar(scans).fetch_one(&mut conn).await.unwrap();
-    let claimed: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM oncepay_webhook_claim_scheduled(100, 4, 30000, false, '{}', '{}', 100,
-                                                            '{}', '{}', '{}', '{}')",
-    )
-    .fetch_one(&mut conn)
-    .await
-    .unwrap();
-    let descents = sqlx::query_scalar::<_, i64>(scans).fetch_one(&mut conn).await.unwrap() - before;
-    sqlx::query("COMMIT").execute(&mut conn).await.unwrap();
+    let (claimed, descents) = claim_counting_descents(&mut conn, 100).await;
 
     let visited = tenants * endpoints;
-    assert_eq!(claimed, visited, "one call claimed every endpoint's due delivery");
+    assert_eq!(
+        claimed.len() as i64,
+        visited,
+        "one call claimed every endpoint's due delivery"
+    );
     // Each endpoint visited: the descent that finds it, the count of its attempts in flight and
     // the scan that takes its deliveries (as planned without statistics); the wrap around the
     // random starting tenant: at most three more. V45 scanned 85 times here.
@@ -387,6 +380,62 @@ async fn a_claim_descends_the_pending_index_once_per_endpoint_it_visits_not_once
     );
     drop(conn);
     drop_database(&url).await;
+}
+
+#[tokio::test]
+async fn a_long_list_of_a_tenants_endpoints_is_claimed_whole_and_hands_over_to_the_next_tenant() {
+    // Past eight endpoints with work, the claim finds the rest of a tenant's list in one
+    // recursive statement (V49) instead of a statement a descent: still one descent an
+    // endpoint, every endpoint visited, and the descent past a tenant's last endpoint is
+    // what finds the next tenant, as the loop's was (V46).
+    let (url, mut conn) = planner_database("claim_long_lists").await;
+    let (tenants, endpoints) = (3, 20);
+    for _ in 0..tenants {
+        let (tenant, first) = tenant_with_endpoint(&mut conn).await;
+        insert_deliveries(&mut conn, (tenant, first), 1, "pending", 0).await;
+        for endpoint in add_endpoints(&mut conn, tenant, endpoints - 1, false).await {
+            insert_deliveries(&mut conn, (tenant, endpoint), 1, "pending", 0).await;
+        }
+    }
+
+    let (claimed, descents) = claim_counting_descents(&mut conn, 200).await;
+
+    let visited = i64::from(tenants * endpoints);
+    let distinct: std::collections::HashSet<_> = claimed.iter().collect();
+    assert_eq!(
+        (claimed.len(), distinct.len()),
+        (60, 60),
+        "one call claimed each endpoint's due delivery once"
+    );
+    // As for short lists: the descent that finds each endpoint, the count of its attempts in
+    // flight and the scan that takes its deliveries; the first descent and the wrap around the
+    // random starting tenant: two more. A list that did not hand its last row over would
+    // cost one descent more a tenant.
+    assert!(
+        descents <= 3 * visited + 2,
+        "{descents} scans of the pending index to visit {visited} endpoints of {tenants} tenants"
+    );
+    drop(conn);
+    drop_database(&url).await;
+}
+
+/// One claim of at most `limit` deliveries, `limit` slots free and nothing in flight, committed:
+/// the (tenant, endpoint) of each delivery claimed, and the scans of the pending index it made.
+async fn claim_counting_descents(conn: &mut sqlx::PgConnection, limit: i32) -> (Vec<(Uuid, Uuid)>, i64) {
+    sqlx::query("BEGIN").execute(&mut *conn).await.unwrap();
+    let scans = "SELECT pg_stat_get_xact_numscans('webhook_deliveries_endpoint_idx'::regclass)";
+    let before: i64 = sqlx::query_scalar(scans).fetch_one(&mut *conn).await.unwrap();
+    let claimed = sqlx::query_as(
+        "SELECT tenant_id, endpoint_id FROM oncepay_webhook_claim_scheduled($1, 4, 30000, false, '{}', '{}', $1,
+                                                                           '{}', '{}', '{}', '{}')",
+    )
+    .bind(limit)
+    .fetch_all(&mut *conn)
+    .await
+    .unwrap();
+    let descents = sqlx::query_scalar::<_, i64>(scans).fetch_one(&mut *conn).await.unwrap() - before;
+    sqlx::query("COMMIT").execute(&mut *conn).await.unwrap();
+    (claimed, descents)
 }
 
 /// `n` more endpoints of the tenant, with time-ordered ids as the API makes them, failing
