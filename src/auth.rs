@@ -118,8 +118,10 @@ impl TenantCache {
     }
 
     /// Reads the keys created since the last read (all of them the first time) into the
-    /// known ones.
-    pub async fn read_known_keys(&self, db: &crate::db::Db) -> Result<(), ApiError> {
+    /// known ones. Its failure is the database's, as it is (found from outside: as an
+    /// [`ApiError`] it was logged with a client's words, "retry with the same
+    /// Idempotency-Key", and at ERROR as a call that may have committed, for a read).
+    pub async fn read_known_keys(&self, db: &crate::db::Db) -> Result<(), crate::db::DbError> {
         let newest = *self.known.newest.lock().unwrap_or_else(PoisonError::into_inner);
         let since = newest.map(|at| at - KNOWN_KEYS_OVERLAP);
         let read = db.run(async |c| tenants::key_hashes(c, since).await).await?;

@@ -363,8 +363,8 @@ impl From<DbError> for ApiError {
             DbError::Transient(err) => {
                 match TRANSIENT.admit(std::time::Instant::now()) {
                     Some(held_back) => tracing::warn!(error = %err, failures_since_last_line = held_back,
-                        "transient database failure, rolled back"),
-                    None => tracing::debug!(error = %err, "transient database failure, rolled back"),
+                        "transient database failure, nothing committed"),
+                    None => tracing::debug!(error = %err, "transient database failure, nothing committed"),
                 }
                 Self::Unavailable
             }

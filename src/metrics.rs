@@ -363,7 +363,7 @@ impl Metrics {
         }
         let ready = series.int_gauge(
             "oncepay_ready",
-            "1 when the database answered the scrape's probe (as /readyz), else 0 (also while serve \
+            "1 when a writable primary answered the scrape's probe (as /readyz), else 0 (also while serve \
              has not reached it since it started, and once it got SIGTERM)",
         );
         let oldest_key_age = series.gauge(
@@ -455,9 +455,10 @@ impl Metrics {
 }
 
 impl Metrics {
-    /// One cheap query (the minimum of the `created_at` index) answers both whether the
-    /// database is reachable and how far behind the purge is. When it fails, the key age
-    /// keeps its last value and `oncepay_ready` says why it is stale.
+    /// Whether the database is ready, as `/readyz` asks it ([`crate::db::writable`]), then how
+    /// far behind the purge is (the minimum of the key table's `created_at` index), both within
+    /// [`crate::db::PROBE_WITHIN`]. The key age keeps its last value when it cannot be read: a
+    /// lock on the key table is not a database that is down.
     ///
     /// A pool whose every connection is in use is busy, not cut off (those connections are
     /// answering, or failing and being closed): the probe is skipped rather than holding the
@@ -467,8 +468,21 @@ impl Metrics {
         if pool.idle == 0 && pool.size >= pool.max {
             return;
         }
-        let age = tokio::time::timeout(
-            crate::db::PROBE_WITHIN,
+        let deadline = tokio::time::Instant::now() + crate::db::PROBE_WITHIN;
+        let writable =
+            tokio::time::timeout_at(deadline, async { crate::db::writable(&mut db.conn().await?).await }).await;
+        match writable {
+            Ok(Ok(true)) => self.ready.set(1),
+            Ok(Err(DbError::Saturated)) => return,
+            // A database that holds the query (PgBouncer's PAUSE) is not ready, as `/readyz`
+            // says; nor is one that answers as a standby or read-only.
+            Ok(Ok(false) | Err(_)) | Err(_) => {
+                self.ready.set(0);
+                return;
+            }
+        }
+        let age = tokio::time::timeout_at(
+            deadline,
             db.run(async |conn| {
                 sqlx::query_scalar::<_, Option<f64>>(
                     "SELECT extract(epoch FROM now() - min(created_at))::float8 FROM idempotency_keys",
@@ -478,15 +492,8 @@ impl Metrics {
             }),
         )
         .await;
-        match age {
-            Ok(Ok(age)) => {
-                self.ready.set(1);
-                self.oldest_key_age.set(age.unwrap_or(0.0).max(0.0));
-            }
-            Ok(Err(DbError::Saturated)) => {}
-            // A database that holds the query (PgBouncer's PAUSE) is not ready, as `/readyz`
-            // says.
-            Ok(Err(_)) | Err(_) => self.ready.set(0),
+        if let Ok(Ok(age)) = age {
+            self.oldest_key_age.set(age.unwrap_or(0.0).max(0.0));
         }
     }
 }

@@ -223,11 +223,11 @@ impl<E: Batched> Batcher<E> {
         };
         self.queue.try_send(job).map_err(|err| match err {
             mpsc::error::TrySendError::Full(_) => DbError::Saturated,
-            mpsc::error::TrySendError::Closed(_) => DbError::Transient(sqlx::Error::PoolClosed),
+            mpsc::error::TrySendError::Closed(_) => DbError::Transient(Arc::new(sqlx::Error::PoolClosed)),
         })?;
         // The sender is dropped unanswered only if the batch's task died (a panic), which
         // may have been after its commit.
-        let crashed = || Err(DbError::Unknown(sqlx::Error::WorkerCrashed));
+        let crashed = || Err(DbError::Unknown(Arc::new(sqlx::Error::WorkerCrashed)));
         if let Ok(result) = tokio::time::timeout(self.queue_wait, &mut answer).await {
             return result.unwrap_or_else(|_| crashed());
         }

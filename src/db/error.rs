@@ -8,6 +8,7 @@
 //! replays a commit, may resolve it.
 
 use std::borrow::Cow;
+use std::sync::Arc;
 
 /// A database failure, classified for the layers above.
 #[derive(Debug, thiserror::Error)]
@@ -30,16 +31,16 @@ pub enum DbError {
     /// PostgreSQL refused or rolled back the call, or the call never reached it: nothing was
     /// committed, and the same request may succeed later (a deadlock, a serialization
     /// failure, a statement timeout, a node that cannot write, no connection to be had).
-    #[error("transient database failure, rolled back: {0}")]
-    Transient(#[source] sqlx::Error),
+    #[error("transient database failure, nothing committed: {0}")]
+    Transient(#[source] Arc<sqlx::Error>),
     /// The call may have committed: its connection broke while it was out, or PostgreSQL's
     /// answer could not be read after the statement ran. Never run again by the server; a
     /// retry with the request's key replays the commit if there was one.
     #[error("database outcome unknown, the call may have committed: {0}")]
-    Unknown(#[source] sqlx::Error),
+    Unknown(#[source] Arc<sqlx::Error>),
     /// Anything else that PostgreSQL reported: a bug or a broken invariant (rolled back).
     #[error(transparent)]
-    Other(sqlx::Error),
+    Other(Arc<sqlx::Error>),
 }
 
 impl DbError {
@@ -54,22 +55,24 @@ impl DbError {
         match self {
             Self::InProgress | Self::AttemptOut => true,
             Self::Transient(err) => matches!(sqlstate(err).as_deref(), Some("40001" | "40P01")),
-            Self::Other(err) => matches!(err, sqlx::Error::Database(_)),
+            Self::Other(err) => matches!(**err, sqlx::Error::Database(_)),
             Self::Saturated | Self::AccountBusy | Self::Unknown(_) => false,
         }
     }
 
-    /// The same failure again, for each item of a batch that shares it.
+    /// The same failure again, for each item of a batch that shares it: the same error, with
+    /// its SQLSTATE and its words (found from outside: copies made as new errors of sqlx's
+    /// kinds logged a terminated connection, a statement timeout and a full disk as
+    /// "encountered unexpected or invalid data", the words of a row that does not decode).
     pub fn copy(&self) -> Self {
-        let text = |e: &sqlx::Error| sqlx::Error::Protocol(e.to_string());
         match self {
             Self::InProgress => Self::InProgress,
             Self::AttemptOut => Self::AttemptOut,
             Self::Saturated => Self::Saturated,
             Self::AccountBusy => Self::AccountBusy,
-            Self::Transient(e) => Self::Transient(text(e)),
-            Self::Unknown(e) => Self::Unknown(text(e)),
-            Self::Other(e) => Self::Other(sqlx::Error::Decode(e.to_string().into())),
+            Self::Transient(e) => Self::Transient(Arc::clone(e)),
+            Self::Unknown(e) => Self::Unknown(Arc::clone(e)),
+            Self::Other(e) => Self::Other(Arc::clone(e)),
         }
     }
 }
@@ -83,13 +86,13 @@ impl From<sqlx::Error> for DbError {
                 Self::InProgress
             }
         } else if is_pooler_refusal(&err) {
-            Self::Transient(err)
+            Self::Transient(Arc::new(err))
         } else if is_outcome_unknown(&err) {
-            Self::Unknown(err)
+            Self::Unknown(Arc::new(err))
         } else if is_transient(&err) {
-            Self::Transient(err)
+            Self::Transient(Arc::new(err))
         } else {
-            Self::Other(err)
+            Self::Other(Arc::new(err))
         }
     }
 }
@@ -263,5 +266,30 @@ mod tests {
             reported("08006", "server login has been failing"),
             DbError::Unknown(_)
         ));
+    }
+
+    #[test]
+    fn a_batchs_copy_of_a_failure_is_the_same_error_with_its_sqlstate_and_words() {
+        // Found from outside: a terminated connection, a statement timeout and a full disk,
+        // copied to a batch's items, were logged as "encountered unexpected or invalid data".
+        for (code, message) in [
+            ("57P01", "terminating connection due to administrator command"),
+            ("57014", "canceling statement due to statement timeout"),
+            (
+                "53100",
+                "could not extend file \"base/16385/16584\": No space left on device",
+            ),
+            ("23514", "new row violates check constraint"),
+        ] {
+            let err = reported(code, message);
+            let copy = err.copy();
+            assert_eq!(copy.to_string(), err.to_string());
+            assert!(copy.to_string().contains(message), "{copy}");
+            let inner = match &copy {
+                DbError::Transient(e) | DbError::Unknown(e) | DbError::Other(e) => e,
+                other => panic!("{other:?}"),
+            };
+            assert_eq!(sqlstate(inner).as_deref(), Some(code), "{copy}");
+        }
     }
 }

@@ -54,6 +54,27 @@ const ANSWER_MARGIN: Duration = Duration::from_secs(5);
 /// primary takes milliseconds.
 pub const PROBE_WITHIN: Duration = Duration::from_secs(2);
 
+/// Whether the server `conn` reached takes writes: a primary, not set read-only. What
+/// `/readyz` and the scrape's `oncepay_ready` both report (found from outside: the scrape
+/// asked the key table instead, so a read-only database read ready 1 beside `/readyz`'s 503,
+/// and a lock on that one table read 0 beside its 200). A connection to a server that does
+/// not is dropped, so the next one (through a proxy) finds the new primary.
+pub async fn writable(conn: &mut Conn) -> Result<bool, DbError> {
+    let writable = conn
+        .run(async |c| {
+            sqlx::query_scalar::<_, bool>(
+                "SELECT NOT pg_is_in_recovery() AND current_setting('transaction_read_only') = 'off'",
+            )
+            .fetch_one(c)
+            .await
+        })
+        .await?;
+    if !writable {
+        conn.discard();
+    }
+    Ok(writable)
+}
+
 /// `DATABASE_URL` parsed, its refusal said once, and an `sslrootcert` that names no file
 /// named at once (found from outside: sqlx's message for `sslmode=bogus` came three times,
 /// through its error's sources, and a missing certificate file only at the first connection,

@@ -104,7 +104,7 @@ mod tests {
         lists.close().await;
         for db in [a, b] {
             match db.conn().await {
-                Err(DbError::Transient(sqlx::Error::PoolClosed)) => {}
+                Err(DbError::Transient(err)) if matches!(*err, sqlx::Error::PoolClosed) => {}
                 Err(other) => panic!("a closed pool failed otherwise: {other:?}"),
                 Ok(_) => panic!("a closed pool handed out a connection"),
             }

@@ -1,5 +1,6 @@
 //! The pool: deadpool over sqlx connections, checked only when they sat idle.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use deadpool::managed::{Manager, Metrics, Object, PoolError, RecycleResult, TimeoutType, Timeouts};
@@ -192,5 +193,5 @@ pub(super) async fn acquire_unlogged(pool: &Pool) -> Result<Object<Connector>, D
             unreachable!("the pool has a runtime and no hooks")
         }
     };
-    Err(DbError::Transient(err))
+    Err(DbError::Transient(Arc::new(err)))
 }

@@ -3,6 +3,7 @@
 //! [`wait_for_schema`]).
 
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -162,11 +163,11 @@ pub enum SchemaError {
     /// No connection, or none that answered: the database is down or starting up, out of
     /// connections, refusing the login (a wrong password, PgBouncer's `server_login_retry`).
     #[error("cannot reach the database at DATABASE_URL: {0}")]
-    Unreachable(sqlx::Error),
+    Unreachable(Arc<sqlx::Error>),
     /// The TLS handshake failed or could not start: a certificate that does not verify, or
     /// `sslmode` asking for TLS that the server does not offer.
     #[error("cannot reach the database at DATABASE_URL: {0}")]
-    TlsRefused(sqlx::Error),
+    TlsRefused(Arc<sqlx::Error>),
     /// The database answered, with an error (a missing grant, say).
     #[error("cannot read the schema version from DATABASE_URL: {0}")]
     Unreadable(DbError),
@@ -209,7 +210,7 @@ pub async fn check_schema(db: &Db) -> Result<(), SchemaError> {
             return Err(SchemaError::TlsRefused(err))
         }
         Err(DbError::Transient(err) | DbError::Unknown(err)) => return Err(SchemaError::Unreachable(err)),
-        Err(DbError::Saturated) => return Err(SchemaError::Unreachable(sqlx::Error::PoolTimedOut)),
+        Err(DbError::Saturated) => return Err(SchemaError::Unreachable(Arc::new(sqlx::Error::PoolTimedOut))),
         Err(err) => return Err(SchemaError::Unreadable(err)),
     };
     let expected = expected_schema_version();

@@ -34,9 +34,6 @@ pub(super) async fn healthz() -> HttpResponse {
     HttpResponse::Ok().json(StatusOut { status: "ok" })
 }
 
-/// Whether this connection's server takes writes: a primary, not set read-only.
-const WRITABLE: &str = "SELECT NOT pg_is_in_recovery() AND current_setting('transaction_read_only') = 'off'";
-
 /// Readiness: 200 when a writable primary answers, else 503. A database that answers but is
 /// a standby or read-only (as during a failover) is not ready, and the connection that
 /// reached it is dropped, so the next one (through a proxy) finds the new primary. Before
@@ -56,19 +53,11 @@ pub(super) async fn readyz(state: web::Data<AppState>) -> Result<HttpResponse, A
     // partition) kept the probe open until it answered (found from outside: 200 after 8 s of
     // a PAUSE, and no answer to 1 s probes for 20 s), where a probe wants 503 now.
     let writable = tokio::time::timeout(crate::db::PROBE_WITHIN, async {
-        let mut conn = state.conn().await.ok()?;
-        let writable = conn
-            .run(async |c| sqlx::query_scalar::<_, bool>(WRITABLE).fetch_one(c).await)
-            .await
-            .ok()?;
-        if !writable {
-            conn.discard();
-        }
-        Some(writable)
+        crate::db::writable(&mut state.conn().await?).await
     })
     .await;
     match writable {
-        Ok(Some(true)) => Ok(HttpResponse::Ok().json(StatusOut { status: "ready" })),
+        Ok(Ok(true)) => Ok(HttpResponse::Ok().json(StatusOut { status: "ready" })),
         _ => Err(ApiError::Unavailable),
     }
 }

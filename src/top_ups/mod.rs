@@ -486,5 +486,5 @@ fn top_up_answer(row: TopUpRow, replayed: bool) -> Answer {
 }
 
 fn impossible(what: String) -> TopUpError {
-    TopUpError::Db(DbError::Unknown(sqlx::Error::Decode(what.into())))
+    TopUpError::Db(DbError::Unknown(std::sync::Arc::new(sqlx::Error::Decode(what.into()))))
 }

@@ -81,6 +81,11 @@ async fn a_database_turned_read_only_answers_503_commits_nothing_and_the_pool_re
         "a replay needs no write (no synchronous standby to wait for)"
     );
     let metrics = app.metrics().await;
+    assert_eq!(
+        metric_value(&metrics, "oncepay_ready"),
+        0.0,
+        "the scrape says what /readyz says (found from outside: 1 beside 503)"
+    );
     assert!(
         metric_value(&metrics, r#"oncepay_db_connections_closed_total{reason="broken"}"#) >= 1.0,
         "the terminated and read-only connections were closed, and counted:\n{metrics}"
@@ -120,6 +125,11 @@ async fn a_database_turned_read_only_answers_503_commits_nothing_and_the_pool_re
     assert!(again.replayed(), "the retry replays the one payment");
     assert_eq!(again.body["id"], first.body["id"]);
     assert_eq!(readyz().await, 200, "ready again");
+    assert_eq!(
+        metric_value(&app.metrics().await, "oncepay_ready"),
+        1.0,
+        "and so says the scrape"
+    );
     let with_key: i64 = sqlx::query_scalar("SELECT count(*) FROM payments WHERE idempotency_key = $1")
         .bind(&key)
         .fetch_one(&mut check)

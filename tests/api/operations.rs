@@ -9,7 +9,8 @@ use sqlx::Connection;
 use uuid::Uuid;
 
 use crate::support::helpers::{
-    database_url, drop_database, empty_database, metric_value, new_key, spawn_app, Answer, TestApp,
+    database_url, drop_database, empty_database, metric_value, new_key, spawn_app, spawn_app_on_own_database_with,
+    Answer, TestApp,
 };
 use crate::support::tcp_relay::TcpRelay;
 
@@ -307,6 +308,42 @@ async fn readiness_is_answered_within_its_bound_while_the_database_holds_the_que
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     assert_eq!(status, Some(200), "ready again once the database answers");
+}
+
+/// Found from outside: the scrape's probe asked the key table where `/readyz` asks whether a
+/// writable primary answers, so a lock on that one table read `oncepay_ready 0` beside
+/// `/readyz`'s 200 for 25 s (and a read-only database 1 beside 503: failover.rs). A lock on a
+/// table is not a database that is down; the key age keeps its last value meanwhile.
+#[tokio::test]
+async fn a_lock_on_the_key_table_leaves_the_scrape_ready_as_readyz_is() {
+    let (app, url) = spawn_app_on_own_database_with("ready_lock", |_| {}).await;
+    assert_eq!(metric_value(&app.metrics().await, "oncepay_ready"), 1.0);
+    let mut locker = sqlx::PgConnection::connect(&url).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut locker).await.unwrap();
+    sqlx::query("LOCK TABLE idempotency_keys IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut locker)
+        .await
+        .unwrap();
+
+    let started = std::time::Instant::now();
+    let metrics = app.metrics().await;
+    let took = started.elapsed();
+    let readyz = app
+        .client
+        .get(format!("{}/readyz", app.address))
+        .send()
+        .await
+        .unwrap()
+        .status()
+        .as_u16();
+    sqlx::query("ROLLBACK").execute(&mut locker).await.unwrap();
+
+    assert_eq!(readyz, 200, "a writable primary answers");
+    assert_eq!(metric_value(&metrics, "oncepay_ready"), 1.0, "{metrics}");
+    assert!(took < Duration::from_secs(4), "the scrape took {took:?}");
+    drop(locker);
+    app.state.db.close().await;
+    drop_database(&url).await;
 }
 
 #[tokio::test]
