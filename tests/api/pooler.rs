@@ -92,3 +92,30 @@ async fn in_transaction_mode_no_prepared_statement_outlives_its_call() {
     db.close().await;
     direct.close().await;
 }
+
+#[tokio::test]
+async fn every_session_runs_without_jit_in_either_mode() {
+    // Found from outside: a claim's plan, cached with the statistics of a large backlog,
+    // was JIT-compiled on every call (0.5-0.8 s each, reading 50-250 buffers) until the next
+    // ANALYZE. oncepay's statements are short: its sessions run with `jit = off`, from the
+    // start-up packet in mode `none` and in each transaction's `BEGIN` in mode `transaction`.
+    for pooler in [Pooler::None, Pooler::Transaction] {
+        let mut settings = test_settings();
+        settings.db_pool_size = 1;
+        settings.db_pooler = pooler;
+        if pooler == Pooler::None {
+            settings.database_url = crate::support::helpers::database_url();
+        }
+        let db = Db::new(&settings).unwrap();
+        let jit: String = db
+            .run(async |c| sqlx::query_scalar("SELECT current_setting('jit')").fetch_one(c).await)
+            .await
+            .unwrap();
+        let in_transaction: String = db
+            .transaction(async |c| sqlx::query_scalar("SELECT current_setting('jit')").fetch_one(c).await)
+            .await
+            .unwrap();
+        assert_eq!((jit.as_str(), in_transaction.as_str()), ("off", "off"), "{pooler:?}");
+        db.close().await;
+    }
+}
