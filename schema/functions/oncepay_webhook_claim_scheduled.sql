@@ -147,6 +147,11 @@ BEGIN
         LOOP
             EXIT WHEN v_room <= 0 OR v_taken >= p_limit OR v_seen >= 1000;
             v_seen := v_seen + 1;
+            -- Nothing of it due: to the next endpoint, by one descent of the due index, without
+            -- its row's lock, the count of its attempts in flight or a look at its backlog (V50).
+            CONTINUE WHEN NOT EXISTS (SELECT FROM webhook_deliveries d
+                                       WHERE d.tenant_id = v_tenant AND d.endpoint_id = v_endpoint
+                                         AND d.state = 'pending' AND d.next_attempt_at <= now());
 
             -- Another replica claiming for this endpoint holds its row: skip it this time.
             SELECT e.tenant_id, e.endpoint_id, e.url, e.secret_encrypted,
@@ -194,7 +199,9 @@ BEGIN
                    AND (SELECT min(o.sequence) FROM webhook_deliveries o
                          WHERE o.tenant_id = d.tenant_id AND o.endpoint_id = d.endpoint_id
                            AND o.resource_id = d.resource_id AND o.finished_at IS NULL) = d.sequence
-                 ORDER BY d.sequence
+                 -- Due first, by the due index: an endpoint's deliveries not due are never read
+                 -- (V50; by sequence, a claim read its whole backlog to find none due).
+                 ORDER BY d.next_attempt_at
                  LIMIT v_n
                    FOR UPDATE SKIP LOCKED),
             leased AS (

@@ -419,6 +419,59 @@ async fn a_long_list_of_a_tenants_endpoints_is_claimed_whole_and_hands_over_to_t
     drop_database(&url).await;
 }
 
+#[tokio::test]
+async fn a_claim_reads_an_endpoints_due_deliveries_not_its_backlog_of_retries() {
+    // Found from outside: an endpoint down for two days held 142,617 pending deliveries, nearly
+    // none due, and every claim read all of them in sequence order to find none (107 ms a
+    // claim, a core of PostgreSQL for the ~31 hours of retries). Since V50 a claim reads an
+    // endpoint's due deliveries by the due index, and passes one with none due by a descent.
+    let (url, mut conn) = planner_database("claim_backlog").await;
+    let (tenant, endpoint) = tenant_with_endpoint(&mut conn).await;
+    let waiting = 3_000;
+    insert_deliveries(&mut conn, (tenant, endpoint), waiting, "pending", 3_600).await;
+    sqlx::query("ANALYZE webhook_deliveries")
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    // As a long-lived connection runs the claim's statements after five calls.
+    sqlx::query("SET plan_cache_mode = force_generic_plan")
+        .execute(&mut conn)
+        .await
+        .unwrap();
+
+    let claim = async |conn: &mut sqlx::PgConnection| {
+        sqlx::query("BEGIN").execute(&mut *conn).await.unwrap();
+        let before = delivery_fetches(conn).await;
+        let claimed: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM oncepay_webhook_claim_scheduled(16, 16, 30000, false, '{}', '{}', 16,
+                                                                '{}', '{}', '{}', '{}')",
+        )
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap();
+        let fetched = delivery_fetches(conn).await - before;
+        sqlx::query("COMMIT").execute(&mut *conn).await.unwrap();
+        (claimed, fetched)
+    };
+    let (claimed, fetched) = claim(&mut conn).await;
+    assert_eq!(claimed, 0, "nothing is due");
+    assert!(
+        fetched < 20,
+        "{fetched} rows fetched to find nothing due among {waiting} retries"
+    );
+
+    // Five due behind them (later in sequence): those five are read, not the backlog.
+    insert_deliveries(&mut conn, (tenant, endpoint), 5, "pending", 0).await;
+    let (claimed, fetched) = claim(&mut conn).await;
+    assert_eq!(claimed, 5, "the due ones are claimed");
+    assert!(
+        fetched < 100,
+        "{fetched} rows fetched to claim 5 due deliveries behind {waiting} retries"
+    );
+    drop(conn);
+    drop_database(&url).await;
+}
+
 /// One claim of at most `limit` deliveries, `limit` slots free and nothing in flight, committed:
 /// the (tenant, endpoint) of each delivery claimed, and the scans of the pending index it made.
 async fn claim_counting_descents(conn: &mut sqlx::PgConnection, limit: i32) -> (Vec<(Uuid, Uuid)>, i64) {
