@@ -178,8 +178,8 @@ async fn run(command: ServerCommand) -> anyhow::Result<()> {
         ServerCommand::Purge => {
             let db = db::Db::new(&settings)?;
             db::check_schema(&db).await?;
-            let deleted = purge::purge(&db, purge::Retention::of(&settings), settings.purge_batch_size).await?;
-            println!("deleted={deleted}");
+            let purged = purge::purge(&db, purge::Retention::of(&settings), settings.purge_batch_size).await?;
+            println!("deleted={}", purged.keys);
         }
         ServerCommand::Audit {
             json,

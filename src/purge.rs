@@ -149,13 +149,22 @@ pub async fn declared_retention(db: &Db) -> Result<Option<Duration>, DbError> {
 /// `retention.keys`, or a server's longer one) and whose replay
 /// window has ended (`expires_at`, as the server that made it set it: a purger started with
 /// a shorter retention than the servers' window must not delete a key a retry may still
-/// replay, or the retry would charge again); returns the count. Also purges the webhooks'
-/// events past `retention.events` ([`purge_webhooks`]).
-pub async fn purge(db: &Db, retention: Retention, batch: i64) -> Result<u64, DbError> {
-    let deleted = purge_batches(db, retention.keys, batch, false).await?.unwrap_or(0);
-    purge_webhooks(db, retention.events, batch).await?;
+/// replay, or the retry would charge again). Also purges the webhooks' events past
+/// `retention.events` ([`purge_webhooks`]); returns both counts.
+pub async fn purge(db: &Db, retention: Retention, batch: i64) -> Result<Purged, DbError> {
+    let keys = purge_batches(db, retention.keys, batch, false).await?.unwrap_or(0);
+    let events = purge_webhooks(db, retention.events, batch).await?;
     purge_deleted_endpoints(db, retention, batch).await?;
-    Ok(deleted)
+    Ok(Purged { keys, events })
+}
+
+/// What a [`purge`] deleted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Purged {
+    /// Key rows past the key retention.
+    pub keys: u64,
+    /// Webhook events past theirs (with their deliveries and attempts).
+    pub events: u64,
 }
 
 /// Deletes the rows of webhook endpoints deleted longer ago than both retentions (a tenant
@@ -226,6 +235,7 @@ pub async fn purge_webhooks(db: &Db, retention: Duration, batch: i64) -> Result<
     })
     .await?;
     let started = Instant::now();
+    let mut last_report = started;
     let (mut events, mut undelivered): (u64, u64) = (0, 0);
     loop {
         let (deleted, dropped) = db
@@ -265,6 +275,15 @@ pub async fn purge_webhooks(db: &Db, retention: Duration, batch: i64) -> Result<
             .await?;
         events += deleted as u64;
         undelivered += dropped as u64;
+        if last_report.elapsed() >= PROGRESS_EVERY {
+            last_report = Instant::now();
+            let rate = events as f64 / started.elapsed().as_secs_f64();
+            tracing::info!(
+                events,
+                events_per_sec = rate.round(),
+                "purge of webhook events in progress"
+            );
+        }
         // A short batch means nothing older is left that another purger is not already on.
         if deleted < batch {
             break;

@@ -305,6 +305,10 @@ pub(super) async fn update_tenant(
 struct PurgedOut {
     /// How many expired key rows were deleted.
     deleted: u64,
+    /// How many webhook events past `ONCEPAY_EVENT_RETENTION_DAYS` were deleted, with their
+    /// deliveries and attempts (found from outside: a run that deleted 1.56 million webhook
+    /// rows answered `{"deleted": 0}`).
+    events_deleted: u64,
 }
 
 /// Deletes key rows older than the retention (the cron endpoint); takes no body (empty or `{}`).
@@ -325,12 +329,15 @@ pub(super) async fn run_purge(
     state: web::Data<AppState>,
 ) -> Result<HttpResponse, ApiError> {
     admin_no_body(&req, payload, &state).await?;
-    let deleted = purge::purge(
+    let purged = purge::purge(
         &state.db,
         purge::Retention::of(&state.settings),
         state.settings.purge_batch_size,
     )
     .await?;
-    state.metrics.record_purge(deleted);
-    Ok(HttpResponse::Ok().json(PurgedOut { deleted }))
+    state.metrics.record_purge(purged.keys);
+    Ok(HttpResponse::Ok().json(PurgedOut {
+        deleted: purged.keys,
+        events_deleted: purged.events,
+    }))
 }

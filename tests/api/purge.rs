@@ -100,7 +100,7 @@ async fn three_concurrent_purges_delete_each_row_once() {
     let counts =
         futures_util::future::join_all(replicas.iter().map(|db| oncepay::purge::purge(db, RETENTION, 7))).await;
 
-    let counts: Vec<u64> = counts.into_iter().map(|c| c.unwrap()).collect();
+    let counts: Vec<u64> = counts.into_iter().map(|c| c.unwrap().keys).collect();
     assert_eq!(
         counts.iter().sum::<u64>(),
         1_000,
@@ -128,7 +128,10 @@ async fn a_key_inside_its_replay_window_is_kept_whatever_the_purges_retention() 
         .await
         .unwrap();
 
-    let deleted = oncepay::purge::purge(&Db::beside(&pool), RETENTION, 7).await.unwrap();
+    let deleted = oncepay::purge::purge(&Db::beside(&pool), RETENTION, 7)
+        .await
+        .unwrap()
+        .keys;
 
     assert_eq!(deleted, 20, "only the rows past their window");
     assert_eq!(
@@ -178,7 +181,7 @@ async fn a_key_is_kept_as_long_as_a_server_of_the_database_keeps_it_whatever_the
         keys: Duration::from_secs(60),
         ..RETENTION
     };
-    let deleted = oncepay::purge::purge(&Db::beside(&pool), short, 7).await.unwrap();
+    let deleted = oncepay::purge::purge(&Db::beside(&pool), short, 7).await.unwrap().keys;
     assert_eq!(deleted, 0, "8-day-old keys are inside the server's 10 days");
     let deleted = app.admin(Method::POST, "/admin/purge", None).await;
     assert_eq!(deleted.body["deleted"], 0, "{}", deleted.body);
@@ -188,7 +191,7 @@ async fn a_key_is_kept_as_long_as_a_server_of_the_database_keeps_it_whatever_the
         .execute(&pool)
         .await
         .unwrap();
-    let deleted = oncepay::purge::purge(&Db::beside(&pool), short, 7).await.unwrap();
+    let deleted = oncepay::purge::purge(&Db::beside(&pool), short, 7).await.unwrap().keys;
     assert_eq!(deleted, 30);
     drop(app);
     pool.close().await;
@@ -225,7 +228,7 @@ async fn a_purge_running_while_payments_flow_fails_none_of_them() {
     };
     let ((answers, during), (purged, took)) = tokio::join!(payments, purge);
 
-    assert_eq!(purged.unwrap(), 20_000);
+    assert_eq!(purged.unwrap().keys, 20_000);
     assert!(
         during >= 10,
         "payments were answered while the purge ran ({during} in {took:?})"
