@@ -850,7 +850,7 @@ CREATE INDEX webhook_attempts_list_idx ON public.webhook_attempts USING btree (t
 -- Name: webhook_deliveries_due_idx; Type: INDEX; Schema: public; Owner: -
 --
 
-CREATE INDEX webhook_deliveries_due_idx ON public.webhook_deliveries USING btree (tenant_id, endpoint_id, next_attempt_at) WHERE (state = 'pending'::text);
+CREATE INDEX webhook_deliveries_due_idx ON public.webhook_deliveries USING btree (tenant_id, endpoint_id, next_attempt_at, sequence) WHERE (state = 'pending'::text);
 
 
 --

@@ -42,6 +42,8 @@ DECLARE
     -- This endpoint's attempts in flight here, and what it may take.
     v_mine int;
     v_endpoint_room int;
+    -- When this endpoint's first pending delivery is due.
+    v_due_at timestamptz;
     -- The rest of a long list, and the row that follows it when it is another tenant's.
     v_more uuid[];
     v_after_tenant text;
@@ -147,11 +149,15 @@ BEGIN
         LOOP
             EXIT WHEN v_room <= 0 OR v_taken >= p_limit OR v_seen >= 1000;
             v_seen := v_seen + 1;
-            -- Nothing of it due: to the next endpoint, by one descent of the due index, without
-            -- its row's lock, the count of its attempts in flight or a look at its backlog (V50).
-            CONTINUE WHEN NOT EXISTS (SELECT FROM webhook_deliveries d
-                                       WHERE d.tenant_id = v_tenant AND d.endpoint_id = v_endpoint
-                                         AND d.state = 'pending' AND d.next_attempt_at <= now());
+            -- Nothing of it due: to the next endpoint, by one descent of the due index (the
+            -- first entry of the endpoint's), without its row's lock, the count of its attempts
+            -- in flight or a look at its backlog (V50). Asked as the earliest due time, not as
+            -- "any due now?": planned generically, the latter guessed a third of the rows due
+            -- and scanned the whole table to find none (found from outside: 30 ms a look at
+            -- an endpoint holding half the table).
+            SELECT min(d.next_attempt_at) INTO v_due_at FROM webhook_deliveries d
+             WHERE d.tenant_id = v_tenant AND d.endpoint_id = v_endpoint AND d.state = 'pending';
+            CONTINUE WHEN v_due_at IS NULL OR v_due_at > now();
 
             -- Another replica claiming for this endpoint holds its row: skip it this time.
             SELECT e.tenant_id, e.endpoint_id, e.url, e.secret_encrypted,
@@ -200,8 +206,9 @@ BEGIN
                          WHERE o.tenant_id = d.tenant_id AND o.endpoint_id = d.endpoint_id
                            AND o.resource_id = d.resource_id AND o.finished_at IS NULL) = d.sequence
                  -- Due first, by the due index: an endpoint's deliveries not due are never read
-                 -- (V50; by sequence, a claim read its whole backlog to find none due).
-                 ORDER BY d.next_attempt_at
+                 -- (V50; by sequence, a claim read its whole backlog to find none due); among
+                 -- those due at once (a fan-out, a recovery, an enable), the oldest first.
+                 ORDER BY d.next_attempt_at, d.sequence
                  LIMIT v_n
                    FOR UPDATE SKIP LOCKED),
             leased AS (

@@ -472,6 +472,49 @@ async fn a_claim_reads_an_endpoints_due_deliveries_not_its_backlog_of_retries() 
     drop_database(&url).await;
 }
 
+#[tokio::test]
+async fn deliveries_due_at_the_same_instant_are_claimed_oldest_first() {
+    // A fan-out, a recovery or an enable makes many deliveries due at one instant. Taken by
+    // due time alone (V50's first form), a claim took later ones first (found from outside:
+    // of three due at once, the two newest); the due index orders them by sequence after.
+    let (url, mut conn) = planner_database("claim_same_instant").await;
+    let (tenant, endpoint) = tenant_with_endpoint(&mut conn).await;
+    insert_deliveries(&mut conn, (tenant, endpoint), 40, "pending", 0).await;
+    // Made due at one instant newest first, as an update can: the newest row versions then
+    // stand first among equal due times in the index's own order.
+    sqlx::query(
+        "DO $$
+         DECLARE r record; t timestamptz := now() - interval '1 second';
+         BEGIN
+             FOR r IN SELECT event_id FROM webhook_deliveries ORDER BY sequence DESC LOOP
+                 UPDATE webhook_deliveries SET next_attempt_at = t WHERE event_id = r.event_id;
+             END LOOP;
+         END $$",
+    )
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    let oldest: Vec<Uuid> =
+        sqlx::query_scalar("SELECT event_id FROM webhook_deliveries WHERE tenant_id = $1 ORDER BY sequence LIMIT 4")
+            .bind(tenant)
+            .fetch_all(&mut conn)
+            .await
+            .unwrap();
+    let mut claimed: Vec<Uuid> = sqlx::query_scalar(
+        "SELECT event_id FROM oncepay_webhook_claim_scheduled(4, 4, 30000, false, '{}', '{}', 4,
+                                                           '{}', '{}', '{}', '{}')",
+    )
+    .fetch_all(&mut conn)
+    .await
+    .unwrap();
+    let mut expected = oldest.clone();
+    claimed.sort();
+    expected.sort();
+    assert_eq!(claimed, expected, "the four oldest of 40 due at once");
+    drop(conn);
+    drop_database(&url).await;
+}
+
 /// One claim of at most `limit` deliveries, `limit` slots free and nothing in flight, committed:
 /// the (tenant, endpoint) of each delivery claimed, and the scans of the pending index it made.
 async fn claim_counting_descents(conn: &mut sqlx::PgConnection, limit: i32) -> (Vec<(Uuid, Uuid)>, i64) {
