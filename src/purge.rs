@@ -20,6 +20,31 @@ const SCHEDULE_LOCK: i64 = 0x0070_7572_6765;
 /// How often a long purge reports progress.
 const PROGRESS_EVERY: Duration = Duration::from_secs(5);
 
+/// A long run's progress: when it started, and whether a progress line is due.
+struct Progress {
+    started: Instant,
+    last_report: Instant,
+}
+
+impl Progress {
+    fn new() -> Self {
+        let now = Instant::now();
+        Self {
+            started: now,
+            last_report: now,
+        }
+    }
+
+    /// The rows a second so far, when [`PROGRESS_EVERY`] has passed since the last line.
+    fn due(&mut self, rows: u64) -> Option<f64> {
+        if self.last_report.elapsed() < PROGRESS_EVERY {
+            return None;
+        }
+        self.last_report = Instant::now();
+        Some((rows as f64 / self.started.elapsed().as_secs_f64()).round())
+    }
+}
+
 /// How often a running server renews the declaration of its key retention ([`declaring`]).
 const DECLARE_EVERY: Duration = Duration::from_secs(3_600);
 /// How far ahead a declaration holds: past the next renewal, so that a server that runs on
@@ -234,8 +259,7 @@ pub async fn purge_webhooks(db: &Db, retention: Duration, batch: i64) -> Result<
         .await
     })
     .await?;
-    let started = Instant::now();
-    let mut last_report = started;
+    let mut progress = Progress::new();
     let (mut events, mut undelivered): (u64, u64) = (0, 0);
     loop {
         let (deleted, dropped) = db
@@ -275,20 +299,14 @@ pub async fn purge_webhooks(db: &Db, retention: Duration, batch: i64) -> Result<
             .await?;
         events += deleted as u64;
         undelivered += dropped as u64;
-        if last_report.elapsed() >= PROGRESS_EVERY {
-            last_report = Instant::now();
-            let rate = events as f64 / started.elapsed().as_secs_f64();
-            tracing::info!(
-                events,
-                events_per_sec = rate.round(),
-                "purge of webhook events in progress"
-            );
+        if let Some(rate) = progress.due(events) {
+            tracing::info!(events, events_per_sec = rate, "purge of webhook events in progress");
         }
         // A short batch means nothing older is left that another purger is not already on.
         if deleted < batch {
             break;
         }
-        if started.elapsed() >= EVENTS_RUN_LIMIT {
+        if progress.started.elapsed() >= EVENTS_RUN_LIMIT {
             tracing::warn!(
                 events,
                 "the events' purge stopped after its run limit; the next run goes on"
@@ -314,7 +332,7 @@ pub async fn purge_webhooks(db: &Db, retention: Duration, batch: i64) -> Result<
                 Ok(r.rows_affected())
             })
             .await?;
-        if recoveries < batch as u64 || started.elapsed() >= EVENTS_RUN_LIMIT {
+        if recoveries < batch as u64 || progress.started.elapsed() >= EVENTS_RUN_LIMIT {
             break;
         }
     }
@@ -335,8 +353,7 @@ pub async fn purge_webhooks(db: &Db, retention: Duration, batch: i64) -> Result<
 /// when another replica holds it.
 async fn purge_batches(db: &Db, retention: Duration, batch: i64, scheduled: bool) -> Result<Option<u64>, DbError> {
     let retention_secs = key_retention(db, retention).await?.as_secs_f64();
-    let started = Instant::now();
-    let mut last_report = started;
+    let mut progress = Progress::new();
     let mut deleted: u64 = 0;
     loop {
         let delete = async |c: &mut sqlx::PgConnection| {
@@ -381,17 +398,19 @@ async fn purge_batches(db: &Db, retention: Duration, batch: i64, scheduled: bool
             db.run(delete).await?
         };
         deleted += n;
-        if last_report.elapsed() >= PROGRESS_EVERY {
-            last_report = Instant::now();
-            let rate = deleted as f64 / started.elapsed().as_secs_f64();
-            tracing::info!(deleted, rows_per_sec = rate.round(), "purge in progress");
+        if let Some(rate) = progress.due(deleted) {
+            tracing::info!(deleted, rows_per_sec = rate, "purge in progress");
         }
         // A short batch means nothing older is left that another purger is not already on.
         if n < batch as u64 {
             break;
         }
     }
-    tracing::info!(deleted, seconds = started.elapsed().as_secs_f64(), "purge finished");
+    tracing::info!(
+        deleted,
+        seconds = progress.started.elapsed().as_secs_f64(),
+        "purge finished"
+    );
     Ok(Some(deleted))
 }
 
