@@ -628,6 +628,26 @@ ALTER SEQUENCE public.webhook_events_sequence_seq OWNED BY public.webhook_events
 
 
 --
+-- Name: webhook_recovery_progress; Type: TABLE; Schema: public; Owner: -
+--
+
+CREATE TABLE public.webhook_recovery_progress (
+    tenant_id uuid NOT NULL,
+    idempotency_key text NOT NULL,
+    fingerprint bytea NOT NULL,
+    deliveries bigint NOT NULL,
+    updated_at timestamp with time zone NOT NULL
+);
+
+
+--
+-- Name: TABLE webhook_recovery_progress; Type: COMMENT; Schema: public; Owner: -
+--
+
+COMMENT ON TABLE public.webhook_recovery_progress IS 'what the slices of a keyed recovery not finished yet changed (V51): taken by its keyed transaction, purged with the recoveries otherwise';
+
+
+--
 -- Name: webhook_events sequence; Type: DEFAULT; Schema: public; Owner: -
 --
 
@@ -760,6 +780,14 @@ ALTER TABLE ONLY public.webhook_events
 
 ALTER TABLE ONLY public.webhook_recoveries
     ADD CONSTRAINT webhook_recoveries_pkey PRIMARY KEY (tenant_id, recovery_id);
+
+
+--
+-- Name: webhook_recovery_progress webhook_recovery_progress_pkey; Type: CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.webhook_recovery_progress
+    ADD CONSTRAINT webhook_recovery_progress_pkey PRIMARY KEY (tenant_id, idempotency_key, fingerprint);
 
 
 --

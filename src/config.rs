@@ -147,6 +147,9 @@ pub struct WebhookSettings {
     pub disable_after: Duration,
     /// `ONCEPAY_WEBHOOK_MAX_ENDPOINTS` (16): endpoints per tenant (deleted ones not counted).
     pub max_endpoints: u32,
+    /// `ONCEPAY_WEBHOOK_RECOVERY_SLICE` (5000): deliveries a recovery changes in one
+    /// transaction (migrations/V51): how long it holds them, and their endpoint, at once.
+    pub recovery_slice: u32,
 }
 
 /// `5,300,1800,7200,18000,36000,36000`: README.md, Settings.
@@ -179,6 +182,7 @@ impl WebhookSettings {
             poll: Duration::from_millis(number("ONCEPAY_WEBHOOK_POLL_MS", 250)?),
             disable_after: Duration::from_secs(number("ONCEPAY_WEBHOOK_DISABLE_AFTER_SECS", 432_000)?),
             max_endpoints: number("ONCEPAY_WEBHOOK_MAX_ENDPOINTS", 16)?,
+            recovery_slice: number("ONCEPAY_WEBHOOK_RECOVERY_SLICE", 5_000)?,
         })
     }
 
@@ -409,6 +413,12 @@ impl Settings {
         }
         if self.webhooks.max_endpoints == 0 || self.webhooks.max_endpoints > 1_000 {
             bail!("ONCEPAY_WEBHOOK_MAX_ENDPOINTS must be between 1 and 1000");
+        }
+        if self.webhooks.recovery_slice == 0 || self.webhooks.recovery_slice > 1_000_000 {
+            bail!(
+                "ONCEPAY_WEBHOOK_RECOVERY_SLICE must be between 1 and 1000000 deliveries (a recovery's \
+                 transaction; about 30,000 take a second)"
+            );
         }
         if self.webhooks.disable_after.is_zero() || self.webhooks.disable_after.as_secs() > i32::MAX as u64 {
             bail!(
@@ -674,6 +684,7 @@ const KNOWN_VARIABLES: &[&str] = &[
     "ONCEPAY_WEBHOOK_ENDPOINT_CONCURRENCY",
     "ONCEPAY_WEBHOOK_MAX_ENDPOINTS",
     "ONCEPAY_WEBHOOK_POLL_MS",
+    "ONCEPAY_WEBHOOK_RECOVERY_SLICE",
     "ONCEPAY_WEBHOOK_RETRY_SCHEDULE",
     "ONCEPAY_WEBHOOK_SECRET_KEY",
     "ONCEPAY_WEBHOOK_TIMEOUT_MS",
@@ -847,6 +858,11 @@ mod tests {
             },
             "ONCEPAY_ADMIN_TOKEN",
         );
+        for slice in [0, 1_000_001] {
+            let mut changed = base.clone();
+            changed.webhooks.recovery_slice = slice;
+            refused(changed, "ONCEPAY_WEBHOOK_RECOVERY_SLICE");
+        }
         refused(
             Settings {
                 workers: 0,

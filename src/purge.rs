@@ -244,8 +244,8 @@ pub async fn purge_deleted_endpoints(db: &Db, retention: Retention, batch: i64) 
 /// would cost every event's insert an entry). A delivery still pending or held when its event
 /// goes (an endpoint disabled for the whole retention, or failing past it) goes with it: it is
 /// counted and logged, never sent. A delivery still pending or held for an endpoint deleted
-/// meanwhile (written by a fan-out that raced the deletion) is cancelled first. Recoveries go
-/// after the same retention. Batches as for the keys; returns the events deleted.
+/// meanwhile (written by a fan-out that raced the deletion) is cancelled first. Recoveries, and
+/// the progress of those never finished, go after the same retention. Batches as for the keys; returns the events deleted.
 pub async fn purge_webhooks(db: &Db, retention: Duration, batch: i64) -> Result<u64, DbError> {
     let retention_secs = retention.as_secs_f64();
     db.run(async |c| {
@@ -336,6 +336,17 @@ pub async fn purge_webhooks(db: &Db, retention: Duration, batch: i64) -> Result<
             break;
         }
     }
+    // A keyed recovery's progress that no keyed transaction took (its request never came
+    // back; migrations/V51): after the recoveries' retention, one row a request.
+    db.run(async |c| {
+        sqlx::query!(
+            "DELETE FROM webhook_recovery_progress WHERE updated_at < now() - make_interval(secs => $1)",
+            retention_secs
+        )
+        .execute(c)
+        .await
+    })
+    .await?;
     if undelivered > 0 {
         tracing::warn!(
             undelivered,

@@ -89,6 +89,11 @@ impl ClaimArgs {
     pub fn key(&self) -> Option<&str> {
         self.key.as_deref()
     }
+
+    /// The request's fingerprint (`None` for a keyless request under policy `allow`).
+    pub fn fingerprint(&self) -> Option<&[u8]> {
+        self.fingerprint.as_deref()
+    }
 }
 
 /// `bytea`'s text input form, `\x` and hexadecimal digits.

@@ -15,8 +15,10 @@ use super::lists::{self, Filter, ListOut};
 use super::pipeline::{route, Endpoint};
 use super::schemas::{BadRequest, NotFound, Overloaded, Unauthorized, Unavailable};
 use super::webhooks::EventOut;
-use crate::domain::{time, AttemptId, EndpointId, EventId};
+use crate::db::DbError;
+use crate::domain::{time, AttemptId, EndpointId, EventId, TenantId};
 use crate::error::ApiError;
+use crate::ledger::{self, ClaimArgs, Effect as _, Outcome};
 use crate::operation::Spec;
 use crate::state::{AppState, WorkerLists};
 use crate::webhooks::endpoints::EVENT_TYPES;
@@ -127,7 +129,41 @@ impl Endpoint for RecoverWebhookEndpoint {
                     "`since` must be a time in Unix seconds, 0 to {MAX_UNIX_SECONDS}"
                 ))
             })?;
-        Ok((Recover { endpoint, since }, Some(endpoint.to_string())))
+        Ok((
+            Recover {
+                endpoint,
+                since,
+                prior: 0,
+            },
+            Some(endpoint.to_string()),
+        ))
+    }
+
+    /// The slices first, unless the key is stored already (a replay changes nothing), then
+    /// the keyed transaction.
+    async fn execute(
+        state: &AppState,
+        tenant: TenantId,
+        claim: ClaimArgs,
+        mut recover: Recover,
+    ) -> Result<Outcome<RecoveryRow>, DbError> {
+        let mut conn = state.conn().await?;
+        let stored = match claim.key() {
+            Some(key) => conn.run(async |c| ledger::key(c, tenant, key).await).await?.is_some(),
+            None => false,
+        };
+        if !stored {
+            let started = std::time::Instant::now();
+            let done = recover
+                .run_slices(&mut conn, tenant, &claim, state.settings.webhooks.recovery_slice)
+                .await?;
+            if done.slices > 2 {
+                tracing::info!(%tenant, endpoint = %recover.endpoint, slices = done.slices,
+                    deliveries = done.deliveries, elapsed_ms = started.elapsed().as_millis() as u64,
+                    "recovery: slices done, its keyed transaction next");
+            }
+        }
+        conn.run(async |c| recover.run(c, tenant, &claim).await).await
     }
 
     fn render(row: RecoveryRow) -> Result<RecoveryOut, ApiError> {

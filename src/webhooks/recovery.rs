@@ -11,6 +11,7 @@ use sqlx::PgConnection;
 use uuid::Uuid;
 
 use super::endpoints::EventRow;
+use crate::db::{Conn, DbError};
 use crate::domain::page::{Page, PageRequest};
 use crate::domain::{AttemptId, EndpointId, EventId, TenantId};
 use crate::ledger::{settle, ClaimArgs, Effect, Outcome, Reply};
@@ -292,11 +293,110 @@ impl Effect for Resend {
     }
 }
 
-/// Delivers again whatever an endpoint never acknowledged since a time
-/// (`oncepay_recover_webhook_endpoint`).
+/// Delivers again whatever an endpoint never acknowledged since a time: in slices
+/// ([`Recover::run_slices`]), then the keyed transaction (`oncepay_recover_webhook_endpoint`)
+/// over what is left, which stores the answer.
 pub struct Recover {
     pub endpoint: EndpointId,
     pub since: DateTime<Utc>,
+    /// The deliveries a keyless request's slices changed, counted in the answer (a keyed
+    /// request's are added up under its key in the database, so that its retry counts them).
+    pub prior: i32,
+}
+
+impl Recover {
+    /// Runs the recovery's slices (migrations/V51), each a transaction of at most about
+    /// `slice` deliveries, so that none holds rows or its endpoint for long however long the
+    /// outage was: the given-up and cancelled reopened oldest first, then those waiting for a
+    /// retry made due. What they changed is added up under the claim's key and fingerprint,
+    /// or, for a keyless request, to `prior`. A failure leaves the slices that committed (a
+    /// retry finds them done, their count kept under its key); an unknown endpoint runs none
+    /// (the keyed transaction answers 404).
+    pub async fn run_slices(
+        &mut self,
+        conn: &mut Conn,
+        tenant: TenantId,
+        claim: &ClaimArgs,
+        slice: u32,
+    ) -> Result<Slices, DbError> {
+        let (key, fingerprint) = (claim.key(), claim.fingerprint());
+        let limit = i32::try_from(slice).unwrap_or(i32::MAX).max(1);
+        let mut done = Slices::default();
+        let mut after: Option<DateTime<Utc>> = None;
+        loop {
+            let r = conn
+                .run(async |c| {
+                    sqlx::query!(
+                        r#"SELECT known AS "known!", changed AS "changed!", last_created
+                             FROM oncepay_recover_webhook_reopen($1, $2, $3, $4, $5, $6, $7)"#,
+                        tenant.get(),
+                        self.endpoint.get(),
+                        self.since,
+                        after,
+                        limit,
+                        key,
+                        fingerprint,
+                    )
+                    .fetch_one(c)
+                    .await
+                })
+                .await?;
+            done.add(r.changed);
+            if !r.known {
+                return Ok(done);
+            }
+            match r.last_created {
+                Some(last) => after = Some(last),
+                None => break,
+            }
+        }
+        let mut after: (Option<DateTime<Utc>>, Option<i64>) = (None, None);
+        loop {
+            let r = conn
+                .run(async |c| {
+                    sqlx::query!(
+                        r#"SELECT changed AS "changed!", last_at, last_sequence
+                             FROM oncepay_recover_webhook_reschedule($1, $2, $3, $4, $5, $6, $7, $8)"#,
+                        tenant.get(),
+                        self.endpoint.get(),
+                        self.since,
+                        after.0,
+                        after.1,
+                        limit,
+                        key,
+                        fingerprint,
+                    )
+                    .fetch_one(c)
+                    .await
+                })
+                .await?;
+            done.add(r.changed);
+            match (r.last_at, r.last_sequence) {
+                (Some(at), Some(sequence)) => after = (Some(at), Some(sequence)),
+                _ => break,
+            }
+        }
+        if key.is_none() {
+            self.prior = self.prior.saturating_add(done.deliveries);
+        }
+        Ok(done)
+    }
+}
+
+/// What a recovery's slices did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Slices {
+    /// Transactions run.
+    pub slices: u32,
+    /// Deliveries they changed.
+    pub deliveries: i32,
+}
+
+impl Slices {
+    fn add(&mut self, changed: i32) {
+        self.slices += 1;
+        self.deliveries = self.deliveries.saturating_add(changed);
+    }
 }
 
 /// A recovery's row (`webhook_recoveries`): its answer.
@@ -327,11 +427,12 @@ impl Effect for Recover {
         let r = sqlx::query!(
             r#"SELECT outcome AS "outcome!: ClaimOutcome", decline AS "decline: Decline", expires_at,
                       resource AS "resource: RecoveryRow"
-               FROM oncepay_recover_webhook_endpoint($1, $2, $3, $4)"#,
+               FROM oncepay_recover_webhook_endpoint($1, $2, $3, $4, $5)"#,
             tenant.get(),
             claim as _,
             self.endpoint.get(),
             self.since,
+            self.prior,
         )
         .fetch_one(conn)
         .await?;

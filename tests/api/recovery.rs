@@ -186,12 +186,14 @@ async fn a_recovery_while_an_events_last_failure_is_being_recorded_delivers_it_a
     drop_database(&url).await;
 }
 
-/// The one cycle the recovery's lock order leaves (migrations/V35): a call that locks the
-/// endpoint before its deliveries (here a disable, held open by the test) at the same moment.
-/// PostgreSQL's deadlock detector ends it; the recovery, which waited first, is the one
-/// rolled back, answers 503 (a transient failure), and its retry under the same key recovers.
+/// A recovery meeting a disable of its endpoint in progress (here held open by the test,
+/// which then moves the endpoint's pending delivery to `held`, as a disable does) waits for it:
+/// its slices take the endpoint's lock before any delivery's, and its keyed transaction locks
+/// only the deliveries it may change, not a due one (migrations/V51). Until V51 the recovery
+/// locked every pending delivery first, and the two ended in a deadlock (503, the retry
+/// recovered). It then counts nothing: held events are enable's to send.
 #[tokio::test]
-async fn a_recovery_meeting_a_disable_of_its_endpoint_in_a_lock_cycle_is_503_and_its_retry_recovers() {
+async fn a_recovery_meeting_a_disable_of_its_endpoint_waits_for_it_and_counts_nothing_held() {
     let (app, url) = spawn_app_on_own_database("recover_cycle").await;
     let receiver = Receiver::start().await;
     let endpoint = subscribe(&app, &receiver, None).await;
@@ -214,31 +216,245 @@ async fn a_recovery_meeting_a_disable_of_its_endpoint_in_a_lock_cycle_is_503_and
 
     let key = new_key();
     let recovery = tokio::spawn(recover_request(&app, &endpoint, key.clone(), since));
-    // The recovery holds the pending delivery and waits for the endpoint; the disable now
-    // waits for the delivery.
     tokio::time::sleep(Duration::from_millis(300)).await;
-    sqlx::query("UPDATE webhook_deliveries SET state = 'held', finished_at = now(), leased_until = NULL WHERE endpoint_id = $1 AND state = 'pending'")
-        .bind(endpoint_id)
-        .execute(&mut *disabling)
-        .await
-        .unwrap();
-    let answer = tokio::time::timeout(WAIT, recovery).await.unwrap().unwrap();
-    assert_eq!(answer.status(), 503, "{:?}", answer.text().await);
+    // The delivery is not the recovery's yet: the disable takes it without waiting.
+    tokio::time::timeout(
+        Duration::from_secs(5),
+        sqlx::query("UPDATE webhook_deliveries SET state = 'held', finished_at = now(), leased_until = NULL WHERE endpoint_id = $1 AND state = 'pending'")
+            .bind(endpoint_id)
+            .execute(&mut *disabling),
+    )
+    .await
+    .expect("the disable does not wait for the recovery")
+    .unwrap();
+    assert!(!recovery.is_finished(), "the recovery waits for the disable");
     disabling.commit().await.unwrap();
 
-    let retried = recover_request(&app, &endpoint, key, since).await;
-    assert_eq!(retried.status(), 202);
-    assert_eq!(
-        retried
-            .headers()
-            .get("idempotency-replayed")
-            .map(|v| v.to_str().unwrap()),
-        Some("false"),
-        "run, not replayed"
-    );
-    let body: Value = retried.json().await.unwrap();
-    // The disable held the event's delivery; held events are enable's to send, not counted.
+    let answer = tokio::time::timeout(WAIT, recovery).await.unwrap().unwrap();
+    assert_eq!(answer.status(), 202);
+    let body: Value = answer.json().await.unwrap();
     assert_eq!(body["deliveries"], 0, "{body}");
+    let state: String = sqlx::query_scalar("SELECT state FROM webhook_deliveries WHERE endpoint_id = $1")
+        .bind(endpoint_id)
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(state, "held");
+    drop(app);
+    drop_database(&url).await;
+}
+
+/// An endpoint of the app's tenant that no receiver answers (nothing delivers in these
+/// tests: their deliveries are made and read in SQL).
+async fn endpoint_nobody_answers(app: &TestApp) -> Uuid {
+    let created = app
+        .post(
+            "/webhook-endpoints",
+            Some(&new_key()),
+            &json!({ "url": "http://127.0.0.1:9/hooks" }),
+        )
+        .await;
+    assert_eq!(created.status, 201, "{}", created.body);
+    created.body["id"].as_str().unwrap().parse().unwrap()
+}
+
+/// `n` deliveries of an endpoint of the app's tenant, made in SQL as fan-out makes them
+/// (each with its event, one resource each), created `age` ago, a second apart going back,
+/// `state` and, if pending, due `due_in` from now, each after `attempts` attempts.
+async fn deliveries(app: &TestApp, endpoint: Uuid, n: i32, state: &str, age: &str, due_in: &str, attempts: i32) {
+    sqlx::query(
+        "WITH ev AS (
+             INSERT INTO webhook_events (tenant_id, event_id, event_type, resource_id, data, created_at)
+             SELECT $1, oncepay_uuid7(), 'top_up.succeeded', gen_random_uuid()::text, '{}'::jsonb,
+                    now() - $4::interval - g * interval '1 second'
+               FROM generate_series(1, $3) g
+             RETURNING event_id, resource_id, created_at)
+         INSERT INTO webhook_deliveries (tenant_id, event_id, endpoint_id, resource_id, state, attempts,
+                                         next_attempt_at, created_at, finished_at, schedule_start)
+         SELECT $1, ev.event_id, $2, ev.resource_id, $5, $7, now() + $6::interval, ev.created_at,
+                CASE WHEN $5 = 'pending' THEN NULL ELSE now() END, 0
+           FROM ev ORDER BY ev.created_at",
+    )
+    .bind(app.tenant_id)
+    .bind(endpoint)
+    .bind(n)
+    .bind(age)
+    .bind(state)
+    .bind(due_in)
+    .bind(attempts)
+    .execute(&app.pool)
+    .await
+    .unwrap();
+}
+
+/// Found from outside (2026-12-07): a recovery was one transaction, about 30,000 deliveries a
+/// second, so that one of 480,010 answered 503 at the statement timeout on every try. Here
+/// 100,000 deliveries of an endpoint down for days (three quarters given up, the rest waiting
+/// for a retry hours away) are recovered under a statement timeout of one second, in slices of
+/// 2,000: 202, each counted once, all due now with the schedule started again, and nothing
+/// before `since` touched. (In one transaction, as before V51, it answered 503.)
+#[tokio::test]
+async fn a_recovery_longer_than_the_statement_timeout_runs_in_slices_and_counts_each_delivery_once() {
+    let (app, url) = spawn_app_on_own_database_with("recover_slices", |s| {
+        s.statement_timeout = Duration::from_secs(1);
+        s.inflight_wait = Duration::from_millis(500);
+        s.webhooks.recovery_slice = 2_000;
+    })
+    .await;
+    let endpoint = endpoint_nobody_answers(&app).await;
+    deliveries(&app, endpoint, 75_000, "given_up", "1 hour", "0 seconds", 8).await;
+    deliveries(&app, endpoint, 25_000, "pending", "1 hour", "5 hours", 5).await;
+    // Before `since`: left alone.
+    deliveries(&app, endpoint, 10, "given_up", "4 days", "0 seconds", 8).await;
+    deliveries(&app, endpoint, 10, "pending", "4 days", "5 hours", 5).await;
+    sqlx::query("ANALYZE webhook_deliveries")
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    let since = unix_now() - 3 * 86_400;
+
+    let key = new_key();
+    let path = format!("/webhook-endpoints/{endpoint}/recover");
+    let recovered = app.post(&path, Some(&key), &json!({ "since": since })).await;
+
+    assert_eq!(recovered.status, 202, "{}", recovered.body);
+    assert_eq!(recovered.body["deliveries"], 100_000, "{}", recovered.body);
+    let states: Vec<(String, bool, bool, i64)> = sqlx::query_as(
+        "SELECT state, next_attempt_at <= now(), schedule_start = attempts, count(*)
+           FROM webhook_deliveries WHERE endpoint_id = $1 GROUP BY 1, 2, 3 ORDER BY 1, 2, 3",
+    )
+    .bind(endpoint)
+    .fetch_all(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        states,
+        [
+            ("given_up".to_owned(), true, false, 10),
+            ("pending".to_owned(), false, false, 10),
+            ("pending".to_owned(), true, true, 100_000),
+        ],
+        "every delivery since then due now with its schedule restarted, none before"
+    );
+    drop(app);
+    drop_database(&url).await;
+}
+
+/// A keyed recovery that fails after its slices committed (here its keyed transaction waits
+/// past the statement timeout for a delivery whose attempt is out, held by the test: 503) and
+/// is retried with its key answers the whole count: its slices' deliveries are added up under
+/// its key, not lost with the failed try (a client that gives up waiting, as the CLI does after
+/// 10 s, retries a long recovery so).
+#[tokio::test]
+async fn a_recovery_retried_after_a_failure_part_way_counts_what_its_first_try_did() {
+    let (app, url) = spawn_app_on_own_database_with("recover_part_way", |s| {
+        s.statement_timeout = Duration::from_secs(1);
+        s.inflight_wait = Duration::from_millis(500);
+    })
+    .await;
+    let endpoint = endpoint_nobody_answers(&app).await;
+    deliveries(&app, endpoint, 5, "given_up", "1 minute", "0 seconds", 8).await;
+    deliveries(&app, endpoint, 3, "pending", "1 minute", "1 hour", 3).await;
+    deliveries(&app, endpoint, 1, "pending", "1 minute", "1 hour", 3).await;
+    let out: Uuid = sqlx::query_scalar(
+        "UPDATE webhook_deliveries SET leased_until = now() + interval '1 hour'
+          WHERE event_id = (SELECT event_id FROM webhook_deliveries WHERE endpoint_id = $1 AND state = 'pending'
+                             ORDER BY created_at DESC LIMIT 1)
+         RETURNING event_id",
+    )
+    .bind(endpoint)
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    let mut recording = app.pool.begin().await.unwrap();
+    sqlx::query("SELECT FROM webhook_deliveries WHERE event_id = $1 FOR UPDATE")
+        .bind(out)
+        .execute(&mut *recording)
+        .await
+        .unwrap();
+    let since = unix_now() - 3_600;
+    let key = new_key();
+    let path = format!("/webhook-endpoints/{endpoint}/recover");
+
+    let first = app.post(&path, Some(&key), &json!({ "since": since })).await;
+    first.assert_problem(503, "temporarily_unavailable");
+    let done: Vec<(String, bool, i64)> = sqlx::query_as(
+        "SELECT state, next_attempt_at <= now(), count(*) FROM webhook_deliveries
+          WHERE endpoint_id = $1 AND leased_until IS NULL GROUP BY 1, 2",
+    )
+    .bind(endpoint)
+    .fetch_all(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        done,
+        [("pending".to_owned(), true, 8)],
+        "the slices before the failure: the given up reopened, the waiting made due"
+    );
+    recording.rollback().await.unwrap();
+    let retried = app.post(&path, Some(&key), &json!({ "since": since })).await;
+
+    assert_eq!(retried.status, 202, "{}", retried.body);
+    assert!(!retried.replayed());
+    assert_eq!(
+        retried.body["deliveries"], 9,
+        "the first try's eight and the one out: {}",
+        retried.body
+    );
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM webhook_recovery_progress")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(left, 0, "the progress taken into the answer");
+    drop(app);
+    drop_database(&url).await;
+}
+
+/// A recovery's slices run before its key is stored, so a retry after a failure part-way
+/// finds what they did done; a request whose key is stored runs none. Here the recovered
+/// deliveries are given up again, and the same request reaches another replica (whose replay
+/// cache does not know the key): it replays the answer and reopens nothing.
+#[tokio::test]
+async fn a_replayed_recovery_reopens_nothing_on_any_replica() {
+    let (app, url) = spawn_app_on_own_database("recover_replay").await;
+    let other = TestApp::builder()
+        .settings(|s| s.database_url = crate::support::helpers::server_url(&url))
+        .tenant_of(&app)
+        .spawn()
+        .await;
+    let endpoint = endpoint_nobody_answers(&app).await;
+    deliveries(&app, endpoint, 5, "given_up", "1 minute", "0 seconds", 8).await;
+    let since = unix_now() - 3_600;
+    let key = new_key();
+    let path = format!("/webhook-endpoints/{endpoint}/recover");
+    let first = app.post(&path, Some(&key), &json!({ "since": since })).await;
+    assert_eq!(
+        (first.status, &first.body["deliveries"]),
+        (202, &json!(5)),
+        "{}",
+        first.body
+    );
+    let given_up_again =
+        sqlx::query("UPDATE webhook_deliveries SET state = 'given_up', finished_at = now() WHERE endpoint_id = $1")
+            .bind(endpoint)
+            .execute(&app.pool)
+            .await
+            .unwrap()
+            .rows_affected();
+    assert_eq!(given_up_again, 5);
+
+    let replay = other.post(&path, Some(&key), &json!({ "since": since })).await;
+
+    assert!(replay.replayed());
+    assert_eq!((replay.status, &replay.body), (202, &first.body));
+    let pending: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM webhook_deliveries WHERE endpoint_id = $1 AND state <> 'given_up'")
+            .bind(endpoint)
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    assert_eq!(pending, 0, "the replay reopened nothing");
+    drop(other);
     drop(app);
     drop_database(&url).await;
 }
@@ -809,4 +1025,35 @@ async fn a_404_names_what_its_call_looked_for_and_its_replay_says_the_same() {
             }
         }
     }
+}
+
+/// The progress of a keyed recovery whose request never came back is purged with the
+/// recoveries, after the events' retention; a recent one is kept for its retry.
+#[tokio::test]
+async fn a_recoverys_progress_never_taken_is_purged_after_the_retention() {
+    let app = spawn_app().await;
+    let (old, young) = (new_key(), new_key());
+    for (key, age) in [(&old, "31 days"), (&young, "1 hour")] {
+        sqlx::query(
+            "INSERT INTO webhook_recovery_progress (tenant_id, idempotency_key, fingerprint, deliveries, updated_at)
+             VALUES ($1, $2, '\\x00', 7, now() - $3::interval)",
+        )
+        .bind(app.tenant_id)
+        .bind(key)
+        .bind(age)
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    }
+
+    let purged = app.admin(reqwest::Method::POST, "/admin/purge", None).await;
+
+    assert_eq!(purged.status, 200, "{}", purged.body);
+    let kept: Vec<String> =
+        sqlx::query_scalar("SELECT idempotency_key FROM webhook_recovery_progress WHERE tenant_id = $1")
+            .bind(app.tenant_id)
+            .fetch_all(&app.pool)
+            .await
+            .unwrap();
+    assert_eq!(kept, [young]);
 }
