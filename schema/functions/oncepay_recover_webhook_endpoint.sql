@@ -61,6 +61,7 @@ CREATE OR REPLACE FUNCTION public.oncepay_recover_webhook_endpoint(p_tenant uuid
  RETURNS TABLE(outcome oncepay_outcome, decline oncepay_decline, expires_at timestamp with time zone, resource webhook_recoveries)
  LANGUAGE plpgsql
  SET enable_seqscan TO 'off'
+ SET enable_bitmapscan TO 'off'
 AS $function$
 #variable_conflict use_column
 DECLARE
@@ -75,11 +76,22 @@ BEGIN
          WHERE g.tenant_id = p_tenant AND g.idempotency_key = p.key AND g.fingerprint = p.fingerprint
         RETURNING g.deliveries INTO v_progress;
         -- The deliveries the update below may change that a record may hold, waited for, in
-        -- the record's order.
+        -- the record's order. Found by the two indexes that hold them, by plain index scans:
+        -- after the slices every pending delivery is due, and the statistics do not know it
+        -- yet (they were taken before the recovery), so the planner chose a bitmap scan of all
+        -- the endpoint's pending deliveries: 130-150 ms at 450,000, against 0.2 ms.
         PERFORM FROM webhook_deliveries w
           WHERE w.tenant_id = p_tenant AND w.endpoint_id = p_endpoint AND w.state = 'pending'
             AND w.created_at >= p_since
-            AND (w.next_attempt_at > now() OR w.leased_until IS NOT NULL)
+            AND w.event_id = ANY (ARRAY(
+                    (SELECT n.event_id FROM webhook_deliveries n
+                     WHERE n.tenant_id = p_tenant AND n.endpoint_id = p_endpoint AND n.state = 'pending'
+                       AND n.next_attempt_at > now()
+                       ORDER BY n.next_attempt_at, n.sequence)
+                    UNION ALL
+                    SELECT l.event_id FROM webhook_deliveries l
+                     WHERE l.tenant_id = p_tenant AND l.endpoint_id = p_endpoint AND l.state = 'pending'
+                       AND l.leased_until IS NOT NULL))
           ORDER BY w.tenant_id, w.event_id, w.endpoint_id
             FOR UPDATE OF w;
         SELECT e.* INTO ep FROM webhook_endpoints e
@@ -99,13 +111,24 @@ BEGIN
                                   AND a.endpoint_id = d.endpoint_id AND a.status BETWEEN 200 AND 299);
             GET DIAGNOSTICS v_reopened = ROW_COUNT;
             -- One whose attempt is out (leased) has its schedule restarted under that attempt:
-            -- if it fails, the record sends it again at once (V33).
+            -- if it fails, the record sends it again at once (V33). Not one whose schedule was
+            -- just restarted (by a slice, or another recovery at once): counted once.
             UPDATE webhook_deliveries d
                SET next_attempt_at = CASE WHEN d.leased_until > now() THEN d.next_attempt_at ELSE now() END,
                    schedule_start = d.attempts
              WHERE d.tenant_id = p_tenant AND d.endpoint_id = p_endpoint AND d.state = 'pending'
                AND d.created_at >= p_since
-               AND (d.next_attempt_at > now() OR d.leased_until > now());
+               AND d.event_id = ANY (ARRAY(
+                       (SELECT n.event_id FROM webhook_deliveries n
+                        WHERE n.tenant_id = p_tenant AND n.endpoint_id = p_endpoint AND n.state = 'pending'
+                          AND n.next_attempt_at > now()
+                          ORDER BY n.next_attempt_at, n.sequence)
+                       UNION ALL
+                       SELECT l.event_id FROM webhook_deliveries l
+                        WHERE l.tenant_id = p_tenant AND l.endpoint_id = p_endpoint AND l.state = 'pending'
+                          AND l.leased_until > now()))
+               AND (d.next_attempt_at > now() OR d.leased_until > now())
+               AND d.schedule_start < d.attempts;
             GET DIAGNOSTICS v_due = ROW_COUNT;
             INSERT INTO webhook_recoveries AS r (tenant_id, recovery_id, endpoint_id, since, deliveries,
                                                  idempotency_key, created_at)

@@ -30,7 +30,8 @@ BEGIN
     UPDATE webhook_deliveries d
        SET next_attempt_at = now(), schedule_start = d.attempts
      WHERE d.tenant_id = p_tenant AND d.event_id = ANY (v_events) AND d.endpoint_id = p_endpoint
-       AND d.state = 'pending' AND d.next_attempt_at > now() AND NOT coalesce(d.leased_until > now(), false);
+       AND d.state = 'pending' AND d.next_attempt_at > now() AND NOT coalesce(d.leased_until > now(), false)
+       AND d.schedule_start < d.attempts;
     GET DIAGNOSTICS changed = ROW_COUNT;
     PERFORM oncepay_recover_webhook_progress(p_tenant, p_key, p_fingerprint, changed);
     RETURN NEXT;

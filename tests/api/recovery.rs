@@ -410,6 +410,49 @@ async fn a_recovery_retried_after_a_failure_part_way_counts_what_its_first_try_d
     drop_database(&url).await;
 }
 
+/// Found from outside: a retry sent while its first request still ran (the server goes on
+/// after a client gives up) answered 1,835 more deliveries than there were. Both requests'
+/// slices ran at once; one that began before the other's and waited for its lock then found
+/// the delivery the other had made due at its own, later, start, "not due yet", and counted it
+/// again. Here the test's transaction plays the other request: it holds a waiting delivery
+/// while the recovery's slice waits for it, then makes it due as a slice does and commits.
+#[tokio::test]
+async fn a_delivery_another_recovery_just_made_due_is_not_counted_again() {
+    let (app, url) = spawn_app_on_own_database("recover_twice_at_once").await;
+    let endpoint = endpoint_nobody_answers(&app).await;
+    deliveries(&app, endpoint, 1, "pending", "1 minute", "1 hour", 3).await;
+    let mut other = app.pool.begin().await.unwrap();
+    sqlx::query("SELECT FROM webhook_deliveries WHERE endpoint_id = $1 FOR UPDATE")
+        .bind(endpoint)
+        .execute(&mut *other)
+        .await
+        .unwrap();
+    let recovery = tokio::spawn(recover_request(
+        &app,
+        &endpoint.to_string(),
+        new_key(),
+        unix_now() - 3_600,
+    ));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    sqlx::query(
+        "UPDATE webhook_deliveries SET next_attempt_at = clock_timestamp(), schedule_start = attempts
+          WHERE endpoint_id = $1",
+    )
+    .bind(endpoint)
+    .execute(&mut *other)
+    .await
+    .unwrap();
+    other.commit().await.unwrap();
+
+    let answer = tokio::time::timeout(WAIT, recovery).await.unwrap().unwrap();
+
+    assert_eq!(answer.status(), 202);
+    let body: Value = answer.json().await.unwrap();
+    assert_eq!(body["deliveries"], 0, "made due by the other: {body}");
+    drop(app);
+    drop_database(&url).await;
+}
+
 /// A recovery's slices run before its key is stored, so a retry after a failure part-way
 /// finds what they did done; a request whose key is stored runs none. Here the recovered
 /// deliveries are given up again, and the same request reaches another replica (whose replay
