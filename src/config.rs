@@ -417,7 +417,7 @@ impl Settings {
         if self.webhooks.recovery_slice == 0 || self.webhooks.recovery_slice > 1_000_000 {
             bail!(
                 "ONCEPAY_WEBHOOK_RECOVERY_SLICE must be between 1 and 1000000 deliveries (a recovery's \
-                 transaction; about 30,000 take a second)"
+                 transaction; 5,000 take 0.1-0.2 s)"
             );
         }
         if self.webhooks.disable_after.is_zero() || self.webhooks.disable_after.as_secs() > i32::MAX as u64 {

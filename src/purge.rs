@@ -245,7 +245,8 @@ pub async fn purge_deleted_endpoints(db: &Db, retention: Retention, batch: i64) 
 /// goes (an endpoint disabled for the whole retention, or failing past it) goes with it: it is
 /// counted and logged, never sent. A delivery still pending or held for an endpoint deleted
 /// meanwhile (written by a fan-out that raced the deletion) is cancelled first. Recoveries, and
-/// the progress of those never finished, go after the same retention. Batches as for the keys; returns the events deleted.
+/// the progress of those never finished, go after the same retention. Batches as for the keys;
+/// returns the events deleted.
 pub async fn purge_webhooks(db: &Db, retention: Duration, batch: i64) -> Result<u64, DbError> {
     let retention_secs = retention.as_secs_f64();
     db.run(async |c| {
