@@ -100,16 +100,8 @@ BEGIN
         IF NOT FOUND THEN
             c := oncepay_decline(p_tenant, p, 'not_found');
         ELSE
-            UPDATE webhook_deliveries d
-               SET state = CASE WHEN ep.disabled_at IS NULL THEN 'pending' ELSE 'held' END,
-                   finished_at = CASE WHEN ep.disabled_at IS NULL THEN NULL ELSE now() END,
-                   next_attempt_at = now(), leased_until = NULL, schedule_start = d.attempts
-             WHERE d.tenant_id = p_tenant AND d.endpoint_id = p_endpoint
-               AND d.state IN ('given_up', 'cancelled') AND d.created_at >= p_since
-               AND NOT EXISTS (SELECT FROM webhook_attempts a
-                                WHERE a.tenant_id = d.tenant_id AND a.event_id = d.event_id
-                                  AND a.endpoint_id = d.endpoint_id AND a.status BETWEEN 200 AND 299);
-            GET DIAGNOSTICS v_reopened = ROW_COUNT;
+            v_reopened := oncepay_recover_webhook_reopen_rows(p_tenant, p_endpoint, ep.disabled_at IS NOT NULL,
+                                                              p_since, NULL, NULL);
             -- One whose attempt is out (leased) has its schedule restarted under that attempt:
             -- if it fails, the record sends it again at once (V33). Not one whose schedule was
             -- just restarted (by a slice, or another recovery at once): counted once.

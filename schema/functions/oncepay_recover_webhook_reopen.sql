@@ -24,18 +24,8 @@ BEGIN
        AND (p_after IS NULL OR d.created_at > p_after)
      ORDER BY d.created_at
     OFFSET p_limit - 1 LIMIT 1;
-    UPDATE webhook_deliveries d
-       SET state = CASE WHEN ep.disabled_at IS NULL THEN 'pending' ELSE 'held' END,
-           finished_at = CASE WHEN ep.disabled_at IS NULL THEN NULL ELSE now() END,
-           next_attempt_at = now(), leased_until = NULL, schedule_start = d.attempts
-     WHERE d.tenant_id = p_tenant AND d.endpoint_id = p_endpoint
-       AND d.state IN ('given_up', 'cancelled') AND d.created_at >= v_from
-       AND (p_after IS NULL OR d.created_at > p_after)
-       AND (v_until IS NULL OR d.created_at <= v_until)
-       AND NOT EXISTS (SELECT FROM webhook_attempts a
-                        WHERE a.tenant_id = d.tenant_id AND a.event_id = d.event_id
-                          AND a.endpoint_id = d.endpoint_id AND a.status BETWEEN 200 AND 299);
-    GET DIAGNOSTICS changed = ROW_COUNT;
+    changed := oncepay_recover_webhook_reopen_rows(p_tenant, p_endpoint, ep.disabled_at IS NOT NULL,
+                                                    v_from, p_after, v_until);
     PERFORM oncepay_recover_webhook_progress(p_tenant, p_key, p_fingerprint, changed);
     known := true; last_created := v_until;
     RETURN NEXT;

@@ -27,12 +27,20 @@ BEGIN
       WHERE w.tenant_id = p_tenant AND w.event_id = ANY (v_events) AND w.endpoint_id = p_endpoint
       ORDER BY w.tenant_id, w.event_id, w.endpoint_id
         FOR UPDATE OF w;
-    UPDATE webhook_deliveries d
-       SET next_attempt_at = now(), schedule_start = d.attempts
-     WHERE d.tenant_id = p_tenant AND d.event_id = ANY (v_events) AND d.endpoint_id = p_endpoint
-       AND d.state = 'pending' AND d.next_attempt_at > now() AND NOT coalesce(d.leased_until > now(), false)
-       AND d.schedule_start < d.attempts;
-    GET DIAGNOSTICS changed = ROW_COUNT;
+    WITH due AS (
+        UPDATE webhook_deliveries d
+           SET next_attempt_at = now(), schedule_start = d.attempts
+         WHERE d.tenant_id = p_tenant AND d.event_id = ANY (v_events) AND d.endpoint_id = p_endpoint
+           AND d.state = 'pending' AND d.next_attempt_at > now() AND NOT coalesce(d.leased_until > now(), false)
+           AND d.schedule_start < d.attempts
+        RETURNING d.resource_id, d.sequence),
+    pushed AS (
+        UPDATE webhook_deliveries s SET next_attempt_at = now()
+          FROM (SELECT r.resource_id, min(r.sequence) AS sequence FROM due r GROUP BY r.resource_id) r
+         WHERE s.tenant_id = p_tenant AND s.endpoint_id = p_endpoint AND s.resource_id = r.resource_id
+           AND s.sequence > r.sequence AND s.finished_at IS NULL AND s.state = 'pending'
+           AND s.leased_until IS NULL AND s.next_attempt_at < now())
+    SELECT count(*)::int INTO changed FROM due;
     PERFORM oncepay_recover_webhook_progress(p_tenant, p_key, p_fingerprint, changed);
     RETURN NEXT;
 END

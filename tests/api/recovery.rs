@@ -453,6 +453,74 @@ async fn a_delivery_another_recovery_just_made_due_is_not_counted_again() {
     drop_database(&url).await;
 }
 
+/// Found from outside: after a recovery, refunds that had been due for hours (retried while
+/// their payments were given up, or waited for a retry) stood at the head of their endpoint's
+/// due deliveries, each behind its payment, now due later: every claim read all 6,670 of
+/// them to take none, and the endpoint drained at 300-360 deliveries a second. A recovery now
+/// makes such a later delivery of a resource due with the earlier one it makes due, so that
+/// the claim's order (due time, then sequence) has the payment first.
+#[tokio::test]
+async fn a_recovery_puts_a_resources_later_delivery_due_earlier_behind_the_one_it_makes_due() {
+    let (app, url) = spawn_app_on_own_database("recover_behind").await;
+    let endpoint = endpoint_nobody_answers(&app).await;
+    // Two resources, each a payment's event and its refund's: one payment given up, the other
+    // waiting for a retry an hour away; both refunds pending, due since an hour.
+    for (payment_state, payment_due) in [("given_up", "0 seconds"), ("pending", "1 hour")] {
+        sqlx::query(
+            "WITH ev AS (
+                 INSERT INTO webhook_events (tenant_id, event_id, event_type, resource_id, data, created_at)
+                 SELECT $1, oncepay_uuid7(), t, r.id, '{}'::jsonb, now() - interval '2 hours' + n * interval '1 second'
+                   FROM (SELECT gen_random_uuid()::text AS id) r,
+                        (VALUES (1, 'payment.succeeded'), (2, 'payment.refunded')) v(n, t)
+                 RETURNING event_id, resource_id, created_at, event_type)
+             INSERT INTO webhook_deliveries (tenant_id, event_id, endpoint_id, resource_id, state, attempts,
+                                             next_attempt_at, created_at, finished_at, schedule_start)
+             SELECT $1, ev.event_id, $2, ev.resource_id,
+                    CASE WHEN ev.event_type = 'payment.succeeded' THEN $3 ELSE 'pending' END, 4,
+                    CASE WHEN ev.event_type = 'payment.succeeded' THEN now() + $4::interval ELSE now() - interval '1 hour' END,
+                    ev.created_at,
+                    CASE WHEN ev.event_type = 'payment.succeeded' AND $3 = 'given_up' THEN now() END, 0
+               FROM ev ORDER BY ev.created_at",
+        )
+        .bind(app.tenant_id)
+        .bind(endpoint)
+        .bind(payment_state)
+        .bind(payment_due)
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    }
+
+    let recovered = recover(&app, &endpoint.to_string(), unix_now() - 3 * 3_600).await;
+
+    assert_eq!(recovered.status, 202, "{}", recovered.body);
+    assert_eq!(recovered.body["deliveries"], 2, "the two payments: {}", recovered.body);
+    let order: Vec<String> = sqlx::query_scalar(
+        "SELECT e.event_type FROM webhook_deliveries d
+           JOIN webhook_events e USING (tenant_id, event_id)
+          WHERE d.endpoint_id = $1 AND d.state = 'pending'
+          ORDER BY d.next_attempt_at, d.sequence",
+    )
+    .bind(endpoint)
+    .fetch_all(&app.pool)
+    .await
+    .unwrap();
+    let behind: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM webhook_deliveries later JOIN webhook_deliveries earlier
+             ON earlier.tenant_id = later.tenant_id AND earlier.endpoint_id = later.endpoint_id
+            AND earlier.resource_id = later.resource_id AND earlier.sequence < later.sequence
+          WHERE later.endpoint_id = $1 AND later.state = 'pending' AND earlier.state = 'pending'
+            AND (later.next_attempt_at, later.sequence) < (earlier.next_attempt_at, earlier.sequence)",
+    )
+    .bind(endpoint)
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(behind, 0, "no refund due before its payment: {order:?}");
+    drop(app);
+    drop_database(&url).await;
+}
+
 /// A recovery's slices run before its key is stored, so a retry after a failure part-way
 /// finds what they did done; a request whose key is stored runs none. Here the recovered
 /// deliveries are given up again, and the same request reaches another replica (whose replay
