@@ -70,6 +70,8 @@ DECLARE
     v_reopened int;
     v_due int;
     v_progress bigint;
+    v_resources text[];
+    v_sequences bigint[];
 BEGIN
     IF c.outcome = 'created' THEN
         DELETE FROM webhook_recovery_progress g
@@ -104,24 +106,34 @@ BEGIN
                                                               p_since, NULL, NULL);
             -- One whose attempt is out (leased) has its schedule restarted under that attempt:
             -- if it fails, the record sends it again at once (V33). Not one whose schedule was
-            -- just restarted (by a slice, or another recovery at once): counted once.
-            UPDATE webhook_deliveries d
-               SET next_attempt_at = CASE WHEN d.leased_until > now() THEN d.next_attempt_at ELSE now() END,
-                   schedule_start = d.attempts
-             WHERE d.tenant_id = p_tenant AND d.endpoint_id = p_endpoint AND d.state = 'pending'
-               AND d.created_at >= p_since
-               AND d.event_id = ANY (ARRAY(
-                       (SELECT n.event_id FROM webhook_deliveries n
-                        WHERE n.tenant_id = p_tenant AND n.endpoint_id = p_endpoint AND n.state = 'pending'
-                          AND n.next_attempt_at > now()
-                          ORDER BY n.next_attempt_at, n.sequence)
-                       UNION ALL
-                       SELECT l.event_id FROM webhook_deliveries l
-                        WHERE l.tenant_id = p_tenant AND l.endpoint_id = p_endpoint AND l.state = 'pending'
-                          AND l.leased_until > now()))
-               AND (d.next_attempt_at > now() OR d.leased_until > now())
-               AND d.schedule_start < d.attempts;
-            GET DIAGNOSTICS v_due = ROW_COUNT;
+            -- just restarted (by a slice, or another recovery at once): counted once. The later
+            -- deliveries of the resources of those made due come behind them (see the header;
+            -- not due, they were locked above).
+            WITH due AS (
+                UPDATE webhook_deliveries d
+                   SET next_attempt_at = CASE WHEN d.leased_until > now() THEN d.next_attempt_at ELSE now() END,
+                       schedule_start = d.attempts
+                 WHERE d.tenant_id = p_tenant AND d.endpoint_id = p_endpoint AND d.state = 'pending'
+                   AND d.created_at >= p_since
+                   AND d.event_id = ANY (ARRAY(
+                           (SELECT n.event_id FROM webhook_deliveries n
+                            WHERE n.tenant_id = p_tenant AND n.endpoint_id = p_endpoint AND n.state = 'pending'
+                              AND n.next_attempt_at > now()
+                              ORDER BY n.next_attempt_at, n.sequence)
+                           UNION ALL
+                           SELECT l.event_id FROM webhook_deliveries l
+                            WHERE l.tenant_id = p_tenant AND l.endpoint_id = p_endpoint AND l.state = 'pending'
+                              AND l.leased_until > now()))
+                   AND (d.next_attempt_at > now() OR d.leased_until > now())
+                   AND d.schedule_start < d.attempts
+                RETURNING d.resource_id, d.sequence, d.leased_until > now() AS leased),
+            firsts AS (
+                SELECT r.resource_id, min(r.sequence) AS sequence FROM due r
+                 WHERE NOT coalesce(r.leased, false) GROUP BY r.resource_id)
+            SELECT (SELECT count(*)::int FROM due), array_agg(f.resource_id), array_agg(f.sequence)
+              INTO v_due, v_resources, v_sequences
+              FROM firsts f;
+            PERFORM oncepay_webhook_due_behind(p_tenant, p_endpoint, v_resources, v_sequences, now());
             INSERT INTO webhook_recoveries AS r (tenant_id, recovery_id, endpoint_id, since, deliveries,
                                                  idempotency_key, created_at)
             VALUES (p_tenant, c.resource_id::uuid, p_endpoint, p_since,

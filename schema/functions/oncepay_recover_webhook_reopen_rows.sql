@@ -1,8 +1,13 @@
 CREATE OR REPLACE FUNCTION public.oncepay_recover_webhook_reopen_rows(p_tenant uuid, p_endpoint uuid, p_disabled boolean, p_from timestamp with time zone, p_after timestamp with time zone, p_until timestamp with time zone)
  RETURNS integer
- LANGUAGE sql
+ LANGUAGE plpgsql
  SET enable_seqscan TO 'off'
 AS $function$
+DECLARE
+    v_resources text[];
+    v_sequences bigint[];
+    v_n int;
+BEGIN
     WITH reopened AS (
         UPDATE webhook_deliveries d
            SET state = CASE WHEN p_disabled THEN 'held' ELSE 'pending' END,
@@ -16,14 +21,15 @@ AS $function$
                             WHERE a.tenant_id = d.tenant_id AND a.event_id = d.event_id
                               AND a.endpoint_id = d.endpoint_id AND a.status BETWEEN 200 AND 299)
         RETURNING d.resource_id, d.sequence, d.state),
-    pushed AS (
-        UPDATE webhook_deliveries s SET next_attempt_at = now()
-          FROM (SELECT r.resource_id, min(r.sequence) AS sequence FROM reopened r
-                 WHERE r.state = 'pending' GROUP BY r.resource_id) r
-         WHERE s.tenant_id = p_tenant AND s.endpoint_id = p_endpoint AND s.resource_id = r.resource_id
-           AND s.sequence > r.sequence AND s.finished_at IS NULL AND s.state = 'pending'
-           AND s.leased_until IS NULL AND s.next_attempt_at < now())
-    SELECT count(*)::int FROM reopened;
+    firsts AS (
+        SELECT r.resource_id, min(r.sequence) AS sequence FROM reopened r
+         WHERE r.state = 'pending' GROUP BY r.resource_id)
+    SELECT (SELECT count(*)::int FROM reopened), array_agg(f.resource_id), array_agg(f.sequence)
+      INTO v_n, v_resources, v_sequences
+      FROM firsts f;
+    PERFORM oncepay_webhook_due_behind(p_tenant, p_endpoint, v_resources, v_sequences, now());
+    RETURN v_n;
+END
 $function$
 
 

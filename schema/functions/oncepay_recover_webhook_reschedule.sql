@@ -7,6 +7,8 @@ AS $function$
 DECLARE
     v_events uuid[];
     v_seen int;
+    v_resources text[];
+    v_sequences bigint[];
 BEGIN
     SELECT array_agg(s.event_id) FILTER (WHERE s.created_at >= p_since AND NOT s.leased), count(*),
            (array_agg(s.next_attempt_at ORDER BY s.next_attempt_at DESC, s.sequence DESC))[1],
@@ -34,13 +36,12 @@ BEGIN
            AND d.state = 'pending' AND d.next_attempt_at > now() AND NOT coalesce(d.leased_until > now(), false)
            AND d.schedule_start < d.attempts
         RETURNING d.resource_id, d.sequence),
-    pushed AS (
-        UPDATE webhook_deliveries s SET next_attempt_at = now()
-          FROM (SELECT r.resource_id, min(r.sequence) AS sequence FROM due r GROUP BY r.resource_id) r
-         WHERE s.tenant_id = p_tenant AND s.endpoint_id = p_endpoint AND s.resource_id = r.resource_id
-           AND s.sequence > r.sequence AND s.finished_at IS NULL AND s.state = 'pending'
-           AND s.leased_until IS NULL AND s.next_attempt_at < now())
-    SELECT count(*)::int INTO changed FROM due;
+    firsts AS (
+        SELECT r.resource_id, min(r.sequence) AS sequence FROM due r GROUP BY r.resource_id)
+    SELECT (SELECT count(*)::int FROM due), array_agg(f.resource_id), array_agg(f.sequence)
+      INTO changed, v_resources, v_sequences
+      FROM firsts f;
+    PERFORM oncepay_webhook_due_behind(p_tenant, p_endpoint, v_resources, v_sequences, now());
     PERFORM oncepay_recover_webhook_progress(p_tenant, p_key, p_fingerprint, changed);
     RETURN NEXT;
 END

@@ -28,6 +28,8 @@ BEGIN
                 ELSIF d.state = 'pending' AND (d.leased_until IS NULL OR d.leased_until <= now()) THEN
                     UPDATE webhook_deliveries w SET next_attempt_at = now(), schedule_start = w.attempts
                      WHERE w.tenant_id = p_tenant AND w.event_id = p_event AND w.endpoint_id = p_endpoint;
+                    PERFORM oncepay_webhook_due_behind(p_tenant, p_endpoint, ARRAY[d.resource_id],
+                                                       ARRAY[d.sequence], now());
                 ELSIF d.state = 'pending' THEN
                     RAISE EXCEPTION 'an attempt of this event to this endpoint is out; resend once it is settled'
                         USING ERRCODE = 'lock_not_available';

@@ -27,7 +27,12 @@ BEGIN
         -- In event order: the identity that orders a resource's deliveries is taken row by row.
         INSERT INTO webhook_deliveries (tenant_id, event_id, endpoint_id, resource_id, next_attempt_at,
                                         created_at, state, finished_at)
-        SELECT f.tenant_id, f.event_id, e.endpoint_id, f.resource_id, now(), f.created_at,
+        SELECT f.tenant_id, f.event_id, e.endpoint_id, f.resource_id,
+               greatest(now(), (SELECT max(o.next_attempt_at) FROM webhook_deliveries o
+                                 WHERE o.tenant_id = f.tenant_id AND o.endpoint_id = e.endpoint_id
+                                   AND o.resource_id = f.resource_id AND o.finished_at IS NULL
+                                   AND o.leased_until IS NULL)),
+               f.created_at,
                CASE WHEN e.disabled_at IS NULL THEN 'pending' ELSE 'held' END,
                CASE WHEN e.disabled_at IS NULL THEN NULL ELSE now() END
           FROM fanned f

@@ -23,6 +23,9 @@ DECLARE
     v_previous timestamptz;
     v_live boolean;
     v_gave_up boolean;
+    v_resource text;
+    v_sequence bigint;
+    v_due timestamptz;
 BEGIN
     PERFORM set_config('synchronous_commit', 'off', true);
     INSERT INTO webhook_attempts (tenant_id, event_id, endpoint_id, attempt, started_at, latency_ms,
@@ -82,7 +85,8 @@ BEGIN
                    schedule_start = least(d.schedule_start, d.attempts - 1),
                    next_attempt_at = coalesce(p_next_attempt_at[i], now())
              WHERE d.tenant_id = p_tenant[i] AND d.event_id = p_event[i] AND d.endpoint_id = p_endpoint[i]
-               AND (d.state = 'pending') IS TRUE AND d.attempts = p_attempt[i];
+               AND (d.state = 'pending') IS TRUE AND d.attempts = p_attempt[i]
+            RETURNING d.resource_id, d.sequence, d.next_attempt_at INTO v_resource, v_sequence, v_due;
             v_gave_up := false;
         ELSE
             -- schedule_start at or past this attempt: a recovery restarted the schedule while
@@ -97,9 +101,15 @@ BEGIN
                                       THEN now() END
              WHERE d.tenant_id = p_tenant[i] AND d.event_id = p_event[i] AND d.endpoint_id = p_endpoint[i]
                AND (d.state = 'pending') IS TRUE AND d.attempts = p_attempt[i]
-            RETURNING d.state = 'given_up' INTO v_gave_up;
+            RETURNING d.state = 'given_up', d.resource_id, d.sequence,
+                      CASE WHEN d.state = 'pending' THEN d.next_attempt_at END
+                 INTO v_gave_up, v_resource, v_sequence, v_due;
         END IF;
         v_current[i] := FOUND;
+        IF v_current[i] AND v_due IS NOT NULL THEN
+            PERFORM oncepay_webhook_due_behind(p_tenant[i], p_endpoint[i], ARRAY[v_resource],
+                                               ARRAY[v_sequence], v_due);
+        END IF;
         tenant := p_tenant[i];
         event_id := p_event[i];
         endpoint_id := p_endpoint[i];

@@ -918,6 +918,119 @@ async fn a_resent_event_is_claimed_before_the_later_events_of_its_resource_with_
     drop_database(&url).await;
 }
 
+/// A payment's event whose attempt failed waits for its retry, an hour away; its refund's
+/// event, fanned out meanwhile, waits behind it, not due before it (V52: due first, it was
+/// read by every claim and taken by none). Made due again, by a resend or a recovery, the
+/// payment's event brings its refund's with it: once the payment's is delivered, the refund's
+/// goes at once, not at the payment's old retry time (on a database of its own: the test
+/// claims and records by hand, as a deliverer does).
+#[tokio::test]
+async fn a_refund_waiting_behind_its_payments_retry_comes_with_it_when_it_is_resent_or_recovered() {
+    let (app, url) = spawn_app_on_own_database("behind_retry").await;
+    let endpoint = endpoint_nobody_answers(&app).await;
+    let fan_out = || async {
+        sqlx::query("SELECT oncepay_webhook_fan_out(1000)")
+            .execute(&app.pool)
+            .await
+            .unwrap();
+    };
+    // (event, attempt, event type) of each delivery claimed.
+    let claim = || async {
+        let claimed: Vec<(Uuid, i32, String)> = sqlx::query_as(
+            "SELECT c.event_id, c.attempt, c.event_type
+               FROM oncepay_webhook_claim_scheduled(10, 10, 30000, false, '{}', '{}', 10) c ORDER BY 3, 1",
+        )
+        .fetch_all(&app.pool)
+        .await
+        .unwrap();
+        claimed
+    };
+    let record = |event: Uuid, attempt: i32, outcome: &'static str| {
+        let (tenant, pool) = (app.tenant_id, app.pool.clone());
+        async move {
+            let applied: bool = sqlx::query_scalar(
+                "SELECT oncepay_webhook_record($1, $2, $3, $4, now(), 30,
+                                               CASE WHEN $5 = 'delivered' THEN 200 ELSE 500 END::smallint,
+                                               NULL, NULL, 'test', $5, now() + interval '1 hour')",
+            )
+            .bind(tenant)
+            .bind(event)
+            .bind(endpoint)
+            .bind(attempt)
+            .bind(outcome)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+            assert!(applied, "the record of {event}'s attempt {attempt}");
+        }
+    };
+    let payments = [pay(&app, 10).await, pay(&app, 10).await];
+    fan_out().await;
+    let out = claim().await;
+    assert_eq!(out.len(), 2, "both payments' events go: {out:?}");
+    for payment in &payments {
+        refund(&app, payment).await;
+    }
+    fan_out().await;
+    for (event, attempt, _) in &out {
+        record(*event, *attempt, "retry").await;
+    }
+    assert!(claim().await.is_empty(), "nothing due before the payments' retries");
+    let waiting: Vec<String> = sqlx::query_scalar(
+        "SELECT e.event_type FROM webhook_deliveries d JOIN webhook_events e USING (tenant_id, event_id)
+          WHERE d.tenant_id = $1 AND d.state = 'pending' AND d.next_attempt_at > now() + interval '50 minutes'
+          ORDER BY 1",
+    )
+    .bind(app.tenant_id)
+    .fetch_all(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        waiting,
+        [
+            "payment.refunded",
+            "payment.refunded",
+            "payment.succeeded",
+            "payment.succeeded"
+        ],
+        "the refunds wait with their payments"
+    );
+
+    // The first payment's event resent: it goes, then its refund's at once.
+    let (first, second) = (out[0].0, out[1].0);
+    let resent = app
+        .post(
+            &format!("/webhook-endpoints/{endpoint}/events/{first}/resend"),
+            Some(&new_key()),
+            &json!({}),
+        )
+        .await;
+    assert_eq!(resent.status, 202, "{}", resent.body);
+    // The payment's event goes again, alone; delivered, its refund's goes at once.
+    let payment_then_refund = async |payment: Uuid, how: &str| {
+        assert_eq!(claim().await, [(payment, 2, "payment.succeeded".to_owned())], "{how}");
+        record(payment, 2, "delivered").await;
+        let next = claim().await;
+        assert_eq!(
+            next.iter()
+                .map(|(_, attempt, kind)| (*attempt, kind.as_str()))
+                .collect::<Vec<_>>(),
+            [(1, "payment.refunded")],
+            "the {how} payment's refund, at once"
+        );
+        record(next[0].0, 1, "delivered").await;
+    };
+    payment_then_refund(first, "resent").await;
+
+    // The second by a recovery: the same.
+    let recovered = recover(&app, &endpoint.to_string(), unix_now() - 3_600).await;
+    assert_eq!(recovered.status, 202, "{}", recovered.body);
+    assert_eq!(recovered.body["deliveries"], 1, "the payment's: {}", recovered.body);
+    payment_then_refund(second, "recovered").await;
+    drop(app);
+    drop_database(&url).await;
+}
+
 #[tokio::test]
 async fn a_disabled_endpoints_recovery_is_held_until_it_is_enabled() {
     let (app, url) = short_schedule_app("recovery_disabled").await;

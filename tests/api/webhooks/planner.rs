@@ -23,6 +23,24 @@ async fn delivery_fetches(conn: &mut sqlx::PgConnection) -> i64 {
     reads(conn, "webhook_deliveries").await.1
 }
 
+/// One claim of at most `limit` deliveries, `limit` slots free, committed: (event, attempt) of
+/// each delivery claimed, and the rows of `webhook_deliveries` it fetched through an index.
+async fn claim_fetching(conn: &mut sqlx::PgConnection, limit: i32) -> (Vec<(Uuid, i32)>, i64) {
+    sqlx::query("BEGIN").execute(&mut *conn).await.unwrap();
+    let before = delivery_fetches(conn).await;
+    let claimed: Vec<(Uuid, i32)> = sqlx::query_as(
+        "SELECT event_id, attempt FROM oncepay_webhook_claim_scheduled($1, $1, 600000, false, '{}', '{}', $1,
+                                                                    '{}', '{}', '{}', '{}')",
+    )
+    .bind(limit)
+    .fetch_all(&mut *conn)
+    .await
+    .unwrap();
+    let fetched = delivery_fetches(conn).await - before;
+    sqlx::query("COMMIT").execute(&mut *conn).await.unwrap();
+    (claimed, fetched)
+}
+
 /// A migrated database of its own for a test of the planner's choices, autovacuum off on the
 /// outbox's tables (the test decides when they are analysed), and a connection to it.
 pub(super) async fn planner_database(name: &str) -> (String, sqlx::PgConnection) {
@@ -439,22 +457,8 @@ async fn a_claim_reads_an_endpoints_due_deliveries_not_its_backlog_of_retries() 
         .await
         .unwrap();
 
-    let claim = async |conn: &mut sqlx::PgConnection| {
-        sqlx::query("BEGIN").execute(&mut *conn).await.unwrap();
-        let before = delivery_fetches(conn).await;
-        let claimed: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM oncepay_webhook_claim_scheduled(16, 16, 30000, false, '{}', '{}', 16,
-                                                                '{}', '{}', '{}', '{}')",
-        )
-        .fetch_one(&mut *conn)
-        .await
-        .unwrap();
-        let fetched = delivery_fetches(conn).await - before;
-        sqlx::query("COMMIT").execute(&mut *conn).await.unwrap();
-        (claimed, fetched)
-    };
-    let (claimed, fetched) = claim(&mut conn).await;
-    assert_eq!(claimed, 0, "nothing is due");
+    let (claimed, fetched) = claim_fetching(&mut conn, 16).await;
+    assert_eq!(claimed.len(), 0, "nothing is due");
     assert!(
         fetched < 20,
         "{fetched} rows fetched to find nothing due among {waiting} retries"
@@ -462,8 +466,8 @@ async fn a_claim_reads_an_endpoints_due_deliveries_not_its_backlog_of_retries() 
 
     // Five due behind them (later in sequence): those five are read, not the backlog.
     insert_deliveries(&mut conn, (tenant, endpoint), 5, "pending", 0).await;
-    let (claimed, fetched) = claim(&mut conn).await;
-    assert_eq!(claimed, 5, "the due ones are claimed");
+    let (claimed, fetched) = claim_fetching(&mut conn, 16).await;
+    assert_eq!(claimed.len(), 5, "the due ones are claimed");
     assert!(
         fetched < 100,
         "{fetched} rows fetched to claim 5 due deliveries behind {waiting} retries"
@@ -591,6 +595,94 @@ async fn healthy_endpoints_behind_many_older_failing_ones_are_claimed_at_once() 
     assert_eq!(
         claimed, 50,
         "the healthy endpoints' due deliveries claimed in {claims} claims of 8"
+    );
+    drop(conn);
+    drop_database(&url).await;
+}
+
+#[tokio::test]
+async fn a_claim_does_not_read_later_deliveries_waiting_behind_a_retry_of_their_resource() {
+    // Found from outside: an endpoint down for days had 6,670 refunds due for hours, each
+    // behind its payment waiting for a retry, and every claim read all of them, first in its
+    // due order (V50), to take none: 34 ms a claim. Since V52 a later delivery of a resource
+    // is due when the earlier one waiting for a retry is: put there by the record of that
+    // one's failure, or written there by the fan-out.
+    let (url, mut conn) = planner_database("claim_behind").await;
+    let (tenant, endpoint) = tenant_with_endpoint(&mut conn).await;
+    let payments = 300;
+    insert_deliveries(&mut conn, (tenant, endpoint), payments, "pending", 0).await;
+    sqlx::query("ANALYZE webhook_deliveries")
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    // One event more of each payment's resource, fanned out now (a refund's).
+    let refunds = async |conn: &mut sqlx::PgConnection| {
+        sqlx::query(
+            "INSERT INTO webhook_events (tenant_id, event_id, event_type, resource_id, data, created_at, awaiting_fan_out)
+             SELECT tenant_id, gen_random_uuid(), 'payment.refunded', resource_id, '{}', now(), true
+               FROM webhook_events WHERE tenant_id = $1 AND event_type = 'payment.succeeded'",
+        )
+        .bind(tenant)
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+        let fanned: i32 = sqlx::query_scalar("SELECT oncepay_webhook_fan_out(1000)")
+            .fetch_one(&mut *conn)
+            .await
+            .unwrap();
+        assert_eq!(fanned, payments);
+    };
+
+    // The payments' attempts go out; the refunds are fanned out meanwhile, due now behind
+    // attempts in flight; then every payment's attempt fails, to be retried in an hour.
+    let (out, _) = claim_fetching(&mut conn, payments).await;
+    assert_eq!(out.len(), payments as usize);
+    refunds(&mut conn).await;
+    let n = out.len();
+    sqlx::query(
+        "SELECT oncepay_webhook_record_many(array_fill($1::uuid, ARRAY[$3]), $2, array_fill($4::uuid, ARRAY[$3]),
+                                            array_fill(1, ARRAY[$3]), array_fill(now(), ARRAY[$3]),
+                                            array_fill(30, ARRAY[$3]), array_fill(500::smallint, ARRAY[$3]),
+                                            array_fill(NULL::text, ARRAY[$3]), array_fill(NULL::text, ARRAY[$3]), 'test',
+                                            array_fill('retry'::text, ARRAY[$3]),
+                                            array_fill(now() + interval '1 hour', ARRAY[$3]))",
+    )
+    .bind(tenant)
+    .bind(out.iter().map(|(event, _)| *event).collect::<Vec<_>>())
+    .bind(i32::try_from(n).unwrap())
+    .bind(endpoint)
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    let (claimed, fetched) = claim_fetching(&mut conn, 16).await;
+    assert!(claimed.is_empty(), "nothing is due: {claimed:?}");
+    assert!(
+        fetched < 50,
+        "{fetched} rows fetched to find nothing due: the refunds behind failed payments were read"
+    );
+
+    // More events of those resources fanned out while the payments wait: due with them.
+    refunds(&mut conn).await;
+    let (claimed, fetched) = claim_fetching(&mut conn, 16).await;
+    assert!(claimed.is_empty(), "nothing is due: {claimed:?}");
+    assert!(
+        fetched < 50,
+        "{fetched} rows fetched to find nothing due: the refunds fanned out behind waiting payments were read"
+    );
+
+    // The payments' retry comes: each payment before its refunds.
+    sqlx::query(
+        "UPDATE webhook_deliveries SET next_attempt_at = next_attempt_at - interval '1 hour' WHERE tenant_id = $1",
+    )
+    .bind(tenant)
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    let (claimed, _) = claim_fetching(&mut conn, 16).await;
+    assert_eq!(
+        claimed.iter().map(|(_, attempt)| *attempt).collect::<Vec<_>>(),
+        [2; 16],
+        "the payments' second attempts first"
     );
     drop(conn);
     drop_database(&url).await;
