@@ -453,6 +453,53 @@ async fn a_delivery_another_recovery_just_made_due_is_not_counted_again() {
     drop_database(&url).await;
 }
 
+/// Seen in `make test` (1 run in 3 on 2026-12-08): a recovery's slice reopened deliveries, the
+/// deliverer took them at once, and the keyed transaction, finding their attempts out, restarted
+/// their schedules under those attempts (V33) and counted them again: 20 of 16. An attempt on its
+/// schedule's first step is not about to be given up: the keyed transaction leaves it alone.
+#[tokio::test]
+async fn a_delivery_a_slice_reopened_and_a_deliverer_took_is_not_counted_again() {
+    let (app, url) = spawn_app_on_own_database("recover_taken").await;
+    let endpoint = endpoint_nobody_answers(&app).await;
+    deliveries(&app, endpoint, 3, "given_up", "1 minute", "0 seconds", 4).await;
+    let since = chrono::Utc::now() - chrono::Duration::hours(1);
+    let key = new_key();
+    let claim_args = "ROW($4, false, sha256('f'), 'recover_webhook_endpoint', 'POST', '/recover', 86400, 1000, 202,
+                          '{}')::oncepay_claim_args";
+
+    let reopened: i32 =
+        sqlx::query_scalar("SELECT changed FROM oncepay_recover_webhook_reopen($1, $2, $3, NULL, 10, $4, sha256('f'))")
+            .bind(app.tenant_id)
+            .bind(endpoint)
+            .bind(since)
+            .bind(&key)
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    assert_eq!(reopened, 3);
+    let taken: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM oncepay_webhook_claim_scheduled(10, 10, 30000, false, '{}', '{}', 10)",
+    )
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(taken, 3, "the deliverer takes the reopened deliveries");
+    let counted: i32 = sqlx::query_scalar(&format!(
+        "SELECT (resource).deliveries FROM oncepay_recover_webhook_endpoint($1, {claim_args}, $2, $3, 0)"
+    ))
+    .bind(app.tenant_id)
+    .bind(endpoint)
+    .bind(since)
+    .bind(&key)
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+
+    assert_eq!(counted, 3, "each reopened delivery counted once");
+    drop(app);
+    drop_database(&url).await;
+}
+
 /// Found from outside: after a recovery, refunds that had been due for hours (retried while
 /// their payments were given up, or waited for a retry) stood at the head of their endpoint's
 /// due deliveries, each behind its payment, now due later: every claim read all 6,670 of
