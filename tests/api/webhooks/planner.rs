@@ -687,3 +687,62 @@ async fn a_claim_does_not_read_later_deliveries_waiting_behind_a_retry_of_their_
     drop(conn);
     drop_database(&url).await;
 }
+
+#[tokio::test]
+async fn a_record_passes_a_later_delivery_another_transaction_holds_rather_than_wait_for_it() {
+    // The record of a failure moves the later deliveries of its resource (V52), rows it does
+    // not hold and which a recovery's keyed transaction or a disable may hold, locked in
+    // another order: waiting for them could close a cycle. It passes such a row instead.
+    let (url, mut conn) = planner_database("record_skip").await;
+    let (tenant, endpoint) = tenant_with_endpoint(&mut conn).await;
+    insert_deliveries(&mut conn, (tenant, endpoint), 1, "pending", 0).await;
+    let (out, _) = claim_fetching(&mut conn, 1).await;
+    assert_eq!(out.len(), 1);
+    sqlx::query(
+        "INSERT INTO webhook_events (tenant_id, event_id, event_type, resource_id, data, created_at, awaiting_fan_out)
+         SELECT tenant_id, gen_random_uuid(), 'payment.refunded', resource_id, '{}', now(), true
+           FROM webhook_events WHERE tenant_id = $1",
+    )
+    .bind(tenant)
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    sqlx::query("SELECT oncepay_webhook_fan_out(1000)")
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    // Another transaction holds the refund's delivery.
+    let mut holder = sqlx::PgConnection::connect(&url).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut holder).await.unwrap();
+    let held: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM (SELECT FROM webhook_deliveries WHERE tenant_id = $1 AND event_id <> $2 FOR UPDATE) l",
+    )
+    .bind(tenant)
+    .bind(out[0].0)
+    .fetch_one(&mut holder)
+    .await
+    .unwrap();
+    assert_eq!(held, 1);
+
+    sqlx::query("SET statement_timeout = '3s'")
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    let applied: Result<bool, sqlx::Error> = sqlx::query_scalar(
+        "SELECT oncepay_webhook_record($1, $2, $3, 1, now(), 30, 500::smallint, NULL, NULL, 'test', 'retry',
+                                       now() + interval '1 hour')",
+    )
+    .bind(tenant)
+    .bind(out[0].0)
+    .bind(endpoint)
+    .fetch_one(&mut conn)
+    .await;
+    sqlx::query("ROLLBACK").execute(&mut holder).await.unwrap();
+
+    assert!(
+        applied.as_ref().is_ok_and(|applied| *applied),
+        "the record, while the refund's delivery is held: {applied:?}"
+    );
+    drop((conn, holder));
+    drop_database(&url).await;
+}
