@@ -70,8 +70,8 @@ impl Fill {
     }
 
     /// Until when a slot free since `free_since` waits for more payments, with `out`
-    /// payments in the statements out and `waiting` payments waiting; `None`: it sends now
-    /// (or, with nothing waiting, waits for the first arrival as always). `least`: a
+    /// payments in the statements out and `waiting` payments waiting, at `now`; `None`: it
+    /// sends now (or, with nothing waiting, waits for the first arrival as always). `least`: a
     /// statement's least latency, if one came back yet.
     pub fn wait_until(
         &self,
@@ -79,13 +79,14 @@ impl Fill {
         waiting: usize,
         free_since: Instant,
         least: Option<Duration>,
+        now: Instant,
     ) -> Option<Instant> {
         let target = self.target();
         if out < target || waiting == 0 || waiting >= target {
             return None;
         }
         let until = free_since + least?.min(MAX_WAIT);
-        (Instant::now() < until).then_some(until)
+        (now < until).then_some(until)
     }
 }
 
@@ -118,39 +119,43 @@ mod tests {
         let fill = after(&[16; 200]);
         let now = Instant::now();
         let until = now + LEAST.unwrap();
-        assert_eq!(fill.wait_until(16, 3, now, LEAST), Some(until));
+        assert_eq!(fill.wait_until(16, 3, now, LEAST, now), Some(until));
         assert_eq!(
-            fill.wait_until(0, 3, now, LEAST),
+            fill.wait_until(0, 3, now, LEAST, now),
             None,
             "nothing out: nothing is coming back"
         );
         assert_eq!(
-            fill.wait_until(7, 3, now, LEAST),
+            fill.wait_until(7, 3, now, LEAST, now),
             None,
             "fewer out than the batch it would wait for: what comes back cannot make it"
         );
-        assert_eq!(fill.wait_until(8, 3, now, LEAST), Some(until));
+        assert_eq!(fill.wait_until(8, 3, now, LEAST, now), Some(until));
         assert_eq!(
-            fill.wait_until(16, 8, now, LEAST),
+            fill.wait_until(16, 8, now, LEAST, now),
             None,
             "as many as half a recent batch: go"
         );
         assert_eq!(
-            fill.wait_until(16, 0, now, LEAST),
+            fill.wait_until(16, 0, now, LEAST, now),
             None,
             "nothing waits: nothing to hold"
         );
-        assert_eq!(fill.wait_until(16, 3, now, None), None, "no baseline yet: no waiting");
+        assert_eq!(
+            fill.wait_until(16, 3, now, None, now),
+            None,
+            "no baseline yet: no waiting"
+        );
         let lone = Fill::default();
         assert_eq!(
-            lone.wait_until(1, 1, now, LEAST),
+            lone.wait_until(1, 1, now, LEAST, now),
             None,
             "two clients, one out and one waiting: waiting would run them in turn"
         );
-        assert_eq!(lone.wait_until(2, 1, now, LEAST), Some(until));
+        assert_eq!(lone.wait_until(2, 1, now, LEAST, now), Some(until));
         let long_ago = now - Duration::from_micros(501);
         assert_eq!(
-            fill.wait_until(16, 3, long_ago, LEAST),
+            fill.wait_until(16, 3, long_ago, LEAST, now),
             None,
             "the least latency waited: go"
         );

@@ -342,7 +342,13 @@ impl<E: Batched> Dispatcher<E> {
             let waiting = self.arrived.len() + self.jobs.len();
             if let Some(until) = self
                 .fill
-                .wait_until(self.out.items_total(), waiting, free_since, self.limit.least_latency())
+                .wait_until(
+                    self.out.items_total(),
+                    waiting,
+                    free_since,
+                    self.limit.least_latency(),
+                    tokio::time::Instant::now(),
+                )
                 .filter(|_| !self.closed)
             {
                 tokio::select! {
